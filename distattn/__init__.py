@@ -1,0 +1,11 @@
+"""distattn: exact attention for sequences too long for one GPU.
+
+The sequence is split across the ranks of a process group; each rank keeps its own chunk and the ranks trade
+key/value chunks peer to peer while they compute (the DistFlashAttn system), on top of a FlashAttention-2
+kernel that carries softmax statistics across chunks.
+"""
+
+from distattn.single import flash_attn_func
+
+__all__ = ["flash_attn_func"]
+__version__ = "0.1.0"

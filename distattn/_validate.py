@@ -1,0 +1,66 @@
+"""Input validation at the public boundary: clear ``TypeError``/``ValueError`` before any work starts.
+
+Every check reads only shapes, dtypes and devices, so ranks that agree on shapes raise the same error
+before any communication (see ``distattn.attention``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def check_qkv(q, k, v, *, same_seq: bool = False) -> None:
+    """Validate ``q (b, s_q, h_q, d)``, ``k, v (b, s_k, h_kv, d)``.
+
+    Args:
+        same_seq: require ``s_q == s_k`` (the sequence-parallel op, where every rank holds equal shards).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dims (batch, seq, heads, head_dim), got {t.dim()} dims with shape "
+                f"{tuple(t.shape)}; add the missing dims (e.g. x.unsqueeze(0) for batch 1)")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}.dtype is {t.dtype}; supported dtypes are float16, bfloat16, float32 — "
+                            f"cast with {name}.to(torch.bfloat16)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}; cast them "
+                        f"to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}; move "
+                         f"them with .to(device)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    b, s_q, h_q, d = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"batch size of q ({b}) and k/v ({k.shape[0]}) must match")
+    if k.shape[3] != d:
+        raise ValueError(f"head_dim of q ({d}) and k/v ({k.shape[3]}) must match")
+    if d > MAX_HEAD_DIM or d < 1:
+        raise ValueError(f"head_dim ({d}) must be between 1 and {MAX_HEAD_DIM}; split heads of dim {d} into "
+                         f"more heads of a smaller dim")
+    h_kv = k.shape[2]
+    if h_kv < 1 or h_q % h_kv != 0:
+        raise ValueError(f"heads_q ({h_q}) must be a multiple of heads_kv ({h_kv}) (GQA/MQA); choose heads_kv "
+                         f"among the divisors of {h_q}")
+    if min(s_q, k.shape[1]) < 1:
+        raise ValueError(f"sequence lengths must be >= 1, got s_q={s_q}, s_k={k.shape[1]}")
+    if same_seq and s_q != k.shape[1]:
+        raise ValueError(f"q holds {s_q} tokens of this rank's shard but k/v hold {k.shape[1]}; every rank "
+                         f"must pass equal q/k/v shards of the sequence")
+
+
+def resolve_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` or the default ``head_dim ** -0.5``."""
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    scale = float(softmax_scale)
+    if not scale > 0 or scale != scale or scale == float("inf"):
+        raise ValueError(f"softmax_scale ({softmax_scale}) must be a finite positive number, or None for "
+                         f"head_dim ** -0.5")
+    return scale

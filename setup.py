@@ -1,0 +1,26 @@
+"""distattn: exact sequence-parallel attention (DistFlashAttn) for long-context training.
+
+The top-level folder ``kernels/`` installs as ``distattn.kernels``.
+"""
+
+from setuptools import setup
+
+setup(
+    name="distattn",
+    version="0.1.0",
+    description="Exact attention for sequences too long for one GPU: Triton FlashAttention-2 with carried "
+                "softmax statistics, load-balanced sequence parallelism, remat-aware checkpointing.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["distattn", "distattn.integrations", "distattn.kernels"],
+    package_dir={"distattn": "distattn", "distattn.kernels": "kernels"},
+    install_requires=["torch>=2.4", "triton>=3.0", "numpy"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.0,<6"],
+        "hf": ["transformers>=5.0,<6"],
+        "bench": ["matplotlib>=3.5"],
+        "flash": ["flash-attn>=2.6"],
+    },
+    license="Apache-2.0",
+)
