@@ -1,0 +1,416 @@
+"""Sequence-parallel attention plans (which rank computes which chunk pair, when) and their simulator.
+
+Rank r of a group of P ranks holds query chunk r and key/value chunk r (tokens ``[r*n, (r+1)*n)``).
+A *pair* ``(i, j)`` means "query chunk i attends to kv chunk j". Causal attention needs the pairs
+``j <= i`` (P(P+1)/2 of them), non-causal all P*P. Each step every rank computes at most one pair, and
+a pair is computed either by its query owner (rank i, which fetches kv chunk j from rank j) or by a
+*helper*, the kv owner (rank j, which fetches query chunk i from rank i, attends with its own kv and
+returns a partial output + lse that rank i merges). See DistFlashAttn (Li et al.), Sec. 3.1.
+
+"ring" is the unbalanced baseline: at step t rank p computes (p, p - t); causal ranks with small p go
+idle early, so causal takes P steps. "balanced" finishes causal in 1 + floor(P/2) steps, the lower bound
+ceil(P(P+1)/2 / P): distance d = i - j has P - d pairs, and distance P - d has d, so one step holds
+both -- owners i >= d compute (i, i-d), while the d ranks r < d that have run out of causal work help
+with (r + P - d, r). For even P, distance P/2 is left alone in the last step. ``h`` = helper task::
+
+    P=4, causal, balanced
+    step  rank0   rank1   rank2   rank3
+       0  (0,0)   (1,1)   (2,2)   (3,3)
+       1  (3,0)h  (1,0)   (2,1)   (3,2)
+       2    .       .     (2,0)   (3,1)
+
+    P=5, causal, balanced
+    step  rank0   rank1   rank2   rank3   rank4
+       0  (0,0)   (1,1)   (2,2)   (3,3)   (4,4)
+       1  (4,0)h  (1,0)   (2,1)   (3,2)   (4,3)
+       2  (3,0)h  (4,1)h  (2,0)   (3,1)   (4,2)
+
+One plan, several interpreters: the forward and backward executors (``distattn/attention.py``) and the
+simulator below all read the same :class:`Plan`, so the bytes the simulator predicts are the bytes the
+comm layer counts. Pure Python: no torch, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+
+SCHEDULES = ("ring", "balanced")
+PHASES = ("forward", "backward")
+_FP32_BYTES = 4  # softmax statistics, partial outputs and gradient partials travel in fp32
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Task:
+    """One (query chunk, kv chunk) pair computed by ``rank`` at some step."""
+
+    rank: int  # who computes
+    q_chunk: int  # query chunk index (== owner rank of the queries)
+    kv_chunk: int  # kv chunk index (== owner rank of the keys/values)
+
+    def __post_init__(self):
+        assert self.rank in (self.q_chunk, self.kv_chunk), f"{self} computed by a rank owning neither"
+
+    @property
+    def is_local(self) -> bool:
+        """Needs no communication: the rank's own queries against its own kv."""
+        return self.q_chunk == self.kv_chunk == self.rank
+
+    @property
+    def is_helper(self) -> bool:
+        """Computed by the kv owner on behalf of the query owner (needs q in, partial out back)."""
+        return self.rank == self.kv_chunk != self.q_chunk
+
+    @property
+    def is_diagonal(self) -> bool:
+        """Query and kv chunk coincide; under a causal mask this pair is half the work."""
+        return self.q_chunk == self.kv_chunk
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point message. ``kind`` per phase:
+
+    forward:  "kv" (k, v to a query owner), "q" (query chunk to a helper),
+              "out" (helper's fp32 partial out + lse back to the query owner);
+    backward: "kv", "q" (q, dout, lse, delta to a helper), "dkv" (fp32 dk, dv partial back to the kv
+              owner), "dq" (fp32 dq partial back to the query owner).
+    """
+
+    src: int
+    dst: int
+    kind: str
+    chunk: int  # whose data it is (the chunk index of the payload)
+    step: int
+
+    def __post_init__(self):
+        assert self.src != self.dst, f"{self} sends to itself"
+
+
+def _sort_key(tr: Transfer):
+    return (tr.src, tr.dst, tr.kind, tr.chunk)
+
+
+def _check_phase(phase: str) -> None:
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r} is not one of {PHASES}; pass phase='forward' or 'backward'")
+
+
+def _fetch(task: Task, step: int) -> Transfer | None:
+    """The input a task needs from another rank (same kinds in both phases; payloads differ)."""
+    if task.is_local:
+        return None
+    if task.is_helper:
+        return Transfer(task.q_chunk, task.rank, "q", task.q_chunk, step)
+    return Transfer(task.kv_chunk, task.rank, "kv", task.kv_chunk, step)
+
+
+def _return(task: Task, step: int, phase: str) -> Transfer | None:
+    """The partial result a task sends back to the owner of the data it borrowed."""
+    if task.is_local:
+        return None
+    if task.is_helper:  # partial belongs to the query owner
+        kind = "out" if phase == "forward" else "dq"
+        return Transfer(task.rank, task.q_chunk, kind, task.q_chunk, step)
+    if phase == "forward":  # owner computed with borrowed kv: its output is already at home
+        return None
+    return Transfer(task.rank, task.kv_chunk, "dkv", task.kv_chunk, step)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An immutable schedule: ``steps[t]`` are the tasks of step t, at most one per rank, sorted by rank."""
+
+    world_size: int
+    causal: bool
+    schedule: str
+    steps: tuple[tuple[Task, ...], ...]
+
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def task(self, step: int, rank: int) -> Task | None:
+        """The task ``rank`` computes at ``step``, or None when it is idle."""
+        for t in self.steps[step]:
+            if t.rank == rank:
+                return t
+        return None
+
+    def fetches(self, step: int, phase: str = "forward") -> tuple[Transfer, ...]:
+        """Inputs that step ``step``'s tasks need, sorted by (src, dst, kind): post in this order."""
+        _check_phase(phase)
+        found = (_fetch(t, step) for t in self.steps[step])
+        return tuple(sorted((tr for tr in found if tr is not None), key=_sort_key))
+
+    def returns(self, step: int, phase: str = "forward") -> tuple[Transfer, ...]:
+        """Partial results produced at step ``step``, sorted by (src, dst, kind)."""
+        _check_phase(phase)
+        found = (_return(t, step, phase) for t in self.steps[step])
+        return tuple(sorted((tr for tr in found if tr is not None), key=_sort_key))
+
+    def rank_ops(self, step: int, rank: int, phase: str = "forward", which: str = "fetch"):
+        """``(sends, recvs)`` of ``rank`` among the step's fetches (``which="fetch"``) or returns."""
+        if which not in ("fetch", "return"):
+            raise ValueError(f"which={which!r} is not one of ('fetch', 'return'); pass one of them")
+        transfers = self.fetches(step, phase) if which == "fetch" else self.returns(step, phase)
+        sends = tuple(tr for tr in transfers if tr.src == rank)
+        recvs = tuple(tr for tr in transfers if tr.dst == rank)
+        return sends, recvs
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """All (q_chunk, kv_chunk) pairs, in step order then rank order."""
+        return [(t.q_chunk, t.kv_chunk) for tasks in self.steps for t in tasks]
+
+    def render(self) -> str:
+        """ASCII picture of the plan (rows = steps, columns = ranks, ``h`` = helper task)."""
+        kind = "causal" if self.causal else "non-causal"
+        lines = [f"P={self.world_size}, {kind}, {self.schedule}"]
+        lines.append("step  " + "".join(f"{'rank' + str(r):<8}" for r in range(self.world_size)).rstrip())
+        for s in range(self.num_steps()):
+            cells = [_cell(self.task(s, r)) for r in range(self.world_size)]
+            lines.append(f"{s:>4}  " + "".join(cells).rstrip())
+        return "\n".join(lines)
+
+
+def _cell(task: Task | None) -> str:
+    if task is None:
+        return "  .     "
+    return f"({task.q_chunk},{task.kv_chunk}){'h' if task.is_helper else ''}".ljust(8)
+
+
+# -- plan construction --------------------------------------------------------------------------------
+
+
+def _ring_steps(p: int, causal: bool) -> list[list[Task]]:
+    """Step t: every rank r computes (r, r - t) with kv fetched from r - t; causal ranks r < t idle."""
+    steps = []
+    for t in range(p):
+        if causal:
+            steps.append([Task(r, r, r - t) for r in range(t, p)])
+        else:
+            steps.append([Task(r, r, (r - t) % p) for r in range(p)])
+    return steps
+
+
+def _balanced_causal_steps(p: int) -> list[list[Task]]:
+    """Diagonals, then distance d (owners) paired with distance P - d (helpers); even P ends with P/2."""
+    steps = [[Task(r, r, r) for r in range(p)]]
+    for d in range(1, (p + 1) // 2):  # d = 1 .. ceil(P/2) - 1
+        helpers = [Task(r, r + p - d, r) for r in range(d)]  # ranks r < d have no distance-d pair
+        owners = [Task(i, i, i - d) for i in range(d, p)]
+        steps.append(helpers + owners)
+    if p > 1 and p % 2 == 0:  # distance P/2 pairs with itself: half the ranks idle
+        steps.append([Task(i, i, i - p // 2) for i in range(p // 2, p)])
+    return steps
+
+
+def _check_steps(p: int, causal: bool, steps: list[list[Task]]) -> None:
+    """Internal invariants: one task per rank per step, every required pair exactly once."""
+    for tasks in steps:
+        ranks = [t.rank for t in tasks]
+        assert len(set(ranks)) == len(ranks), f"a rank computes twice in one step: {tasks}"
+    got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
+    want = sorted((i, j) for i in range(p) for j in range(p) if j <= i or not causal)
+    assert got == want, f"P={p} causal={causal}: pairs computed {got} != required {want}"
+
+
+def _validate(world_size, causal, schedule) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(
+            f"world_size={world_size!r} must be an int (the sequence-parallel group size); "
+            f"pass e.g. world_size=dist.get_world_size(group)"
+        )
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1; pass the number of ranks in the group")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal={causal!r} must be a bool; pass causal=True or causal=False")
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"schedule={schedule!r} is not one of {SCHEDULES}; pass schedule='balanced' for the "
+            f"load-balanced plan or schedule='ring' for the unbalanced baseline"
+        )
+
+
+def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced") -> Plan:
+    """Build (and cache) the plan for ``world_size`` ranks.
+
+    Args:
+        world_size: P, the number of ranks in the sequence-parallel group (>= 1).
+        causal: whether only pairs ``kv_chunk <= q_chunk`` are needed.
+        schedule: one of :data:`SCHEDULES`. "balanced" equals "ring" for non-causal attention.
+
+    Returns:
+        An immutable :class:`Plan`; causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P.
+    """
+    _validate(world_size, causal, schedule)
+    return _make_plan_cached(world_size, causal, schedule)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_plan_cached(p: int, causal: bool, schedule: str) -> Plan:
+    if schedule == "balanced" and causal:
+        steps = _balanced_causal_steps(p)
+    else:
+        steps = _ring_steps(p, causal)
+    _check_steps(p, causal, steps)
+    frozen = tuple(tuple(sorted(tasks, key=lambda t: t.rank)) for tasks in steps)
+    return Plan(world_size=p, causal=causal, schedule=schedule, steps=frozen)
+
+
+# -- simulator ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shapes:
+    """Per-rank shard shapes, for bytes accounting."""
+
+    batch: int = 1
+    """b"""
+    seq_per_rank: int = 4096
+    """n, tokens per rank (chunk length)"""
+    heads_q: int = 32
+    """query heads"""
+    heads_kv: int = 32
+    """key/value heads (GQA/MQA: kv travels with heads_kv heads only)"""
+    head_dim: int = 128
+    """d"""
+    dtype_bytes: int = 2
+    """bytes per element of q/k/v/dout (bf16 = 2)"""
+
+    def __post_init__(self):
+        for name in ("batch", "seq_per_rank", "heads_q", "heads_kv", "head_dim", "dtype_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Shapes.{name}={value!r} must be a positive int; pass e.g. {name}=1")
+
+
+def payload_bytes(kind: str, phase: str, shapes: Shapes) -> int:
+    """Bytes of one transfer of ``kind`` in ``phase``: the wire contract the comm byte counters meet."""
+    _check_phase(phase)
+    b, n, d, e = shapes.batch, shapes.seq_per_rank, shapes.head_dim, shapes.dtype_bytes
+    q_elems = b * n * shapes.heads_q * d  # one (b, n, h_q, d) tensor
+    kv_elems = b * n * shapes.heads_kv * d  # one (b, n, h_kv, d) tensor
+    stat_elems = b * shapes.heads_q * n  # one (b, h_q, n) lse / delta
+    sizes = {
+        ("forward", "kv"): 2 * kv_elems * e,
+        ("forward", "q"): q_elems * e,
+        ("forward", "out"): q_elems * _FP32_BYTES + stat_elems * _FP32_BYTES,
+        ("backward", "kv"): 2 * kv_elems * e,
+        ("backward", "q"): 2 * q_elems * e + 2 * stat_elems * _FP32_BYTES,  # q, dout; lse, delta
+        ("backward", "dkv"): 2 * kv_elems * _FP32_BYTES,
+        ("backward", "dq"): q_elems * _FP32_BYTES,
+    }
+    if (phase, kind) not in sizes:
+        allowed = sorted(k for ph, k in sizes if ph == phase)
+        raise ValueError(f"kind={kind!r} is not a {phase} transfer kind; pass one of {allowed}")
+    return sizes[(phase, kind)]
+
+
+@dataclass(frozen=True)
+class SimReport:
+    """What a plan costs, read off the plan itself (never from closed-form formulas)."""
+
+    world_size: int
+    causal: bool
+    schedule: str
+    steps: int
+    idle_fraction: float  # idle (rank, step) slots / (steps * P), every task counted as one slot
+    work_makespan: float  # sum over steps of the step's largest task cost (causal diagonal 0.5, else 1)
+    compute_idle_fraction: float  # 1 - total work / (P * work_makespan)
+    bytes_sent: tuple[int, ...]  # per rank, forward + backward
+    bytes_recv: tuple[int, ...]
+    bytes_sent_fwd: tuple[int, ...]
+    bytes_recv_fwd: tuple[int, ...]
+    bytes_sent_bwd: tuple[int, ...]
+    bytes_recv_bwd: tuple[int, ...]
+
+    def table_row(self) -> dict:
+        """One row of :func:`format_table`; byte columns are the worst rank, in MiB."""
+        return {
+            "P": self.world_size,
+            "schedule": self.schedule,
+            "causal": self.causal,
+            "steps": self.steps,
+            "work makespan": f"{self.work_makespan:.1f}",
+            "idle slots": f"{self.idle_fraction:.1%}",
+            "compute idle": f"{self.compute_idle_fraction:.1%}",
+            "fwd max send MiB": f"{max(self.bytes_sent_fwd) / _MIB:.0f}",
+            "fwd max recv MiB": f"{max(self.bytes_recv_fwd) / _MIB:.0f}",
+            "bwd max send MiB": f"{max(self.bytes_sent_bwd) / _MIB:.0f}",
+            "bwd max recv MiB": f"{max(self.bytes_recv_bwd) / _MIB:.0f}",
+        }
+
+
+def _task_cost(task: Task, causal: bool) -> float:
+    return 0.5 if causal and task.is_diagonal else 1.0
+
+
+def _bytes_per_rank(plan: Plan, phase: str, shapes: Shapes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    sent = [0] * plan.world_size
+    recv = [0] * plan.world_size
+    for s in range(plan.num_steps()):
+        for tr in plan.fetches(s, phase) + plan.returns(s, phase):
+            size = payload_bytes(tr.kind, phase, shapes)
+            sent[tr.src] += size
+            recv[tr.dst] += size
+    return tuple(sent), tuple(recv)
+
+
+def simulate(
+    world_size: int, causal: bool = True, schedule: str = "balanced", shapes: Shapes = Shapes()
+) -> SimReport:
+    """Walk :func:`make_plan`'s plan step by step and tally idle slots, work makespan and bytes."""
+    plan = make_plan(world_size, causal, schedule)
+    p, n_steps = plan.world_size, plan.num_steps()
+    busy = sum(len(tasks) for tasks in plan.steps)
+    work = sum(_task_cost(t, causal) for tasks in plan.steps for t in tasks)
+    makespan = sum(max(_task_cost(t, causal) for t in tasks) for tasks in plan.steps)
+    sent_f, recv_f = _bytes_per_rank(plan, "forward", shapes)
+    sent_b, recv_b = _bytes_per_rank(plan, "backward", shapes)
+    return SimReport(
+        world_size=p, causal=causal, schedule=schedule, steps=n_steps,
+        idle_fraction=1.0 - busy / (n_steps * p),
+        work_makespan=makespan,
+        compute_idle_fraction=1.0 - work / (p * makespan),
+        bytes_sent=tuple(a + b for a, b in zip(sent_f, sent_b)),
+        bytes_recv=tuple(a + b for a, b in zip(recv_f, recv_b)),
+        bytes_sent_fwd=sent_f, bytes_recv_fwd=recv_f, bytes_sent_bwd=sent_b, bytes_recv_bwd=recv_b,
+    )  # fmt: skip
+
+
+def format_table(reports) -> str:
+    """A markdown table, one row per :class:`SimReport`."""
+    rows = [r.table_row() for r in reports]
+    if not rows:
+        return ""
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(row[k]) for k in header) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Simulate ring vs balanced plans; print a markdown table.")
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    parser.add_argument("--seq-per-rank", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=32, help="query heads")
+    parser.add_argument("--heads-kv", type=int, default=None, help="kv heads (default: --heads)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype-bytes", type=int, default=2)
+    parser.add_argument("--non-causal", action="store_true")
+    args = parser.parse_args(argv)
+    shapes = Shapes(
+        batch=args.batch, seq_per_rank=args.seq_per_rank, heads_q=args.heads,
+        heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim, dtype_bytes=args.dtype_bytes,
+    )  # fmt: skip
+    causal = not args.non_causal
+    reports = [simulate(p, causal, s, shapes) for p in args.world for s in SCHEDULES]
+    print(f"<!-- {shapes} -->")
+    print(format_table(reports))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,305 @@
+"""Tests for distattn.schedule: plan invariants, transfers, simulator bytes, input validation."""
+
+import pytest
+
+from distattn import schedule as sched
+from distattn.schedule import (
+    SCHEDULES,
+    Plan,
+    Shapes,
+    Task,
+    Transfer,
+    format_table,
+    make_plan,
+    payload_bytes,
+    simulate,
+)
+
+WORLD_SIZES = range(1, 65)
+ALL_PLANS = [(p, c, s) for p in WORLD_SIZES for c in (True, False) for s in SCHEDULES]
+
+
+def _required_pairs(p, causal):
+    return {(i, j) for i in range(p) for j in range(p) if j <= i or not causal}
+
+
+# -- plan invariants ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_pair_once_one_task_per_rank_per_step(schedule, causal):
+    for p in WORLD_SIZES:
+        plan = make_plan(p, causal, schedule)
+        pairs = plan.pairs()
+        assert len(pairs) == len(set(pairs)), f"P={p}: a pair is computed twice"
+        assert set(pairs) == _required_pairs(p, causal)
+        for tasks in plan.steps:
+            ranks = [t.rank for t in tasks]
+            assert ranks == sorted(set(ranks)), f"P={p}: ranks not unique and sorted: {ranks}"
+            for t in tasks:
+                assert t.rank in (t.q_chunk, t.kv_chunk)
+                assert 0 <= t.rank < p
+
+
+@pytest.mark.parametrize("p", WORLD_SIZES)
+def test_step_counts(p):
+    assert make_plan(p, True, "balanced").num_steps() == 1 + p // 2
+    # lower bound: ceil(P(P+1)/2 / P) steps of at most P tasks each
+    assert make_plan(p, True, "balanced").num_steps() == -(-(p * (p + 1) // 2) // p)
+    assert make_plan(p, True, "ring").num_steps() == p
+    assert make_plan(p, False, "ring").num_steps() == p
+    assert make_plan(p, False, "balanced").num_steps() == p
+    if p >= 3:
+        assert make_plan(p, True, "balanced").num_steps() < make_plan(p, True, "ring").num_steps()
+
+
+@pytest.mark.parametrize("p", WORLD_SIZES)
+def test_step_zero_is_all_diagonals(p):
+    for causal in (True, False):
+        for schedule in SCHEDULES:
+            plan = make_plan(p, causal, schedule)
+            assert plan.steps[0] == tuple(Task(r, r, r) for r in range(p))
+
+
+def test_ring_only_owners_compute():
+    for p in WORLD_SIZES:
+        for causal in (True, False):
+            plan = make_plan(p, causal, "ring")
+            assert all(t.rank == t.q_chunk for tasks in plan.steps for t in tasks)
+
+
+def test_noncausal_balanced_equals_ring():
+    for p in WORLD_SIZES:
+        assert make_plan(p, False, "balanced").steps == make_plan(p, False, "ring").steps
+
+
+def test_balanced_causal_p4_layout():
+    plan = make_plan(4)
+    assert plan.task(1, 0) == Task(0, 3, 0) and plan.task(1, 0).is_helper
+    assert [plan.task(1, r) for r in (1, 2, 3)] == [Task(1, 1, 0), Task(2, 2, 1), Task(3, 3, 2)]
+    assert plan.task(2, 0) is None and plan.task(2, 1) is None
+    assert [plan.task(2, r) for r in (2, 3)] == [Task(2, 2, 0), Task(3, 3, 1)]
+
+
+def test_docstring_pictures_match_render():
+    doc = sched.__doc__
+    for p in (4, 5):
+        picture = "\n".join("    " + line for line in make_plan(p).render().splitlines())
+        assert picture in doc, f"module docstring picture for P={p} is stale:\n{picture}"
+
+
+def test_task_properties():
+    assert Task(2, 2, 2).is_local and Task(2, 2, 2).is_diagonal and not Task(2, 2, 2).is_helper
+    assert Task(0, 3, 0).is_helper and not Task(0, 3, 0).is_local
+    assert not Task(3, 3, 0).is_helper and not Task(3, 3, 0).is_diagonal
+    with pytest.raises(AssertionError):
+        Task(1, 2, 0)  # neither owner
+
+
+def test_plan_is_cached_and_immutable():
+    assert make_plan(8) is make_plan(8, True, "balanced")
+    with pytest.raises(AttributeError):
+        make_plan(8).world_size = 3
+
+
+# -- transfers ----------------------------------------------------------------------------------------
+
+
+def _expected_fetch(t, s):
+    if t.is_local:
+        return None
+    if t.is_helper:
+        return Transfer(t.q_chunk, t.rank, "q", t.q_chunk, s)
+    return Transfer(t.kv_chunk, t.rank, "kv", t.kv_chunk, s)
+
+
+def _expected_return(t, s, phase):
+    if t.is_local:
+        return None
+    if t.is_helper:
+        return Transfer(t.rank, t.q_chunk, "out" if phase == "forward" else "dq", t.q_chunk, s)
+    return None if phase == "forward" else Transfer(t.rank, t.kv_chunk, "dkv", t.kv_chunk, s)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_fetches_and_returns_match_tasks(phase):
+    for p, causal, schedule in ALL_PLANS:
+        plan = make_plan(p, causal, schedule)
+        for s, tasks in enumerate(plan.steps):
+            fetches, returns = plan.fetches(s, phase), plan.returns(s, phase)
+            want_f = {x for x in (_expected_fetch(t, s) for t in tasks) if x is not None}
+            want_r = {x for x in (_expected_return(t, s, phase) for t in tasks) if x is not None}
+            assert set(fetches) == want_f and len(fetches) == len(want_f)
+            assert set(returns) == want_r and len(returns) == len(want_r)
+            for group in (fetches, returns):
+                keys = [(tr.src, tr.dst, tr.kind) for tr in group]
+                assert keys == sorted(keys), "transfers must be posted in (src, dst, kind) order"
+                assert len(set(keys)) == len(keys)
+                assert all(tr.src != tr.dst and tr.step == s for tr in group)
+            for t in tasks:  # every helper task sends a partial back
+                if t.is_helper:
+                    assert any(tr.src == t.rank and tr.dst == t.q_chunk for tr in returns)
+
+
+def test_transfers_deterministic_across_calls():
+    plan = make_plan(7)
+    again = sched._make_plan_cached.__wrapped__(7, True, "balanced")  # rebuilt, not the cached object
+    for s in range(plan.num_steps()):
+        for phase in ("forward", "backward"):
+            assert plan.fetches(s, phase) == again.fetches(s, phase)
+            assert plan.returns(s, phase) == again.returns(s, phase)
+
+
+def test_rank_ops_partition_the_step():
+    plan = make_plan(6)
+    for s in range(plan.num_steps()):
+        for phase in ("forward", "backward"):
+            for which, full in (("fetch", plan.fetches(s, phase)), ("return", plan.returns(s, phase))):
+                sends = [tr for r in range(6) for tr in plan.rank_ops(s, r, phase, which)[0]]
+                recvs = [tr for r in range(6) for tr in plan.rank_ops(s, r, phase, which)[1]]
+                assert sorted(sends, key=repr) == sorted(full, key=repr) == sorted(recvs, key=repr)
+    with pytest.raises(ValueError, match="which='both'"):
+        plan.rank_ops(0, 0, "forward", "both")
+    with pytest.raises(ValueError, match="phase='sideways'"):
+        plan.fetches(0, "sideways")
+
+
+# -- simulator ----------------------------------------------------------------------------------------
+
+# b=1, n=2, h_q=6, h_kv=2, d=4, bf16: sizes chosen so every payload kind has a distinct size.
+SMALL = Shapes(batch=1, seq_per_rank=2, heads_q=6, heads_kv=2, head_dim=4, dtype_bytes=2)
+KV = 2 * 1 * 2 * 2 * 4 * 2  # k and v, (1, 2, 2, 4) bf16 each = 64
+Q = 1 * 2 * 6 * 4 * 2  # (1, 2, 6, 4) bf16 = 96
+OUT = 1 * 2 * 6 * 4 * 4 + 1 * 6 * 2 * 4  # fp32 out (1, 2, 6, 4) + fp32 lse (1, 6, 2) = 240
+Q_BWD = 2 * Q + 2 * (1 * 6 * 2 * 4)  # q, dout bf16 + lse, delta fp32 = 288
+DKV = 2 * 1 * 2 * 2 * 4 * 4  # fp32 dk, dv = 128
+DQ = 1 * 2 * 6 * 4 * 4  # fp32 dq = 192
+
+
+def test_payload_bytes():
+    assert (KV, Q, OUT, Q_BWD, DKV, DQ) == (64, 96, 240, 288, 128, 192)
+    assert payload_bytes("kv", "forward", SMALL) == KV
+    assert payload_bytes("q", "forward", SMALL) == Q
+    assert payload_bytes("out", "forward", SMALL) == OUT
+    assert payload_bytes("kv", "backward", SMALL) == KV
+    assert payload_bytes("q", "backward", SMALL) == Q_BWD
+    assert payload_bytes("dkv", "backward", SMALL) == DKV
+    assert payload_bytes("dq", "backward", SMALL) == DQ
+    with pytest.raises(ValueError, match="kind='dq' is not a forward transfer kind"):
+        payload_bytes("dq", "forward", SMALL)
+
+
+def _check_bytes(report, sent_f, recv_f, sent_b, recv_b):
+    assert report.bytes_sent_fwd == sent_f and report.bytes_recv_fwd == recv_f
+    assert report.bytes_sent_bwd == sent_b and report.bytes_recv_bwd == recv_b
+    assert report.bytes_sent == tuple(a + b for a, b in zip(sent_f, sent_b))
+    assert report.bytes_recv == tuple(a + b for a, b in zip(recv_f, recv_b))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_simulate_p2_causal(schedule):
+    # step 1: rank 1 computes (1, 0) with kv from rank 0; backward returns dk, dv to rank 0
+    r = simulate(2, True, schedule, SMALL)
+    _check_bytes(r, (KV, 0), (0, KV), (KV, DKV), (DKV, KV))
+    assert r.steps == 2 and r.idle_fraction == pytest.approx(1 / 4)
+    assert r.work_makespan == pytest.approx(1.5)
+    assert r.compute_idle_fraction == pytest.approx(1 - 2 / 3)  # work 0.5 + 0.5 + 1
+
+
+def test_simulate_p3_balanced_causal():
+    # step 1: kv 0->1 for (1,0), kv 1->2 for (2,1); rank 0 helps with (2,0): q 2->0, out 0->2
+    r = simulate(3, True, "balanced", SMALL)
+    _check_bytes(
+        r,
+        sent_f=(KV + OUT, KV, Q),
+        recv_f=(Q, KV, KV + OUT),
+        sent_b=(KV + DQ, KV + DKV, Q_BWD + DKV),  # dkv 1->0 and 2->1, dq 0->2
+        recv_b=(Q_BWD + DKV, KV + DKV, KV + DQ),
+    )
+    assert r.steps == 2 and r.idle_fraction == 0.0
+
+
+def test_simulate_p3_noncausal():
+    # every rank sends its kv to both others and, backward, gets two dk, dv partials back
+    r = simulate(3, False, "balanced", SMALL)
+    _check_bytes(r, (2 * KV,) * 3, (2 * KV,) * 3, (2 * KV + 2 * DKV,) * 3, (2 * KV + 2 * DKV,) * 3)
+    assert r.idle_fraction == 0.0 and r.compute_idle_fraction == 0.0 and r.work_makespan == 3.0
+
+
+def test_simulate_p4_balanced_causal():
+    # step 1: kv 0->1, 1->2, 2->3; q 3->0, out 0->3 (rank 0 helps with (3,0)); step 2: kv 0->2, 1->3
+    r = simulate(4, True, "balanced", SMALL)
+    _check_bytes(
+        r,
+        sent_f=(2 * KV + OUT, 2 * KV, KV, Q),
+        recv_f=(Q, KV, 2 * KV, 2 * KV + OUT),
+        # backward adds dkv back along every kv edge and dq 0->3 instead of out
+        sent_b=(2 * KV + DQ, 2 * KV + DKV, KV + 2 * DKV, Q_BWD + 2 * DKV),
+        recv_b=(Q_BWD + 2 * DKV, KV + 2 * DKV, 2 * KV + DKV, 2 * KV + DQ),
+    )
+    assert r.bytes_sent_fwd == (368, 128, 64, 96) and r.bytes_sent_bwd == (320, 256, 320, 544)
+    assert r.steps == 3 and r.idle_fraction == pytest.approx(2 / 12)
+    assert r.work_makespan == pytest.approx(2.5)
+    assert r.compute_idle_fraction == pytest.approx(1 - 8 / 10)
+
+
+def test_simulate_p4_ring_causal():
+    # rank p receives kv from every j < p; rank j sends to every p > j
+    r = simulate(4, True, "ring", SMALL)
+    _check_bytes(
+        r,
+        sent_f=(3 * KV, 2 * KV, KV, 0),
+        recv_f=(0, KV, 2 * KV, 3 * KV),
+        sent_b=(3 * KV, 2 * KV + DKV, KV + 2 * DKV, 3 * DKV),
+        recv_b=(3 * DKV, KV + 2 * DKV, 2 * KV + DKV, 3 * KV),
+    )
+    assert r.idle_fraction == pytest.approx(6 / 16) and r.work_makespan == pytest.approx(3.5)
+
+
+def test_simulate_conservation_and_balance():
+    for p in range(1, 33):
+        for causal in (True, False):
+            for schedule in SCHEDULES:
+                r = simulate(p, causal, schedule, SMALL)
+                assert sum(r.bytes_sent) == sum(r.bytes_recv)
+                assert len(r.bytes_sent) == p
+        if p % 2 == 1:
+            r = simulate(p, True, "balanced", SMALL)
+            assert r.idle_fraction == 0.0
+        if p >= 3:
+            assert simulate(p, True, "balanced").work_makespan < simulate(p, True, "ring").work_makespan
+
+
+def test_format_table_and_cli(capsys):
+    table = format_table([simulate(4, True, s) for s in SCHEDULES])
+    lines = table.splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| P | schedule")
+    assert "| 4 | balanced | True | 3 |" in table
+    sched._main(["--world", "2", "5", "--seq-per-rank", "1024"])
+    out = capsys.readouterr().out
+    assert "| 5 | balanced | True | 3 |" in out and "| 5 | ring | True | 5 |" in out
+
+
+# -- validation ---------------------------------------------------------------------------------------
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match=r"world_size=0 must be >= 1"):
+        make_plan(0)
+    with pytest.raises(ValueError, match=r"schedule='zigzagx' is not one of \('ring', 'balanced'\); pass"):
+        make_plan(3, schedule="zigzagx")
+    with pytest.raises(TypeError, match=r"world_size=2.5 must be an int"):
+        make_plan(2.5)
+    with pytest.raises(TypeError, match=r"world_size=True must be an int"):
+        make_plan(True)
+    with pytest.raises(TypeError, match=r"causal='yes' must be a bool"):
+        make_plan(2, causal="yes")
+    with pytest.raises(ValueError, match=r"Shapes.heads_kv=0 must be a positive int"):
+        Shapes(heads_kv=0)
+    with pytest.raises(ValueError, match=r"schedule='zigzagx'"):
+        simulate(3, schedule="zigzagx")
+
+
+def test_plan_type_exported():
+    assert isinstance(make_plan(1), Plan) and make_plan(1).num_steps() == 1
