@@ -5,7 +5,9 @@ key/value chunks peer to peer while they compute (the DistFlashAttn system), on 
 kernel that carries softmax statistics across chunks.
 """
 
+from distattn.attention import dist_flash_attn_func
+from distattn.sharding import gather_sequence, shard_sequence
 from distattn.single import flash_attn_func
 
-__all__ = ["flash_attn_func"]
+__all__ = ["flash_attn_func", "dist_flash_attn_func", "shard_sequence", "gather_sequence"]
 __version__ = "0.1.0"

@@ -1,0 +1,95 @@
+"""Run a function on N spawned gloo ranks with a hard timeout; never hang the test session.
+
+``run_distributed(fn, world_size, *args, timeout=120)`` starts ``world_size`` processes, each of which
+initializes a gloo process group (file-store rendezvous: no ports to collide), calls
+``fn(rank, world_size, *args)`` and sends back its return value. Any rank's exception is re-raised in the
+test with that rank's traceback; if the ranks do not all finish within ``timeout`` seconds every process is
+killed and ``TimeoutError`` is raised. ``fn`` must be a module-level function (it is pickled by name).
+
+Spawning costs about a second of torch import per rank on a small machine, so tests run many cases inside
+one ``fn`` per world size rather than one spawn per case.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed"]
+
+
+def _worker(rank, world_size, init_file, fn, args, results):
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # N ranks share a couple of cores: oversubscription only slows them down
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(value, buf)  # bytes through the queue: no shared-memory tensors outliving this process
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report anything, including KeyboardInterrupt from a kill
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    old_env = {key: os.environ.get(key) for key in (env or {})}
+    os.environ.update(env or {})  # spawned children inherit the parent's environment at start
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results), daemon=True)
+                 for r in range(world_size)]
+        try:
+            for p in procs:
+                p.start()
+            return _collect(procs, results, world_size, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+            for key, val in old_env.items():
+                if val is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = val
+
+
+def _collect(procs, results, world_size, timeout):
+    deadline = time.monotonic() + timeout
+    out: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    while len(out) + len(errors) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            missing = sorted(set(range(world_size)) - set(out) - set(errors))
+            raise TimeoutError(f"ranks {missing} did not finish within the timeout; errors so far: {errors}")
+        try:
+            rank, status, payload = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                    and r not in out and r not in errors]
+            for r in dead:
+                errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+            continue
+        if status == "ok":
+            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors[rank] = payload
+    if errors:
+        first = min(errors)
+        raise RuntimeError(f"{len(errors)} of {world_size} ranks failed; rank {first}:\n{errors[first]}")
+    return [out[r] for r in range(world_size)]
