@@ -1,0 +1,289 @@
+"""Scaling benchmark: every method side by side, one torchrun job, a CSV + markdown table + PNG plots.
+
+    python -m torch.distributed.run --nproc-per-node 8 --standalone bench/scaling.py \\
+        --models llama-7b llama-gqa llama-33h --tokens-per-rank 4096 8192 16384 --find-max \\
+        --out bench/results/scaling-8xGPU
+    python -m torch.distributed.run --nproc-per-node 2 --standalone bench/scaling.py --smoke \\
+        --out bench/results/scaling-cpu-smoke          # CPU, gloo, tiny shapes: a CI smoke run, not a timing
+
+For each model shape, workload (``attn``: the attention layer with its projections; ``layer``: a full LLaMA
+decoder layer), tokens per rank and method (``bench/baselines``: megatron, ulysses, ring, balanced,
+no_overlap) it measures one forward + backward: median time per iteration (slowest rank), model TFLOP/s
+per rank (useful FLOPs: matmuls x3, attention core x3.5 fwd+bwd, causal halved -- padding not counted),
+bytes each rank sent (the methods' own counters; max over ranks, next to ``bench/model.py``'s formula),
+peak memory per rank (CUDA only), and with ``--find-max`` (CUDA only) the longest tokens per rank that
+ran, doubling from the largest given. Methods that cannot run a shape (Ulysses when heads do not divide
+by the world size) get a row saying why. No activation checkpointing (one layer, forward + backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import distattn.comm as dcomm  # noqa: E402
+from bench.baselines import METHODS, init_weights  # noqa: E402
+from bench.baselines import collectives  # noqa: E402
+from bench.baselines.layers import flops_per_layer  # noqa: E402
+from bench.model import MODELS, method_bytes  # noqa: E402
+
+FIELDS = ["model", "workload", "world", "tokens_per_rank", "method", "status", "time_ms", "tflops_per_rank",
+          "bytes_sent_max", "bytes_sent_mean", "model_bytes_max", "bytes_match", "peak_mem_mib"]
+SMOKE = {"models": ["tiny-mha", "tiny-gqa", "tiny-odd"], "tokens_per_rank": [32, 64], "iters": 2, "warmup": 1}
+CPU_BANNER = "**CPU smoke, not a performance number**: gloo on CPU, tiny shapes, fp32."
+_BYTES_REL_TOL = 0.01
+
+
+def _parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="results folder (CSV, markdown, PNGs)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (CPU CI)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--models", nargs="+", default=["llama-7b", "llama-gqa", "llama-33h"], choices=list(MODELS))
+    ap.add_argument("--workloads", nargs="+", default=["attn", "layer"], choices=["attn", "layer"])
+    ap.add_argument("--tokens-per-rank", nargs="+", type=int, default=[4096, 8192])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                    help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--backend", default=None, help="kernel backend for every method (default: best available)")
+    ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--find-max", action="store_true", help="CUDA: double tokens per rank until a run fails")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.models, args.tokens_per_rank = SMOKE["models"], SMOKE["tokens_per_rank"]
+        args.iters, args.warmup = SMOKE["iters"], SMOKE["warmup"]
+    return args
+
+
+def _setup():
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # ranks share the CPU cores
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return device
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one_iteration(method, fn, x, params, shape, dy, causal, backend):
+    for t in params.values():
+        t.grad = None
+    x.grad = None
+    y = fn(x, params, shape, causal=causal, backend=backend)
+    y.backward(dy)
+
+
+def _reduce(value: float, op) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def measure(method_name, model, workload, n, args, device, dtype) -> dict:
+    """One row: time, bytes, memory of ``method_name`` on ``model`` with ``n`` tokens per rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape, _ = MODELS[model]
+    method = METHODS[method_name]
+    row = {"model": model, "workload": workload, "world": world, "tokens_per_rank": n, "method": method_name}
+    try:
+        method.check(shape, world)  # same answer on every rank, before any communication
+    except ValueError as exc:
+        return {**row, "status": str(exc).split(":")[0]}  # e.g. "Ulysses cannot run heads_q=3 on 2 ranks"
+    causal = not args.non_causal
+    params, _ = method.shard(init_weights(shape, seed=0, dtype=dtype, device=device), shape, rank, world)
+    params = {k: v.detach().requires_grad_() for k, v in params.items()}
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, n, shape.hidden, generator=g).to(dtype).to(device).requires_grad_()
+    dy = torch.randn(args.batch, n, shape.hidden, generator=g).to(dtype).to(device)
+    fn = method.layer if workload == "layer" else method.attention
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.warmup):
+        _one_iteration(method, fn, x, params, shape, dy, causal, args.backend)
+    collectives.reset_counters()
+    dcomm.reset_counters()
+    times = []
+    for _ in range(args.iters):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        _one_iteration(method, fn, x, params, shape, dy, causal, args.backend)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    sent = (collectives.COUNTERS.bytes_sent + dcomm.COUNTERS.bytes_sent) / args.iters
+    t_med = _reduce(statistics.median(times), dist.ReduceOp.MAX)
+    elem = torch.finfo(dtype).bits // 8
+    model_max = max(method_bytes(method_name, world, r, args.batch, n, shape, elem, causal=causal,
+                                 full_layer=workload == "layer") for r in range(world))
+    sent_max, sent_mean = _reduce(sent, dist.ReduceOp.MAX), _reduce(sent, dist.ReduceOp.SUM) / world
+    flops = flops_per_layer(shape, args.batch * n * world, causal=causal, full_layer=workload == "layer")
+    useful = (3 * flops["matmul"] + 3.5 * flops["attention"]) / world  # per rank, forward + backward
+    row.update(status="ok", time_ms=f"{t_med * 1e3:.2f}", tflops_per_rank=f"{useful / t_med / 1e12:.4f}",
+               bytes_sent_max=int(sent_max), bytes_sent_mean=int(sent_mean), model_bytes_max=model_max,
+               bytes_match=abs(sent_max - model_max) <= _BYTES_REL_TOL * model_max)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        row["peak_mem_mib"] = f"{_reduce(peak, dist.ReduceOp.MAX):.0f}"
+    else:
+        row["peak_mem_mib"] = "n/a (CPU)"
+    return row
+
+
+def _machine(device, dtype, args) -> str:
+    world = dist.get_world_size()
+    if device.type == "cuda":
+        what = f"{world} x {torch.cuda.get_device_name(device)}, NCCL"
+    else:
+        what = f"{world} CPU processes (gloo) on {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return (f"{what}; torch {torch.__version__}; dtype {str(dtype).replace('torch.', '')}; batch {args.batch}; "
+            f"{'non-causal' if args.non_causal else 'causal'}; backend {args.backend or 'default'}; "
+            f"{args.iters} timed iterations after {args.warmup} warm-up; "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
+
+
+def write_table(rows, out: Path, header: str, cpu: bool) -> Path:
+    """Markdown table of ``rows`` (one per measurement), with the machine line and the CPU banner."""
+    cols = ["model", "workload", "tokens_per_rank", "method", "status", "time_ms", "tflops_per_rank",
+            "bytes_sent_max", "model_bytes_max", "bytes_match", "peak_mem_mib"]
+    lines = [f"# Scaling benchmark, P = {rows[0]['world'] if rows else '?'}", "", header, ""]
+    if cpu:
+        lines += [CPU_BANNER, ""]
+    lines += ["Time: median per iteration (forward + backward), slowest rank. Bytes: sent per rank per "
+              "iteration, max over ranks, measured by the methods' counters; `model_bytes_max` is "
+              "`bench/model.py`'s formula.", ""]
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "|".join("---" for _ in cols) + "|")
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    path = out / "results.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_plots(rows, out: Path, cpu: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    models = sorted({r["model"] for r in ok})
+    workloads = sorted({r["workload"] for r in ok})
+    if not ok:
+        return
+    ticks = sorted({r["tokens_per_rank"] for r in ok})
+    for metric, label, fname in (("time_ms", "ms / iteration", "time.png"),
+                                 ("bytes_sent_max", "bytes sent / rank / iteration", "bytes.png")):
+        fig, axes = plt.subplots(len(models), len(workloads), figsize=(4.5 * len(workloads), 3 * len(models)),
+                                 squeeze=False)
+        for (i, model), (j, workload) in ((a, b) for a in enumerate(models) for b in enumerate(workloads)):
+            ax = axes[i][j]
+            for m in METHODS:
+                pts = sorted((r["tokens_per_rank"], float(r[metric])) for r in ok
+                             if (r["model"], r["workload"], r["method"]) == (model, workload, m))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=m)
+            ax.set(title=f"{model} / {workload}", xlabel="tokens per rank", ylabel=label, xscale="log")
+            ax.minorticks_off()
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+        axes[0][0].legend(fontsize=7)
+        title = f"P = {ok[0]['world']}" + (" — CPU smoke, not a performance number" if cpu else "")
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=100)
+        plt.close(fig)
+
+
+def _runs(args):
+    for model in args.models:
+        for workload in args.workloads:
+            for n in args.tokens_per_rank:
+                for method in args.methods:
+                    yield model, workload, n, method
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    device = _setup()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    out = Path(args.out)
+    rank = dist.get_rank()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    csv_file = open(out / "results.csv", "w", newline="") if rank == 0 else None  # noqa: SIM115
+    writer = csv.DictWriter(csv_file, FIELDS) if csv_file else None
+    if writer:
+        writer.writeheader()
+
+    def record(row):
+        rows.append(row)
+        if writer:  # written as we go: a run that dies (e.g. out of memory inside a collective) keeps its rows
+            writer.writerow(row)
+            csv_file.flush()
+            print(" ".join(f"{k}={row.get(k, '')}" for k in ("model", "workload", "tokens_per_rank", "method",
+                                                            "status", "time_ms", "bytes_match")), flush=True)
+
+    for model, workload, n, method in _runs(args):
+        record(measure(method, model, workload, n, args, device, dtype))
+    if args.find_max and device.type == "cuda":
+        for model, workload, method in sorted({(m, w, me) for m, w, _, me in _runs(args)}):  # same order on every rank
+            record(_find_max(method, model, workload, args, device, dtype))
+    if rank == 0:
+        csv_file.close()
+        cpu = device.type != "cuda"
+        write_table(rows, out, _machine(device, dtype, args), cpu)
+        write_plots(rows, out, cpu)
+        print(f"wrote {out / 'results.md'}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _find_max(method, model, workload, args, device, dtype) -> dict:
+    """Double tokens per rank from the largest given while a run succeeds (every rank agrees on OOM)."""
+    n, best = max(args.tokens_per_rank), None
+    while True:
+        try:
+            row = measure(method, model, workload, n, args, device, dtype)
+            failed = row.get("status") != "ok"
+        except torch.cuda.OutOfMemoryError:
+            # A rank that runs out of memory inside a collective leaves its peers waiting: the job then dies
+            # with NCCL's timeout, and the rows written so far remain in results.csv.
+            failed = True
+        torch.cuda.empty_cache()
+        if _reduce(float(failed), dist.ReduceOp.MAX):
+            break
+        best, n = n, n * 2
+    return {"model": model, "workload": workload, "world": dist.get_world_size(), "tokens_per_rank": best or 0,
+            "method": method, "status": "longest that fits (tokens per rank)"}
+
+
+if __name__ == "__main__":
+    main()
