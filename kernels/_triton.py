@@ -1,0 +1,277 @@
+"""Triton backend: thin launchers around the kernels of ``_triton_fwd.py`` / ``_triton_bwd.py``.
+
+Legend: q_bshd (b, s_q, h_q, d), k_bshd / v_bshd (b, s_k, h_kv, d), lse_bhs (b, h_q, s_q) fp32 natural log.
+
+On CUDA the attention kernels are autotuned, keyed on (HEAD_DIM, CAUSAL, power-of-two bucket of the chunk
+lengths) plus the tensor dtypes. Under ``TRITON_INTERPRET=1`` (CPU tests) one fixed small configuration is
+used, because the interpreter is slow and autotuning there would measure nothing. Whether the kernels are
+interpreted is decided by Triton when they are *decorated*, i.e. when this module is first imported, so the
+environment variable must be set before that (tests/conftest.py and tests/test_triton.py do so).
+"""
+import os
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+
+    from . import _triton_bwd as _bwd
+    from . import _triton_fwd as _fwd
+    _IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as exc:  # the package stays importable without triton; get_backend reports why
+    triton = None
+    _IMPORT_ERROR = exc
+
+# Decided once, when the kernels were decorated: read it off the kernel object rather than the environment.
+_INTERPRET = _IMPORT_ERROR is None and type(_fwd._fwd_kernel).__name__ == "InterpretedFunction"
+_INTERP_BLOCK = 16  # smallest tile tl.dot accepts; keeps the interpreter fast enough for CI
+_MIN_BLOCK_D = 16
+
+
+def is_available(device) -> tuple[bool, str]:
+    """Whether TritonBackend can run on ``device``; the string says why not (empty when it can)."""
+    if _IMPORT_ERROR is not None:
+        return False, f"triton is not importable: {_IMPORT_ERROR}"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        # Compiled kernels, or (if decorated under TRITON_INTERPRET=1) the interpreter on CUDA tensors.
+        if not torch.cuda.is_available():
+            return False, "device is cuda but torch.cuda.is_available() is False"
+        return True, ""
+    if dev.type != "cpu" or os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False, (f"the triton backend needs a CUDA device, got {dev.type!r}; on CPU set TRITON_INTERPRET=1 "
+                       "before importing distattn to run it on CPU through the Triton interpreter")
+    if not _INTERPRET:
+        return False, ("TRITON_INTERPRET=1 was set after distattn.kernels._triton was imported, so its kernels "
+                       "were compiled for a GPU; set it before the first import")
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- autotuning (CUDA only)
+
+def _len_bucket(*lengths: int) -> int:
+    """Power-of-two bucket of the longest length (>= 64): the autotune key for sequence length."""
+    return max(64, triton.next_power_of_2(max(lengths)))
+
+
+def _max_shared_mem(device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    if not smem:
+        smem = triton.runtime.driver.active.utils.get_device_properties(props.index)["max_shared_mem"]
+    return smem
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); for dkdv BLOCK_N is the resident key block. Picked from sm_90
+# compiles of these kernels (ptxas register/spill report): every (head dim, dtype) has configs that do not
+# spill, e.g. fwd d=128 (128, 64, 8, 3), d=256 (64, 32, 8, 2); dkdv d=128 (16, 64, 8, 3), d=64 (32, 64, 4, 3);
+# fp32 only 32x32 tiles (its "ieee" dots run on FMA units and need far more registers).
+_CONFIGS = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 2),
+            (64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)],
+    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 8, 2), (64, 32, 8, 2),
+           (32, 32, 4, 2), (32, 32, 8, 2)],
+    "dkdv": [(32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2), (64, 64, 8, 3), (32, 32, 8, 2),
+             (16, 32, 4, 2), (32, 32, 4, 2)],
+}
+# Largest tile (BLOCK_M * BLOCK_N) kept for d = 256 with 2-byte inputs: bigger ones spill registers heavily.
+_MAX_TILE_D256 = {"fwd": 64 * 64, "dq": 64 * 64, "dkdv": 32 * 64}
+
+
+def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int) -> int:
+    """Shared memory: resident tiles + stages x streamed tiles (matches Triton's sm_90 allocation here)."""
+    rows = {"fwd": bm + 2 * stages * bn,        # q resident; k, v streamed
+            "dq": 2 * bm + 2 * stages * bn,     # q, do resident; k, v streamed
+            "dkdv": 2 * bn + 2 * stages * bm}[kind]  # k, v resident; q, do streamed
+    return rows * block_d * elt
+
+
+def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit) -> bool:
+    if _smem_bytes(kind, bm, bn, stages, block_d, elt) > smem_limit:
+        return False  # would fail to launch (OutOfResources)
+    if max(bm, bn) > bucket:
+        return False  # a tile longer than the sequence only adds masked work
+    if elt >= 4:
+        return bm * bn <= 32 * 32
+    if block_d >= 256:
+        return bm * bn <= _MAX_TILE_D256[kind]
+    return bm * bn >= 1024  # 2-byte inputs: tiny tiles leave the tensor cores idle
+
+
+def _prune(kind: str, configs, named_args, **kwargs):
+    """Autotune filter (Hopper-aware): drop configs over the device's shared memory or known to spill."""
+    block_d = kwargs["BLOCK_D"] if "BLOCK_D" in kwargs else named_args["BLOCK_D"]
+    ref = named_args["Q"]
+    limit = _max_shared_mem(ref.device)
+    kept = [c for c in configs if _keep_config(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
+                                               block_d, ref.element_size(), named_args["LEN_BUCKET"], limit)]
+    # Never empty: fall back to the config with the smallest shared-memory footprint.
+    return kept or [min(configs, key=lambda c: _smem_bytes(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+                                                           c.num_stages, block_d, ref.element_size()))]
+
+
+_TUNED: dict = {}
+
+
+def _kernel(name: str):
+    """The launchable kernel: autotuned on CUDA, the raw jit function under the interpreter."""
+    raw = {"fwd": _fwd._fwd_kernel, "dkdv": _bwd._bwd_dkdv_kernel, "dq": _bwd._bwd_dq_kernel}[name]
+    if _INTERPRET:
+        return raw
+    if name not in _TUNED:
+        # The kernels read-modify-write their outputs, so autotuning restores them after each trial.
+        restore = {"fwd": ["O_ACC", "LSE"], "dkdv": ["DK", "DV"], "dq": ["DQ"]}[name]
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+                   for bm, bn, w, s in _CONFIGS[name]]
+        _TUNED[name] = triton.autotune(
+            configs=configs, key=["HEAD_DIM", "CAUSAL", "LEN_BUCKET"], restore_value=restore,
+            prune_configs_by={"early_config_prune": lambda c, a, **kw: _prune(name, c, a, **kw)},
+        )(raw)
+    return _TUNED[name]
+
+
+def _blocks() -> dict:
+    """Fixed tile sizes for the untuned path (interpreter)."""
+    return {"BLOCK_M": _INTERP_BLOCK, "BLOCK_N": _INTERP_BLOCK} if _INTERPRET else {}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _unit_d(t: torch.Tensor) -> torch.Tensor:
+    """The kernels address d with unit stride; everything else goes through explicit strides."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bsh(t: Optional[torch.Tensor]) -> tuple:
+    return (t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0)
+
+
+def _block_d(d: int) -> int:
+    return max(_MIN_BLOCK_D, triton.next_power_of_2(d))
+
+
+def _row_block(d: int) -> int:
+    """Rows per program of the elementwise kernels (merge, delta): ~8K elements per fp32 tile on CUDA."""
+    return _INTERP_BLOCK if _INTERPRET else max(16, 8192 // _block_d(d))
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 inputs keep full fp32 precision: TF32 would silently degrade them on Ampere+.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class _WritableUnitD:
+    """An in-place output viewed with unit d stride: a contiguous copy is written back on exit."""
+
+    def __init__(self, t: Optional[torch.Tensor]):
+        self.orig = t
+        self.t = None if t is None else _unit_d(t)
+
+    def __enter__(self):
+        return self.t
+
+    def __exit__(self, *exc):
+        if self.t is not None and self.t is not self.orig:
+            self.orig.copy_(self.t)
+        return False
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    assert q.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3], \
+        (q.shape, k.shape, v.shape)
+    assert q.shape[2] % k.shape[2] == 0, f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({k.shape[2]})"
+    assert q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
+    assert q.shape[3] <= 256, f"head_dim {q.shape[3]} > 256 is not supported by the triton backend"
+
+
+# ----------------------------------------------------------------------------- backend
+
+class TritonBackend:
+    """The kernel contract (fold_, merge_, delta, backward_chunk_) on Triton kernels."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        if _IMPORT_ERROR is not None:
+            raise RuntimeError(f"the triton backend needs triton: {_IMPORT_ERROR}")
+
+    def fold_(self, out_f32, lse, q, k, v, *, scale: float, q_start: int, k_start: int, causal: bool,
+              fresh: bool, out_final) -> None:
+        """Fold one key/value chunk into the state (out_f32, lse_bhs); see the module docstring of _triton_fwd."""
+        _check_qkv(q, k, v)
+        assert out_f32 is not None or (fresh and out_final is not None), "out_f32 is needed unless fresh and last"
+        b, s_q, h_q, d = q.shape
+        s_k, h_kv = k.shape[1], k.shape[2]
+        if b * s_q * h_q == 0:
+            return
+        q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
+        with _WritableUnitD(out_f32) as acc, _WritableUnitD(out_final) as out:
+            acc_arg = acc if acc is not None else lse  # never dereferenced when FRESH and LAST
+            out_arg = out if out is not None else acc  # never written unless LAST
+            kernel = _kernel("fwd")
+            grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h_q)  # noqa: E731
+            kernel[grid](
+                q, k, v, acc_arg, lse, out_arg,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(acc), *_bsh(out), *lse.stride(),
+                h_q, h_q // h_kv, s_q, s_k, q_start - k_start, scale * 1.44269504,  # 1/ln 2
+                _len_bucket(s_q, s_k),
+                HEAD_DIM=d, BLOCK_D=_block_d(d), CAUSAL=bool(causal), FRESH=bool(fresh),
+                LAST=out is not None, DOT_PREC=_dot_prec(q.dtype), **_blocks(),
+            )
+
+    def merge_(self, out_f32, lse, out_part, lse_part) -> None:
+        """state (out_f32, lse) <- merge(state, (out_part, lse_part)), fp32, both-empty safe."""
+        b, s_q, h, d = out_f32.shape
+        assert out_part.shape == out_f32.shape and lse_part.shape == lse.shape == (b, h, s_q)
+        if out_f32.numel() == 0:
+            return
+        out_part = _unit_d(out_part)
+        block_m = _row_block(d)
+        with _WritableUnitD(out_f32) as acc:
+            _fwd._merge_kernel[(triton.cdiv(s_q, block_m), b * h)](
+                acc, lse, out_part, lse_part, *_bsh(acc), *_bsh(out_part), *lse.stride(), *lse_part.stride(),
+                h, s_q, HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=block_m,
+            )
+
+    def delta(self, dout, out) -> torch.Tensor:
+        """rowsum(dout * out) over d, fp32, (b, h_q, s_q)."""
+        assert dout.shape == out.shape
+        b, s_q, h, d = out.shape
+        delta = torch.empty((b, h, s_q), dtype=torch.float32, device=out.device)
+        if delta.numel() == 0:
+            return delta
+        dout, out = _unit_d(dout), _unit_d(out)
+        block_m = _row_block(d)
+        _bwd._bwd_preprocess_kernel[(triton.cdiv(s_q, block_m), b * h)](
+            out, dout, delta, *_bsh(out), *_bsh(dout), *delta.stride(), h, s_q,
+            HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=block_m,
+        )
+        return delta
+
+    def backward_chunk_(self, dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *, scale: float,
+                        q_start: int, k_start: int, causal: bool) -> None:
+        """Add this chunk's dq, dk, dv into the fp32 accumulators (deterministic, no atomics)."""
+        _check_qkv(q, k, v)
+        b, s_q, h_q, d = q.shape
+        s_k, h_kv = k.shape[1], k.shape[2]
+        if b * s_q * h_q == 0 or s_k == 0:
+            return
+        q, k, v, dout = _unit_d(q), _unit_d(k), _unit_d(v), _unit_d(dout.to(q.dtype))
+        common = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), CAUSAL=bool(causal), DOT_PREC=_dot_prec(q.dtype),
+                      **_blocks())
+        scalars = (s_q, s_k, q_start - k_start, scale * 1.44269504, scale, _len_bucket(s_q, s_k))  # 1/ln 2
+        with _WritableUnitD(dk_acc) as dk, _WritableUnitD(dv_acc) as dv:
+            grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
+            _kernel("dkdv")[grid](
+                q, k, v, dout, lse, delta, dk, dv,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *lse.stride(), *delta.stride(), *_bsh(dk), *_bsh(dv),
+                h_kv, h_q // h_kv, *scalars, **common,
+            )
+        with _WritableUnitD(dq_acc) as dq:
+            grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h_q)  # noqa: E731
+            _kernel("dq")[grid](
+                q, k, v, dout, lse, delta, dq,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *lse.stride(), *delta.stride(), *_bsh(dq),
+                h_q, h_q // h_kv, *scalars, **common,
+            )
