@@ -6,8 +6,9 @@ kernel that carries softmax statistics across chunks.
 """
 
 from distattn.attention import dist_flash_attn_func
+from distattn.checkpoint import remat_checkpoint
 from distattn.sharding import gather_sequence, shard_sequence
 from distattn.single import flash_attn_func
 
-__all__ = ["flash_attn_func", "dist_flash_attn_func", "shard_sequence", "gather_sequence"]
+__all__ = ["flash_attn_func", "dist_flash_attn_func", "shard_sequence", "gather_sequence", "remat_checkpoint"]
 __version__ = "0.1.0"

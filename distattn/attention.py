@@ -1,4 +1,4 @@
-"""Sequence-parallel exact attention: one autograd.Function that executes a plan, forward and backward.
+"""Sequence-parallel exact attention: the executors that interpret a plan, forward and backward.
 
 Rank ``r`` of the group holds tokens ``[r*n, (r+1)*n)`` of q, k and v. The plan (``distattn.schedule``)
 says, step by step, which (query chunk, kv chunk) pair every rank computes:
@@ -13,6 +13,9 @@ hides behind compute; partial results of step ``t`` are waited for one step late
 merged. Backward mirrors the forward with the final ``out``/``lse``: owner tasks add into this rank's
 ``dq`` and send ``dk, dv`` partials (fp32) back to the kv owner; helper tasks add into this rank's
 ``dk, dv`` and send a ``dq`` partial (fp32) back. Every accumulator is fp32 and is cast once at the end.
+
+Autograd: ``dist_flash_attn_func`` runs as the registered op ``torch.ops.distattn.attention`` (``distattn._ops``),
+whose forward calls ``dist_attn_forward`` and whose registered backward calls ``dist_attn_backward``.
 
 Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head dim. GQA: only ``h_kv`` heads
 of k and v ever travel.
@@ -258,25 +261,7 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# -- autograd and public API --------------------------------------------------------------------------------
-class DistFlashAttnFunction(torch.autograd.Function):
-    """Differentiable sequence-parallel attention: forward and backward both execute ``cfg.plan()``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cfg: DistAttnConfig):
-        out, lse = dist_attn_forward(q, k, v, cfg)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = cfg
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = dist_attn_backward(dout, q, k, v, out, lse, ctx.cfg)
-        return dq, dk, dv, None
-
-
+# -- public API -------------------------------------------------------------------------------------------
 def dist_flash_attn_func(q, k, v, causal: bool = True, softmax_scale: float | None = None, group=None,
                          schedule: str = "balanced", backend: str | None = None, return_lse: bool = False, *,
                          overlap: bool = True):
@@ -296,6 +281,10 @@ def dist_flash_attn_func(q, k, v, causal: bool = True, softmax_scale: float | No
     Returns:
         This rank's ``out (batch, n, heads_q, head_dim)`` in the input dtype, or ``(out, lse)``.
     """
-    cfg = make_config(q, k, v, causal, softmax_scale, group, schedule, backend, overlap)
-    out, lse = DistFlashAttnFunction.apply(q, k, v, cfg)
-    return (out, lse) if return_lse else out
+    # Autograd goes through the registered op torch.ops.distattn.attention (distattn._ops), whose forward
+    # and backward run the two executors above: one code path that selective activation checkpointing
+    # (distattn.checkpoint) and torch.compile can see as a single op. Imported here: _ops imports this module.
+    from distattn._ops import dist_flash_attn_op
+
+    return dist_flash_attn_op(q, k, v, causal, softmax_scale, group, schedule, backend, return_lse,
+                              overlap=overlap)

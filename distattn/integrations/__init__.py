@@ -1,0 +1,5 @@
+"""Integrations with other libraries; each lives in its own module and imports its library lazily.
+
+``distattn.integrations.hf``: Hugging Face transformers 5.x (attention registration, input sharding, loss,
+rematerialization-aware checkpointing).
+"""

@@ -1,0 +1,147 @@
+"""Sequence-parallel attention as a registered PyTorch op: ``torch.ops.distattn.attention``.
+
+Why an op and not only an ``autograd.Function``: PyTorch's selective activation checkpointing decides what to
+keep per *dispatcher op* (``torch.utils.checkpoint.create_selective_checkpoint_contexts``), and
+``torch.compile`` traces registered ops with a fake (meta) implementation without running them. As an op,
+the distributed attention can be marked "must save" — its ``(out, lse)`` kept, its forward (and the
+communication inside it) never recomputed — which is what ``distattn.checkpoint`` builds on.
+
+The backward is an op too (``torch.ops.distattn.attention_backward``), called by the forward op's registered
+autograd formula, so that tracing a backward graph (``torch.compile``/AOTAutograd) sees one opaque call instead
+of stepping into the peer-to-peer communication. Both ops have fake implementations (shapes only).
+
+A ``ProcessGroup`` cannot be an op argument (ops take tensors, scalars and strings), so groups travel as a
+string key into a small per-process registry (``group_key``; ``"default"`` is the default group).
+
+Legend: ``b`` batch, ``n`` tokens on this rank, ``h_q``/``h_kv`` heads, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward, make_config
+
+__all__ = ["OpCounters", "COUNTERS", "reset_counters", "group_key", "group_of", "dist_flash_attn_op", "OP"]
+
+DEFAULT_GROUP_KEY = "default"
+
+
+@dataclass
+class OpCounters:
+    """How many times this process executed the op (cumulative; read them around one training step)."""
+
+    forward: int = 0
+    """Forward executions (a checkpoint that recomputes attention adds one per layer)."""
+    backward: int = 0
+    """Backward executions."""
+
+
+COUNTERS = OpCounters()
+
+
+def reset_counters() -> None:
+    COUNTERS.forward = 0
+    COUNTERS.backward = 0
+
+
+# -- process-group registry -----------------------------------------------------------------------------
+_GROUPS: dict[str, object] = {DEFAULT_GROUP_KEY: None}
+
+
+def group_key(group) -> str:
+    """The registry key of ``group`` (registered on first use; ``None`` is ``"default"``)."""
+    if group is None:
+        return DEFAULT_GROUP_KEY
+    for key, known in _GROUPS.items():
+        if known is group:
+            return key
+    key = f"group{len(_GROUPS)}"
+    _GROUPS[key] = group
+    return key
+
+
+def group_of(key: str):
+    """The process group registered under ``key`` (``None``: the default group)."""
+    try:
+        return _GROUPS[key]
+    except KeyError:
+        raise ValueError(f"no process group is registered under {key!r} in this process (known: "
+                         f"{sorted(_GROUPS)}); get keys from distattn._ops.group_key(group)") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _config(causal: bool, scale: float, key: str, schedule: str, backend: str | None,
+            overlap: bool) -> DistAttnConfig:
+    # Inputs were validated by make_config at the public boundary; here only the frozen config is rebuilt.
+    return DistAttnConfig(causal=causal, scale=scale, schedule=schedule, backend=backend, group=group_of(key),
+                          overlap=overlap)
+
+
+# -- the op ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("distattn::attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, group_key: str,
+               schedule: str, backend: str | None, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q (b, n, h_q, d)``, ``k, v (b, n, h_kv, d)`` -> ``out (b, n, h_q, d)``, ``lse (b, h_q, n)`` fp32."""
+    COUNTERS.forward += 1
+    return dist_attn_forward(q, k, v, _config(causal, scale, group_key, schedule, backend, overlap))
+
+
+@_attention.register_fake
+def _attention_fake(q, k, v, causal, scale, group_key, schedule, backend, overlap):
+    b, n, h_q, _ = q.shape
+    # The real forward returns fresh contiguous tensors (kernels.finalize), so the fake does too.
+    return q.new_empty(q.shape), q.new_empty((b, h_q, n), dtype=torch.float32)
+
+
+@torch.library.custom_op("distattn::attention_backward", mutates_args=())
+def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, causal: bool, scale: float, group_key: str, schedule: str,
+                           backend: str | None, overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``distattn::attention`` (an op of its own, so that tracers such as
+    ``torch.compile`` see one opaque call instead of tracing into the communication)."""
+    COUNTERS.backward += 1
+    return dist_attn_backward(dout, q, k, v, out, lse, _config(causal, scale, group_key, schedule, backend, overlap))
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale, group_key, schedule, backend, overlap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = options  # causal, scale, group_key, schedule, backend, overlap
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention.register_autograd(_attention_backward, setup_context=_setup_context)
+
+OP = torch.ops.distattn.attention.default
+"""The op overload that checkpoint policies match on."""
+
+
+def dist_flash_attn_op(q, k, v, causal: bool = True, softmax_scale: float | None = None, group=None,
+                       schedule: str = "balanced", backend: str | None = None, return_lse: bool = False, *,
+                       overlap: bool = True):
+    """``distattn.dist_flash_attn_func`` executed as the registered op ``torch.ops.distattn.attention``.
+
+    Same arguments, results and validation as ``dist_flash_attn_func`` (this rank's shards
+    ``(batch, n, heads, head_dim)``; rank ``r`` holds tokens ``[r*n, (r+1)*n)``); the difference is that
+    selective checkpointing (``distattn.checkpoint``) and ``torch.compile`` can see this call as one op.
+    """
+    cfg = make_config(q, k, v, causal, softmax_scale, group, schedule, backend, overlap)
+    out, lse = _attention(q, k, v, cfg.causal, cfg.scale, group_key(group), cfg.schedule, cfg.backend,
+                          cfg.overlap)
+    return (out, lse) if return_lse else out

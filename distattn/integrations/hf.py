@@ -1,0 +1,273 @@
+"""Hugging Face transformers (5.x) integration: sequence-parallel LLaMA-family training in a few lines.
+
+Tested with transformers 5.23 on ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM`` (GQA);
+any model whose attention goes through transformers' ``AttentionInterface`` with the same block shape
+works the same way. Every rank runs the same model on its own contiguous shard of the sequence::
+
+    import torch.distributed as dist
+    from distattn.integrations.hf import causal_lm_loss, enable_remat_checkpointing, shard_batch, use_distattn
+
+    dist.init_process_group("nccl")
+    model = LlamaForCausalLM.from_pretrained(...).cuda()
+    use_distattn(model)                    # attention = distattn over the default group, no 4-D mask
+    enable_remat_checkpointing(model)      # optional: checkpoint at attention outputs (distattn.checkpoint)
+    model.train()
+
+    batch = shard_batch(input_ids, labels=input_ids)   # full (batch, seq) on every rank -> this rank's shard
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = causal_lm_loss(logits, batch["shift_labels"])   # global token mean, same value on every rank
+    loss.backward()
+    # Parameter gradients are this rank's share: all-reduce (sum) them over the sequence-parallel group
+    # (DDP/FSDP over that group does it) before the optimizer step.
+
+What the pieces guarantee:
+    * RoPE sees global positions (``position_ids`` from ``shard_batch``), so every token is embedded as in the
+      single-device model; attention is exact over the whole sequence (``distattn.dist_flash_attn_func``).
+    * Labels are shifted on the full sequence before sharding, so the last token of a shard keeps its target
+      (the first token of the next shard); the sequence's last target is -100.
+    * ``causal_lm_loss`` counts target tokens over all ranks, so the loss is the full-sequence mean and each
+      rank's backward gives exactly its share of the full-sequence gradient.
+
+Not supported (each raises ``ValueError`` at the first forward): padding or any ``attention_mask``, packed
+sequences (``cu_seq_lens_*``), attention dropout, logit soft-capping, a sliding window shorter than the whole
+sequence, and generation with a KV cache (``use_distattn`` sets ``config.use_cache = False``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distattn import kernels
+from distattn._ops import dist_flash_attn_op, group_key, group_of
+from distattn.checkpoint import remat_context_fn
+from distattn.schedule import SCHEDULES
+
+__all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "ATTN_IMPLEMENTATION",
+           "IGNORE_INDEX"]
+
+ATTN_IMPLEMENTATION = "distattn"
+"""Name (prefix) under which distattn is registered in transformers' ``AttentionInterface``."""
+IGNORE_INDEX = -100
+"""Target value that the loss skips (transformers' and PyTorch's convention)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Options:
+    """What one registered attention implementation runs with (a process group travels as its key)."""
+
+    group_key: str
+    schedule: str
+    backend: str | None
+    overlap: bool
+
+    @property
+    def name(self) -> str:
+        if self == _DEFAULT_OPTIONS:
+            return ATTN_IMPLEMENTATION
+        return (f"{ATTN_IMPLEMENTATION}-{self.group_key}-{self.schedule}-{self.backend or 'auto'}"
+                f"{'' if self.overlap else '-nooverlap'}")
+
+
+_DEFAULT_OPTIONS = _Options(group_key=group_key(None), schedule="balanced", backend=None, overlap=True)
+
+
+def _world(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1  # no process group: this process holds the whole sequence
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# -- attention ----------------------------------------------------------------------------------------------
+def _check_call(attention_mask, dropout: float, kwargs: dict, seq_total: int) -> None:
+    """Refuse what the sequence-parallel op cannot compute exactly (same decision on every rank)."""
+    if attention_mask is not None:
+        raise ValueError("distattn attention takes no attention_mask (got one): every token attends causally to "
+                         "all earlier tokens of the sequence, so padding cannot be masked. Do not pass "
+                         "attention_mask (shard_batch does not produce one); pack or trim sequences instead")
+    if dropout:
+        raise ValueError(f"attention dropout ({dropout}) is not supported by distattn; set "
+                         f"config.attention_dropout = 0.0")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"logit soft-capping (softcap={kwargs['softcap']}) is not supported by distattn; use a "
+                         f"model without attention softcapping")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < seq_total:
+        raise ValueError(f"sliding_window ({window}) is shorter than the sequence ({seq_total} tokens) and "
+                         f"distattn computes full causal attention; set config.sliding_window = None or use "
+                         f"sequences of at most {window} tokens")
+    if any(kwargs.get(name) is not None for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")):
+        raise ValueError("packed sequences (cu_seq_lens_q/cu_seq_lens_k/seq_idx) are not supported by distattn; "
+                         "feed one sequence per batch row")
+
+
+def distattn_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
+                               options: _Options, **kwargs):
+    """transformers' attention-function contract, computed by ``torch.ops.distattn.attention``.
+
+    Args:
+        query: ``(batch, heads_q, n, head_dim)``, this rank's tokens (RoPE already applied).
+        key, value: ``(batch, heads_kv, n, head_dim)``; GQA is native (key/value heads are never repeated).
+        attention_mask: must be ``None`` (see ``_check_call``).
+        scaling: softmax scale (``None``: ``head_dim ** -0.5``).
+
+    Returns:
+        ``(attn_output (batch, n, heads_q, head_dim), None)``: no attention weights are ever materialized.
+    """
+    group = group_of(options.group_key)
+    _check_call(attention_mask, dropout, kwargs, query.shape[2] * _world(group)[1])
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    # (b, h, n, d) -> (b, n, h, d), the op's layout; transposed views, the op makes them contiguous once.
+    out = dist_flash_attn_op(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                             causal=bool(is_causal), softmax_scale=scaling, group=group, schedule=options.schedule,
+                             backend=options.backend, overlap=options.overlap)
+    return out, None
+
+
+def _register(options: _Options) -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(options.name, functools.partial(distattn_attention_forward, options=options))
+    return options.name
+
+
+def use_distattn(model, group=None, schedule: str = "balanced", *, backend: str | None = None,
+                 overlap: bool = True):
+    """Switch a transformers model's attention to distattn's sequence-parallel attention.
+
+    Registers the attention function in transformers' ``AttentionInterface`` (so every attention layer of
+    the model calls ``torch.ops.distattn.attention``) and sets the model's attention implementation to it.
+    No attention mask is built: the implementation is not in transformers' mask interface, so the model
+    passes ``attention_mask=None`` and the op applies the causal mask on global positions itself.
+    Sets ``config.use_cache = False`` (a sequence-parallel KV cache for generation is out of scope).
+
+    Args:
+        model: a ``PreTrainedModel`` whose attention goes through ``AttentionInterface`` (LLaMA, Qwen2, Mistral...).
+        group: the sequence-parallel process group (``None``: the default group).
+        schedule: ``"balanced"`` (DistFlashAttn load balancing) or ``"ring"``.
+        backend: kernel backend (``"triton"``, ``"torch"``, ``None``: best available on the model's device).
+        overlap: prefetch key/value chunks while computing (``False`` only for ablations).
+
+    Returns:
+        ``model`` (changed in place).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}; use schedule='balanced'")
+    if backend is not None and backend not in kernels.BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; it must be one of {kernels.BACKENDS} or None")
+    name = _register(_Options(group_key=group_key(group), schedule=schedule, backend=backend,
+                              overlap=bool(overlap)))
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"{type(model).__name__} is not a transformers PreTrainedModel (no "
+                        f"set_attn_implementation); call attention through distattn.dist_flash_attn_func instead")
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise ValueError(f"{type(model).__name__} does not route attention through transformers' "
+                         f"AttentionInterface, so distattn cannot be switched on for it; call "
+                         f"distattn.dist_flash_attn_func from its attention module instead")
+    model.config.use_cache = False
+    return model
+
+
+# -- data and loss ------------------------------------------------------------------------------------------
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, group=None) -> dict:
+    """This rank's share of a full-sequence batch.
+
+    Args:
+        input_ids: ``(batch, seq)``, the *full* sequence (the same on every rank); ``seq`` must divide by the
+            group size.
+        labels: ``(batch, seq)`` targets, unshifted (as passed to a transformers causal LM: usually
+            ``input_ids`` with ``-100`` where no loss is wanted), or ``None``.
+        group: the sequence-parallel process group (``None``: the default group).
+
+    Returns:
+        ``{"input_ids": (batch, n), "position_ids": (batch, n) global positions}`` and, with ``labels``,
+        ``"shift_labels": (batch, n)``: targets already shifted on the full sequence (token ``i`` predicts
+        ``labels[i + 1]``; the last token of the sequence gets -100). The key is transformers' name for
+        pre-shifted labels: pass them to ``causal_lm_loss``, not as the model's ``labels=`` (its loss would
+        shift them again and average over this rank only)::
+
+            rank 0        rank 1
+            t0 t1 t2 | t3 t4 t5        input_ids
+            t1 t2 t3 | t4 t5 -100      shift_labels (t3: rank 0's last target lives on rank 1)
+    """
+    rank, world = _world(group)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}; add a batch dim "
+                         f"with input_ids.unsqueeze(0)")
+    batch, seq = input_ids.shape
+    if seq % world:
+        raise ValueError(f"sequence length {seq} must be divisible by the group size {world}; pad or trim the "
+                         f"sequence to a multiple of {world}")
+    n = seq // world
+    piece = slice(rank * n, (rank + 1) * n)
+    positions = torch.arange(seq, device=input_ids.device)[piece]
+    out = {"input_ids": input_ids[:, piece], "position_ids": positions.unsqueeze(0).expand(batch, n)}
+    if labels is not None:
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)}")
+        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # token i predicts labels[i + 1]
+        out["shift_labels"] = shifted[:, piece]
+    return out
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
+    """Mean cross-entropy over every target token of the full sequence (all ranks), on every rank.
+
+    Args:
+        logits: ``(batch, n, vocab)``, this rank's logits (upcast to fp32 here).
+        labels: ``(batch, n)`` shifted targets of this rank (``shard_batch(...)["shift_labels"]``);
+            ``-100`` is ignored.
+        group: the sequence-parallel process group (``None``: the default group).
+
+    Returns:
+        A scalar: the same global mean on every rank (0 when no rank has a target). Its gradient with
+        respect to this rank's logits is that of the global mean, so summing parameter gradients over the
+        ranks gives the full-sequence gradient.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be (batch, n, vocab) and labels (batch, n) of this rank, got logits "
+                         f"{tuple(logits.shape)} and labels {tuple(labels.shape)}")
+    labels = labels.to(logits.device)
+    local_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+    # Sum and count in fp64 across ranks: exact token counts, and one value that every rank agrees on.
+    stats = torch.stack([local_sum.detach().double(), (labels != IGNORE_INDEX).sum().double()])
+    if _world(group)[1] > 1:
+        dist.all_reduce(stats, group=group)
+    total, count = stats[0], stats[1].clamp(min=1.0)
+    # Value: the global mean (identical bits on every rank). Gradient: d(local_sum)/count, this rank's share.
+    return (total / count).float() + (local_sum - local_sum.detach()) / count.float()
+
+
+# -- checkpointing ------------------------------------------------------------------------------------------
+def enable_remat_checkpointing(model):
+    """Checkpoint every decoder layer at its attention output (``distattn.checkpoint``) instead of its input.
+
+    Uses transformers' own per-layer checkpointing hook with PyTorch's selective checkpointing: per layer
+    the layer input and attention's ``(out, lse)`` are kept, the rest is recomputed in backward, and
+    attention's forward (with its communication) runs once per step. Only layers in training mode are
+    checkpointed (``model.train()``). Undo with ``model.activation_checkpointing_disable()`` (older 5.x:
+    ``model.gradient_checkpointing_disable()``).
+
+    Raises:
+        ValueError: the model does not use distattn attention (call ``use_distattn(model)`` first), or does
+            not support checkpointing.
+    """
+    if not str(model.config._attn_implementation).startswith(ATTN_IMPLEMENTATION):
+        raise ValueError(f"enable_remat_checkpointing needs distattn attention, but the model uses "
+                         f"{model.config._attn_implementation!r}: call use_distattn(model) first")
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+    ckpt_kwargs = {"use_reentrant": False, "context_fn": remat_context_fn}
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer 5.x name; the old one is its deprecated alias
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    return model

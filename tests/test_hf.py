@@ -1,0 +1,300 @@
+"""Hugging Face integration (distattn.integrations.hf) against HF's own single-process eager attention.
+
+Tiny random GQA models of three families (LLaMA 4/2 heads, Qwen2 4/1 with q/k/v biases, Mistral 4/2 with a
+sliding window longer than the sequence), 2-3 layers. One spawn of 3 gloo ranks runs group sizes 1 and 2
+(subgroups {0} and {0, 1}) and 3 (the default group); every case trains one step on its shard with
+no checkpointing, HF's gradient checkpointing, and ours (``enable_remat_checkpointing``), and sends back the
+loss, the parameter gradients summed over the group, and what the step counted. The parent process checks
+them against the same model run on the full sequence in fp64 (the reference) and fp32 (plain PyTorch, the
+baseline of the accuracy rule) with ``attn_implementation="eager"``.
+"""
+
+import pytest
+import torch
+
+from attn_ref import assert_close_by_rule, magnitude_of
+from dist_utils import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+from distattn import checkpoint as ck  # noqa: E402
+from distattn import comm  # noqa: E402
+from distattn.integrations import hf  # noqa: E402
+
+TIMEOUT_S = 170  # three ranks importing transformers on a shared two-core machine, 27 training steps
+GROUP_SIZES = (1, 2, 3)
+MODES = ("none", "hf", "ours")
+BATCH, SEQ, VOCAB = 2, 12, 64  # SEQ divides by every group size
+FAMILIES = {  # name: (config class, model class, layers, heads_q, heads_kv, extra config)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", 2, 4, 2, {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", 3, 4, 1, {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", 2, 4, 2, {"sliding_window": 64}),
+}
+
+
+def make_model(family: str, attn: str = "eager", dtype=torch.float32):
+    """The same tiny random model in every process (seeded init; larger init than HF's so attention is peaked)."""
+    cfg_name, model_name, layers, h_q, h_kv, extra = FAMILIES[family]
+    config = getattr(transformers, cfg_name)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=h_q,
+        num_key_value_heads=h_kv, max_position_embeddings=64, initializer_range=0.2, attn_implementation=attn,
+        use_cache=False, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).to(dtype).train()
+
+
+def make_ids():
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def set_checkpointing(model, mode):
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+    if mode == "hf":  # HF's own: checkpoint at the layer input, recompute the whole layer
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_enable()
+    elif mode == "ours":
+        hf.enable_remat_checkpointing(model)
+
+
+# -- spawned side -------------------------------------------------------------------------------------------
+def _step(model, ids, group):
+    import torch.distributed as dist
+
+    model.zero_grad(set_to_none=True)
+    batch = hf.shard_batch(ids, labels=ids, group=group)
+    ck.reset_counters()
+    comm.reset_counters()
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = hf.causal_lm_loss(logits, batch["shift_labels"], group=group)
+    loss.backward()
+    counts = {"forward": ck.COUNTERS.forward, "backward": ck.COUNTERS.backward,
+              "bytes": comm.COUNTERS.bytes_sent + comm.COUNTERS.bytes_recv}
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)  # each rank holds its share of the full-sequence gradient
+        grads[name] = g
+    return loss.detach(), grads, counts
+
+
+def _layer_memory(model, ids, group):
+    """Bytes layer 0 keeps for backward, and (no checkpointing) the same seen through saved-tensor hooks."""
+    batch = hf.shard_batch(ids, group=group)
+    layer = model.model.layers[0]
+    x = model.model.embed_tokens(batch["input_ids"]).detach().requires_grad_()
+    cos_sin = model.model.rotary_emb(x, position_ids=batch["position_ids"])
+    hooked = {}
+    external = {t.untyped_storage().data_ptr() for t in (x, *cos_sin, *model.parameters())}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in external:
+            hooked[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, kept = ck.retained_bytes(layer, x, attention_mask=None, position_embeddings=cos_sin,
+                                    position_ids=batch["position_ids"])
+    y.sum().backward()  # same backward on every rank: the op's communication stays in lockstep
+    return {"kept": kept, "hooked": sum(hooked.values()), "input": x.numel() * x.element_size()}
+
+
+def _hf_cases(rank, world_size):
+    import torch.distributed as dist
+
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 3: None}  # new_group: every rank calls it
+    ids = make_ids()
+    results = {}
+    for size in GROUP_SIZES:
+        if rank >= size:
+            continue
+        group = groups[size]
+        for family in FAMILIES:
+            model = hf.use_distattn(make_model(family, attn="sdpa"), group=group)
+            for mode in MODES:
+                set_checkpointing(model, mode)
+                loss, grads, counts = _step(model, ids, group)
+                memory = _layer_memory(model, ids, group)
+                if rank == 0:
+                    results[(size, family, mode)] = {"loss": loss, "grads": grads, **counts, **memory}
+                else:  # the loss value must agree on every rank; counts are per rank
+                    results[(size, family, mode)] = {"loss": loss, **counts}
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return run_distributed(_hf_cases, 3, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """family -> (fp64 reference, fp32 eager baseline), each (loss, {name: grad}): HF's own loss and attention."""
+    out = {}
+    ids = make_ids()
+    for family in FAMILIES:
+        runs = []
+        for dtype in (torch.float64, torch.float32):
+            model = make_model(family, attn="eager", dtype=dtype)
+            loss = model(input_ids=ids, labels=ids).loss  # HF shifts the labels itself
+            loss.backward()
+            runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        out[family] = runs
+    return out
+
+
+# -- checks -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("size", GROUP_SIZES)
+def test_loss_and_gradients_match_single_process_eager(spawned, references, size, family, mode):
+    ours = spawned[0][(size, family, mode)]
+    (ref_loss, ref_grads), (base_loss, base_grads) = references[family]
+    assert_close_by_rule("loss", ours["loss"], base_loss, ref_loss, torch.float32)
+    mag = magnitude_of(*ref_grads.values())  # one floor for all gradients: some entries are ~0 by symmetry
+    assert ours["grads"].keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        assert_close_by_rule(f"{family} {mode} P={size} {name}", ours["grads"][name], base_grads[name], ref,
+                             torch.float32, magnitude=mag)
+    for rank, res in enumerate(spawned):  # the same loss bits on every rank of the group
+        if (size, family, mode) in res:
+            assert torch.equal(res[(size, family, mode)]["loss"], ours["loss"]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("size", GROUP_SIZES)
+def test_checkpointing_changes_no_gradient_bit(spawned, size, family):
+    runs = {mode: spawned[0][(size, family, mode)] for mode in MODES}
+    for mode in ("hf", "ours"):
+        differ = [n for n, g in runs[mode]["grads"].items() if not torch.equal(g, runs["none"]["grads"][n])]
+        assert not differ, f"{family} P={size}: {mode} checkpointing changed the gradients of {differ}"
+
+
+@pytest.mark.parametrize("size", GROUP_SIZES)
+def test_attention_forward_runs_once_per_layer_with_ours(spawned, size):
+    for rank, res in enumerate(spawned):
+        for family, (_, _, layers, *_) in FAMILIES.items():
+            if (size, family, "none") not in res:
+                continue
+            counts = {mode: (res[(size, family, mode)]["forward"], res[(size, family, mode)]["backward"])
+                      for mode in MODES}
+            assert counts == {"none": (layers, layers), "hf": (2 * layers, layers), "ours": (layers, layers)}, \
+                f"rank {rank}, {family} P={size}: (attention forward, backward) executions per step {counts}"
+            moved = {mode: res[(size, family, mode)]["bytes"] for mode in MODES}
+            assert moved["ours"] == moved["none"], f"rank {rank}, {family} P={size}: bytes moved {moved}"
+            if size > 1:
+                assert moved["hf"] > moved["none"], f"rank {rank}, {family} P={size}: bytes moved {moved}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("size", GROUP_SIZES)
+def test_saved_bytes_per_layer(spawned, size, family):
+    _, _, _, h_q, _, _ = FAMILIES[family]
+    runs = {mode: spawned[0][(size, family, mode)] for mode in MODES}
+    tokens = BATCH * SEQ // size
+    out_bytes, lse_bytes = tokens * 32 * 4, tokens * h_q * 4  # out (b, n, h_q, d) = hidden 32; lse fp32
+    # The layer input (created before the layer) is held by every variant and not counted by retained_bytes.
+    assert runs["ours"]["kept"] == out_bytes + lse_bytes, runs["ours"]
+    assert runs["hf"]["kept"] == 0, runs["hf"]
+    assert runs["none"]["kept"] > 4 * (out_bytes + lse_bytes), runs["none"]
+    # Cross-check of the measurement: without checkpointing, what autograd saved (seen by saved-tensor hooks)
+    # is exactly what stays alive.
+    assert runs["none"]["kept"] == runs["none"]["hooked"], runs["none"]
+
+
+# -- single-process checks (no process group needed) ----------------------------------------------------------
+def test_shard_batch_shifts_labels_on_the_full_sequence():
+    ids = torch.arange(12).view(2, 6)
+    labels = ids.clone()
+    labels[0, 3] = -100
+    full = hf.shard_batch(ids, labels=labels)
+    assert torch.equal(full["input_ids"], ids)
+    assert torch.equal(full["position_ids"], torch.arange(6).expand(2, 6))
+    assert full["shift_labels"].tolist() == [[1, 2, -100, 4, 5, -100], [7, 8, 9, 10, 11, -100]]
+    assert "shift_labels" not in hf.shard_batch(ids)
+
+
+def test_shard_batch_validates():
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, seq\)"):
+        hf.shard_batch(torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="must have the shape of input_ids"):
+        hf.shard_batch(torch.zeros(1, 6, dtype=torch.long), labels=torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_causal_lm_loss_matches_hf_loss_on_one_process():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 7), generator=g)
+    labels[1, :4] = -100
+    ours = hf.causal_lm_loss(logits, hf.shard_batch(labels, labels=labels)["shift_labels"])
+    theirs = ForCausalLMLoss(logits, labels, vocab_size=11)
+    torch.testing.assert_close(ours, theirs)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    (g_theirs,) = torch.autograd.grad(theirs, logits)
+    torch.testing.assert_close(g_ours, g_theirs)
+
+
+def test_causal_lm_loss_with_no_target_is_zero_not_nan():
+    logits = torch.randn(1, 3, 5, requires_grad=True)
+    loss = hf.causal_lm_loss(logits, torch.full((1, 3), -100))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_causal_lm_loss_validates_shapes():
+    with pytest.raises(ValueError, match="logits must be"):
+        hf.causal_lm_loss(torch.randn(1, 3, 5), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_use_distattn_validates():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="schedule='zigzag' is not one of"):
+        hf.use_distattn(model, schedule="zigzag")
+    with pytest.raises(ValueError, match="backend='cuda' is unknown"):
+        hf.use_distattn(model, backend="cuda")
+    with pytest.raises(TypeError, match="is not a transformers PreTrainedModel"):
+        hf.use_distattn(torch.nn.Linear(2, 2))
+
+
+def test_use_distattn_switches_the_model_and_builds_no_mask():
+    model = hf.use_distattn(make_model("llama"), schedule="ring")
+    name = model.config._attn_implementation
+    assert name.startswith(hf.ATTN_IMPLEMENTATION) and "ring" in name
+    assert model.config.use_cache is False
+    assert hf.use_distattn(make_model("llama")).config._attn_implementation == hf.ATTN_IMPLEMENTATION
+    from transformers.masking_utils import create_causal_mask
+
+    embeds = torch.zeros(1, 6, 32)
+    assert create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None,
+                              past_key_values=None, position_ids=torch.arange(6)[None]) is None
+
+
+def test_enable_remat_checkpointing_needs_distattn():
+    with pytest.raises(ValueError, match="call use_distattn"):
+        hf.enable_remat_checkpointing(make_model("llama"))
+
+
+class _Module:
+    is_causal = True
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"attention_mask": torch.ones(1, 1, 4, 4)}, "takes no attention_mask"),
+    ({"dropout": 0.1}, r"attention dropout \(0.1\)"),
+    ({"softcap": 30.0}, "soft-capping"),
+    ({"sliding_window": 3}, r"sliding_window \(3\) is shorter than the sequence \(4 tokens\)"),
+    ({"cu_seq_lens_q": torch.tensor([0, 4])}, "packed sequences"),
+])
+def test_attention_function_refuses_what_it_cannot_compute(kwargs, match):
+    q = torch.randn(1, 4, 4, 8)  # (b, h, n, d) as transformers passes it
+    kwargs = {"attention_mask": None, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        hf.distattn_attention_forward(_Module(), q, q, q, options=hf._DEFAULT_OPTIONS, **kwargs)
