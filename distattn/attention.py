@@ -74,6 +74,12 @@ def make_config(q, k, v, causal=True, softmax_scale=None, group=None, schedule="
         raise RuntimeError("dist_flash_attn_func needs an initialized process group: call "
                            "torch.distributed.init_process_group(...) first, or use flash_attn_func on one device")
     check_qkv(q, k, v, same_seq=True)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
+                         f"call torch.cuda.set_device({q.device.index}) on this rank (NCCL hangs otherwise)")
+    if "nccl" in str(dist.get_backend(group)) and not q.is_cuda and "gloo" not in str(dist.get_backend(group)):
+        raise ValueError(f"the process group's backend is {dist.get_backend(group)!r}, which cannot send tensors "
+                         f"on {q.device}; move q, k, v to this rank's CUDA device or use a gloo group")
     kernels.get_backend(backend, q.device)  # unknown/unavailable backend: same error on every rank
     cfg = DistAttnConfig(causal=bool(causal), scale=resolve_scale(softmax_scale, q.shape[-1]), schedule=schedule,
                          backend=backend, group=group, overlap=bool(overlap))

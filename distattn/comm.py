@@ -3,11 +3,13 @@
 ``PeerExchange.post(slot, sends, recvs)`` starts one round of batched ``isend``/``irecv``
 (``torch.distributed.batch_isend_irecv``) and returns at once; ``wait(slot)`` completes it. The executor
 posts the transfers of step ``t + 1`` before it computes step ``t``, so communication hides behind compute.
-Two fetch slots alternate (double-buffered receives): at most two fetch rounds are alive at a time.
+Two fetch slots alternate (double-buffered receives): at most two fetch rounds, and so two sets of receive
+buffers, are alive at a time; the buffers come from the caching allocator each round rather than a fixed pool.
 
 On CUDA the round is posted on a side stream: the side stream first waits for an event recorded on the
-compute stream (so send buffers are final), the receive buffers are ``record_stream``-ed to the side stream
-(the caching allocator then never hands them to someone else while a transfer may still write them), and
+compute stream (so send buffers are final), every buffer is ``record_stream``-ed to the side stream (the
+caching allocator then never reuses its memory before the side stream has passed the transfer; NCCL also
+records its own internal stream), and
 ``wait`` makes only the *current* stream wait for the round's completion event — there is no device-wide
 synchronize anywhere in the loop. CUDA tensors on a gloo group are staged through pinned CPU memory, so
 several processes can share one GPU in tests.
@@ -50,10 +52,9 @@ def _nbytes(tensors) -> int:
 class _Round:
     """One posted round: its requests and what ``wait`` must finish (copy-backs, events)."""
 
-    def __init__(self, reqs, copy_back, done_event):
+    def __init__(self, reqs, copy_back):
         self.reqs = reqs
         self.copy_back = copy_back  # [(device_tensor, staged_cpu_tensor)] for gloo + CUDA
-        self.done_event = done_event
 
 
 class PeerExchange:
@@ -70,7 +71,8 @@ class PeerExchange:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
-        self._stage = self.device.type == "cuda" and dist.get_backend(group) == "gloo"
+        # CUDA tensors on a group without NCCL (e.g. gloo, or "cpu:gloo,cuda:gloo") travel through host memory.
+        self._stage = self.device.type == "cuda" and "nccl" not in str(dist.get_backend(group))
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and not self._stage else None
         self._rounds: dict[object, _Round] = {}
         self._tag = 0
@@ -92,25 +94,27 @@ class PeerExchange:
         COUNTERS.bytes_sent += sum(_nbytes(ts) for _, ts in sends)
         COUNTERS.bytes_recv += sum(_nbytes(ts) for _, ts in recvs)
         if not ops:
-            self._rounds[slot] = _Round([], copy_back, None)
+            self._rounds[slot] = _Round([], copy_back)
             return
         if self._stream is None:
-            self._rounds[slot] = _Round(dist.batch_isend_irecv(ops), copy_back, None)
+            self._rounds[slot] = _Round(dist.batch_isend_irecv(ops), copy_back)
             return
-        ready = torch.cuda.current_stream(self.device).record_event()
-        self._stream.wait_event(ready)  # send buffers were written on the compute stream
-        with torch.cuda.stream(self._stream):
-            reqs = dist.batch_isend_irecv(ops)
-        for op in ops:
-            op.tensor.record_stream(self._stream)  # keep the allocator off these buffers until the side stream is done
-        self._rounds[slot] = _Round(reqs, copy_back, None)
+        # NCCL hangs if the current device is not the tensors' device: pin it for the launch.
+        with torch.cuda.device(self.device):
+            ready = torch.cuda.current_stream(self.device).record_event()
+            self._stream.wait_event(ready)  # send buffers were written on the compute stream
+            with torch.cuda.stream(self._stream):
+                reqs = dist.batch_isend_irecv(ops)
+            for op in ops:
+                op.tensor.record_stream(self._stream)  # allocator: no reuse before the side stream passes here
+        self._rounds[slot] = _Round(reqs, copy_back)
 
     def wait(self, slot) -> None:
         """Complete the round in ``slot``; afterwards its receive tensors hold the data (on the current stream)."""
         rnd = self._rounds.pop(slot, None)
         if rnd is None:
             raise RuntimeError(f"PeerExchange: wait() on slot {slot!r} with nothing posted (waited twice?)")
-        if self._stream is None:
+        if self._stream is None or not rnd.reqs:
             for req in rnd.reqs:
                 req.wait()
         else:
@@ -120,7 +124,7 @@ class PeerExchange:
                 done = self._stream.record_event()
             torch.cuda.current_stream(self.device).wait_event(done)  # compute waits for this round only
         for dst, staged in rnd.copy_back:
-            dst.copy_(staged, non_blocking=False)
+            dst.copy_(staged, non_blocking=True)  # staged is pinned: an async host-to-device copy
 
     def pending(self) -> tuple:
         """Slots posted and not yet waited for."""
@@ -138,7 +142,7 @@ class PeerExchange:
             for t in tensors:
                 t = t.contiguous()
                 if self._stage:
-                    t = t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
+                    t = t.cpu()  # gloo sends from host memory; pinning would only add a second copy
                 ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group, self._tag))
         for peer, tensors in recvs:
             for t in tensors:

@@ -27,6 +27,9 @@ CASES = [  # (causal, schedule, h_q, h_kv, d, dtype, backend)
     for schedule in ("balanced", "ring")
     for (h_q, h_kv, d) in ((4, 2, 16), (3, 3, 80))
     for dtype in (torch.float32, torch.float16)
+] + [  # the Triton kernels (interpreter on CPU; fp16/fp32 only there: bf16 tl.dot is broken in the interpreter)
+    (True, "balanced", 4, 2, 16, torch.float16, "triton"),
+    (False, "ring", 4, 1, 32, torch.float32, "triton"),
 ]
 
 
