@@ -1,0 +1,262 @@
+"""Command line, model presets and up-front validation of ``launch/train.py``.
+
+Everything here runs before the process group exists: it reads only the arguments, the torchrun
+environment and the file system, which every rank sees alike, so a bad argument makes every rank exit with
+the same one-line reason (printed by rank 0) before any collective could hang. Heavy imports
+(transformers) stay out of this module so that a bad argument fails fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "kjv.txt.gz"
+DEFAULT_CKPT_DIR = "runs/train"
+
+# LlamaConfig fields per preset. vocab_size comes from the tokenizer (256 for the byte-level default) and
+# max_position_embeddings from --seq-len, so they are not listed. Shapes above `small` follow published models.
+PRESETS: dict[str, dict] = {
+    # ~0.9 M parameters with the byte vocabulary: trains visibly on a laptop CPU in a minute.
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4),
+    "tiny-gqa": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2),
+    "tiny-mqa": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=1),
+    # ~26 M parameters with the byte vocabulary.
+    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=8),
+    "small-gqa": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2),
+    # TinyLlama-1.1B shape (GQA 32/4).
+    "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4),
+    # LLaMA-2-7B shape (MHA), and the same with 8 key/value heads.
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32),
+    "llama-7b-gqa": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8),
+    # LLaMA-3-8B shape (GQA 32/8, rope theta 5e5).
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, rope_theta=500000.0),
+}
+
+EXIT_BAD_ARGS = 2
+
+
+class UsageError(Exception):
+    """A bad argument or environment; the message is the one line rank 0 prints."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Env:
+    """Where this process sits, from the torchrun environment (rank 0 of 1 without torchrun)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls) -> Env:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(rank=int(os.environ.get("RANK", "0")), world_size=world,
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The arguments after validation, with every ``auto`` resolved."""
+
+    args: argparse.Namespace
+    """The parsed command line (for fields that need no resolving)."""
+    env: Env
+    """This process's rank and world."""
+    device_type: str
+    """``"cuda"`` or ``"cpu"``."""
+    dist_backend: str
+    """Process-group backend: ``"nccl"`` or ``"gloo"``."""
+    attn_backend: str
+    """distattn kernel backend: ``"triton"`` or ``"torch"``."""
+    dtype: torch.dtype
+    """Compute dtype (parameters and optimizer state stay fp32)."""
+    sp_size: int
+    """Ranks that split one sequence (the distattn group)."""
+    dp_size: int
+    """Data-parallel replicas of the sequence-parallel group: ``world_size // sp_size``."""
+    preset: dict | None
+    """LlamaConfig fields of the preset, or ``None`` for a checkpoint directory (``args.model``)."""
+    data_path: Path
+    """The training text (plain or gzip)."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over the whole job."""
+        return self.args.batch_size * self.args.seq_len * self.dp_size
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line on rank 0 only (every rank still exits)."""
+
+    def error(self, message):
+        if Env.from_environ().rank == 0:
+            print(f"train.py: error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_ARGS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="train.py", description="Train a LLaMA model with distattn sequence parallelism "
+                "(torchrun entry point; see the module docstring for commands).")
+    a = p.add_argument_group("model")
+    a.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face "
+                   "checkpoint directory (config.json + weights)")
+    a.add_argument("--schedule", default="balanced", choices=("balanced", "ring"),
+                   help="distattn causal schedule (default: balanced)")
+    a.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                   help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
+    a.add_argument("--remat", action="store_true",
+                   help="distattn's rematerialization-aware checkpointing (saves activation memory)")
+    a.add_argument("--sp-size", type=int, default=0,
+                   help="ranks per sequence-parallel group (default 0: all ranks); the rest is data parallel")
+    t = p.add_argument_group("training")
+    t.add_argument("--seq-len", type=int, default=2048, help="tokens per sample, global (split over sp ranks)")
+    t.add_argument("--batch-size", type=int, default=2, help="samples per step per data-parallel replica")
+    t.add_argument("--steps", type=int, default=60, help="optimizer steps (in total, counting resumed ones)")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    t.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: steps/10, "
+                   "at most 100); cosine decay to lr/10 after")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    t.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="compute dtype, parameters stay fp32 (auto: bf16 on CUDA, fp32 on CPU)")
+    t.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("data")
+    d.add_argument("--data", default=None, help="a UTF-8 text file, plain or .gz (default: the shipped "
+                   "public-domain corpus launch/data/kjv.txt.gz)")
+    d.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (default: "
+                   "bytes, vocab 256; for a checkpoint --model, its own tokenizer)")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if available")
+    r.add_argument("--dist-backend", default="auto", choices=("auto", "nccl", "gloo"),
+                   help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
+    r.add_argument("--shard", default="auto", choices=("auto", "fsdp", "ddp"),
+                   help="parameter parallelism when world > 1 (auto: FSDP2, DDP if the backend cannot)")
+    c = p.add_argument_group("checkpoints and logs")
+    c.add_argument("--ckpt-dir", default=DEFAULT_CKPT_DIR, help=f"checkpoint directory (default {DEFAULT_CKPT_DIR})")
+    c.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    c.add_argument("--keep", type=int, default=2, help="checkpoints to keep (oldest deleted first)")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --ckpt-dir (start fresh if there is none)")
+    c.add_argument("--log-json", default=None, help="write one JSON record per step to this file")
+    c.add_argument("--log-every", type=int, default=0,
+                   help="progress line every N steps when stderr is not a terminal (default: ~20 lines)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--crash-at-step", type=int, default=0,
+                   help="testing: every rank exits with code 1 right after step N (first torchrun attempt only)")
+    return p
+
+
+def _check_ranges(args) -> None:
+    for name in ("seq_len", "batch_size", "steps", "keep"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("save_every", "log_every", "crash_at_step", "sp_size", "grad_clip", "weight_decay"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if args.warmup is not None and not 0 <= args.warmup <= args.steps:
+        raise UsageError(f"--warmup must be between 0 and --steps ({args.steps}), got {args.warmup}")
+
+
+def _resolve_parallel(args, env: Env) -> tuple[int, int]:
+    world = env.world_size
+    sp = args.sp_size or world
+    if world % sp:
+        raise UsageError(f"--sp-size {sp} does not divide the world size {world}; use a divisor of {world}")
+    if args.seq_len % sp:
+        lo, hi = args.seq_len // sp * sp, (args.seq_len // sp + 1) * sp
+        raise UsageError(f"--seq-len {args.seq_len} is not divisible by the sequence-parallel size {sp}; "
+                         f"use a multiple of {sp}, e.g. {lo or hi} or {hi}")
+    return sp, world // sp
+
+
+def _resolve_model(args) -> dict | None:
+    if args.model in PRESETS:
+        return PRESETS[args.model]
+    path = Path(args.model)
+    if path.is_dir() and (path / "config.json").is_file():
+        has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        if args.tokenizer is None and not has_tokenizer:
+            raise UsageError(f"--model {args.model} has no tokenizer files; pass --tokenizer DIR with the "
+                             f"tokenizer it was trained with")
+        return None
+    raise UsageError(f"unknown --model {args.model!r}: not a preset ({', '.join(PRESETS)}) nor a directory "
+                     f"holding a Hugging Face config.json")
+
+
+def _resolve_runtime(args, env: Env) -> tuple[str, str, str, torch.dtype]:
+    has_cuda = torch.cuda.is_available()
+    device = args.device if args.device != "auto" else ("cuda" if has_cuda else "cpu")
+    if device == "cuda":
+        if not has_cuda:
+            raise UsageError("--device cuda but torch sees no CUDA device; use --device cpu (or auto)")
+        if env.local_world_size > torch.cuda.device_count():
+            raise UsageError(f"{env.local_world_size} ranks on this node but only {torch.cuda.device_count()} "
+                             f"CUDA devices; use --nproc-per-node {torch.cuda.device_count()} or --device cpu")
+    dist_backend = args.dist_backend if args.dist_backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    if dist_backend == "nccl" and device != "cuda":
+        raise UsageError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on CPU")
+    attn = _resolve_attn_backend(args.backend, device)
+    dtype_name = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    return device, dist_backend, attn, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+
+
+def _resolve_attn_backend(name: str, device: str) -> str:
+    from distattn import kernels
+
+    if name == "auto":  # triton on CUDA when it imports; the torch reference everywhere else
+        name = "triton" if device == "cuda" and _backend_ok(kernels, "triton", device) else "torch"
+    try:
+        kernels.get_backend(name, device)
+    except ValueError as exc:
+        raise UsageError(f"--backend {name}: {exc}") from exc
+    return name
+
+
+def _backend_ok(kernels, name: str, device: str) -> bool:
+    try:
+        kernels.get_backend(name, device)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolve_data(args) -> Path:
+    path = Path(args.data) if args.data is not None else DEFAULT_DATA
+    if not path.is_file():
+        raise UsageError(f"--data {path}: no such file" if args.data is not None else
+                         f"the shipped corpus {path} is missing; pass --data FILE")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory (a local Hugging Face tokenizer)")
+    return path
+
+
+def resolve(args: argparse.Namespace, env: Env) -> RunConfig:
+    """Validate ``args`` against ``env``; raise ``UsageError`` with a one-line reason."""
+    _check_ranges(args)
+    sp, dp = _resolve_parallel(args, env)
+    preset = _resolve_model(args)
+    data_path = _resolve_data(args)
+    device, dist_backend, attn, dtype = _resolve_runtime(args, env)
+    if args.crash_at_step > args.steps:
+        raise UsageError(f"--crash-at-step {args.crash_at_step} is after the last step ({args.steps})")
+    return RunConfig(args=args, env=env, device_type=device, dist_backend=dist_backend, attn_backend=attn,
+                     dtype=dtype, sp_size=sp, dp_size=dp, preset=preset, data_path=data_path)

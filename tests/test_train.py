@@ -1,0 +1,174 @@
+"""launch/train.py end to end: real torchrun jobs of gloo ranks on the CPU, the tiny preset, a few steps.
+
+Each job is a subprocess (``python -m torch.distributed.run --standalone ...``) in its own session with a
+hard timeout, after which the whole process group (torchrun and its workers) is killed: no test can hang.
+The per-step losses come from ``--log-json``; the summary from the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "launch" / "train.py"
+sys.path.insert(0, str(ROOT / "launch"))
+
+STEPS = 6
+# 2 ranks of 128 tokens each; save every 2 steps so that a crash after step 3 loses step 3 only.
+JOB = ["--device", "cpu", "--model", "tiny", "--seq-len", "256", "--batch-size", "2", "--steps", str(STEPS),
+       "--lr", "3e-3", "--seed", "0", "--save-every", "2"]
+JOB_TIMEOUT_S = 150  # a 2-rank job takes ~15 s on a loaded 2-core machine
+# World 1 vs 2 changes only the order of fp32 sums (attention merged from chunks, gradients reduced
+# across ranks); measured differences are ~1e-7, so 1e-4 relative leaves wide margin and still catches
+# any real error (a wrong gradient scale or a misplaced shard moves the loss by 1e-2 or more).
+LOSS_RTOL_ACROSS_WORLDS = 1e-4
+# A resumed run repeats the same arithmetic on the same ranks: equal to round-off only.
+LOSS_RTOL_RESUMED = 1e-6
+# From ~5.57 (ln 256: uniform over bytes) the loss falls by ~1.5 in 6 steps; 0.5 is a safe floor.
+MIN_LOSS_DROP = 0.5
+
+
+def _torchrun(nproc: int, *args: str, launcher: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT_S):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *launcher,
+           str(TRAIN), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # same threads at every world size; no oversubscription
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun {' '.join(args)} did not finish in {timeout} s\nstderr:\n{err[-4000:]}")
+    return proc.returncode, out, err
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(path)}
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float], rtol: float) -> None:
+    assert got.keys() == want.keys()
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=rtol), f"step {step}: {got[step]} vs {want[step]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 2-rank job: (returncode, stdout, stderr, json-log path, checkpoint dir)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    log, ckpt = tmp / "steps.jsonl", tmp / "ckpt"
+    rc, out, err = _torchrun(2, *JOB, "--log-json", str(log), "--ckpt-dir", str(ckpt))
+    return rc, out, err, log, ckpt
+
+
+def test_two_ranks_train_and_loss_falls(reference):
+    rc, out, err, log, ckpt = reference
+    assert rc == 0, err[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])  # the last line printed is the JSON summary
+    assert {"steps", "final_loss", "tokens_per_s", "world_size", "seq_len"} <= summary.keys()
+    assert (summary["steps"], summary["world_size"], summary["seq_len"]) == (STEPS, 2, 256)
+    assert summary["tokens_per_s"] > 0
+    records = _records(log)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert len(records[0]["peak_mem_bytes"]) == 2  # one entry per rank
+    assert summary["final_loss"] == pytest.approx(records[-1]["loss"], rel=1e-12)
+    assert records[-1]["loss"] < records[0]["loss"] - MIN_LOSS_DROP, [r["loss"] for r in records]
+    assert "params fsdp2" in err  # parameters sharded with FSDP2 over the 2 gloo ranks
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000004", "step_00000006"]  # --keep 2
+
+
+def test_world_one_gives_the_same_losses(reference, tmp_path):
+    """Sequence parallelism changes no maths: 1 rank holding the whole sequence trains identically."""
+    log = tmp_path / "steps.jsonl"
+    rc, _, err = _torchrun(1, *JOB, "--log-json", str(log), "--ckpt-dir", str(tmp_path / "ckpt"))
+    assert rc == 0, err[-4000:]
+    _assert_close(_losses(log), _losses(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
+
+
+def test_crash_then_resume_reproduces_the_losses(reference, tmp_path):
+    """Killed after step 3 (last save: step 2), restarted with --resume: steps 3.. retrace the same losses."""
+    ckpt = tmp_path / "ckpt"
+    rc, _, err = _torchrun(2, *JOB, "--log-json", str(tmp_path / "a.jsonl"), "--ckpt-dir", str(ckpt),
+                           "--crash-at-step", "3")
+    assert rc != 0, "the simulated crash must fail the job"
+    assert sorted(_losses(tmp_path / "a.jsonl")) == [1, 2, 3]
+    rc, out, err = _torchrun(2, *JOB, "--log-json", str(tmp_path / "b.jsonl"), "--ckpt-dir", str(ckpt), "--resume")
+    assert rc == 0, err[-4000:]
+    assert "resumed from" in err and "step_00000002" in err
+    resumed = _losses(tmp_path / "b.jsonl")
+    assert sorted(resumed) == [3, 4, 5, 6]  # step 3 was lost with the crash and is redone
+    full = _losses(reference[3])
+    _assert_close(resumed, {s: full[s] for s in resumed}, LOSS_RTOL_RESUMED)
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == STEPS
+
+
+def test_torchrun_max_restarts_resumes(reference, tmp_path):
+    """One torchrun command: attempt 0 crashes after step 3, torchrun restarts the ranks, they resume."""
+    log = tmp_path / "steps.jsonl"
+    rc, out, err = _torchrun(2, *JOB, "--log-json", str(log), "--ckpt-dir", str(tmp_path / "ckpt"), "--resume",
+                             "--crash-at-step", "3", launcher=("--max-restarts", "1"), timeout=2 * JOB_TIMEOUT_S)
+    assert rc == 0, err[-4000:]
+    steps = [r["step"] for r in _records(log)]
+    assert steps == [1, 2, 3, 3, 4, 5, 6]  # the log appends across restarts: step 3 twice
+    full = _losses(reference[3])
+    for r in _records(log):
+        assert r["loss"] == pytest.approx(full[r["step"]], rel=LOSS_RTOL_RESUMED)
+    assert json.loads(out.strip().splitlines()[-1])["final_loss"] == pytest.approx(full[STEPS], rel=LOSS_RTOL_RESUMED)
+
+
+BAD_ARGS = {
+    "seq-len": (["--seq-len", "255"], "--seq-len 255 is not divisible by the sequence-parallel size 2"),
+    "preset": (["--model", "llama-99b"], "unknown --model 'llama-99b'"),
+    "data": (["--data", "/nonexistent/corpus.txt"], "--data /nonexistent/corpus.txt: no such file"),
+}
+
+
+def test_bad_arguments_fail_fast_with_one_line():
+    """Each bad argument: non-zero exit, one reason line from rank 0 only, no hang (jobs run side by side)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = {}
+    for name, (args, _) in BAD_ARGS.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN),
+               "--device", "cpu", *args]
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, start_new_session=True)
+    try:
+        for name, proc in procs.items():
+            _, err = proc.communicate(timeout=90)
+            reasons = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+            assert proc.returncode != 0, name
+            assert len(reasons) == 1, f"{name}: expected one reason line (rank 0's), got {reasons}\n{err[-3000:]}"
+            assert BAD_ARGS[name][1] in reasons[0], reasons[0]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
+def test_packed_samples_depend_only_on_their_index():
+    """The data position is one integer: sample g is the same whatever was read before (resume relies on it)."""
+    import train_config
+    import train_data
+
+    tokens = train_data.ByteTokenizer().encode(train_data.read_text(train_config.DEFAULT_DATA))
+    assert len(tokens) > 4_000_000 and tokens.max() < 256  # the shipped corpus, as bytes
+    fresh = train_data.PackedSequences(tokens, seq_len=512, seed=0)
+    used = train_data.PackedSequences(tokens, seq_len=512, seed=0)
+    used.batch(0, 2)  # this one has read other samples first
+    late = len(fresh) + 7  # in the second epoch
+    assert torch.equal(fresh.batch(late, 3), used.batch(late, 3))
+    assert not torch.equal(fresh.batch(7, 1), fresh.batch(late, 1))  # each epoch has its own order
