@@ -105,6 +105,16 @@ def _check_call(attention_mask, dropout: float, kwargs: dict, seq_total: int) ->
                          "feed one sequence per batch row")
 
 
+def _common_dtype(query, key, value):
+    """Under autocast, HF's RoPE returns fp32 q/k while v stays in the autocast dtype: compute in that dtype
+    (as transformers' own flash-attention integration does); otherwise the tensors must already agree."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return query.to(dtype), key.to(dtype), value.to(dtype)
+    return query, key, value
+
+
 def distattn_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
                                options: _Options, **kwargs):
     """transformers' attention-function contract, computed by ``torch.ops.distattn.attention``.
@@ -122,6 +132,7 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
     _check_call(attention_mask, dropout, kwargs, query.shape[2] * _world(group)[1])
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    query, key, value = _common_dtype(query, key, value)
     # (b, h, n, d) -> (b, n, h, d), the op's layout; transposed views, the op makes them contiguous once.
     out = dist_flash_attn_op(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                              causal=bool(is_causal), softmax_scale=scaling, group=group, schedule=options.schedule,
