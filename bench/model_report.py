@@ -223,22 +223,13 @@ def instrument_executor(kernels, dcomm) -> dict:
         return bwd(*a, **k)
 
     def counted_post(self, slot, sends, recvs):
-        if slot[0] == "fetch":
-            key = "bwd_rounds" if counts.get("in_bwd_pass") else "fwd_rounds"
+        if slot[0] == "fetch":  # the executor's slots are (kind, phase, index)
+            key = "bwd_rounds" if slot[1] == "backward" else "fwd_rounds"
             counts[key] = counts.get(key, 0) + 1
         return post(self, slot, sends, recvs)
 
-    import distattn.attention as attention
-
-    backward = attention.dist_attn_backward
-
-    def marked_backward(*a, **k):
-        counts["in_bwd_pass"] = True
-        return backward(*a, **k)
-
     kernels.fold_, kernels.backward_chunk_ = counted_fold, counted_bwd
     dcomm.PeerExchange.post = counted_post
-    attention.dist_attn_backward = marked_backward
     return counts
 
 

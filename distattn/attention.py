@@ -131,29 +131,29 @@ class _Executor:
         """Interpret the plan: for each step, fetch, compute, send partials back, absorb received partials.
 
         ``compute(task, inbox)`` returns the partial produced by a task (or ``None``); ``absorb(transfer,
-        buffers)`` adds a received partial into this rank's accumulators.
+        buffers)`` adds a received partial into this rank's accumulators. Slots are ``(kind, phase, index)``.
         """
-        plan, steps = self.plan, self.plan.num_steps()
-        fetched = {}
+        plan, phase, steps = self.plan, self.phase, self.plan.num_steps()
+
+        def fetch(t):  # post step t's inputs into fetch slot t % 2 (double-buffered)
+            return self.post(("fetch", phase, t % 2), plan.fetches(t, phase), fetch_payload, fetch_buffers)
+
+        fetched = {0: fetch(0)} if self.cfg.overlap else {}
         returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
-        if self.cfg.overlap:
-            fetched[0] = self.post(("fetch", 0), plan.fetches(0, self.phase), fetch_payload, fetch_buffers)
         for t in range(steps):
             if not self.cfg.overlap:
-                fetched[t] = self.post(("fetch", t % 2), plan.fetches(t, self.phase), fetch_payload, fetch_buffers)
+                fetched[t] = fetch(t)
             elif t + 1 < steps:  # prefetch: the next step's inputs travel while this step computes
-                fetched[t + 1] = self.post(("fetch", (t + 1) % 2), plan.fetches(t + 1, self.phase),
-                                           fetch_payload, fetch_buffers)
-            self.comm.wait(("fetch", t % 2))
+                fetched[t + 1] = fetch(t + 1)
+            self.comm.wait(("fetch", phase, t % 2))
             inbox = fetched.pop(t)
             task = plan.task(t, self.rank)
             produced = compute(task, inbox) if task is not None else None
             if returned is not None:
                 self._absorb(returned, absorb)
-            outs = {tr: produced for tr in plan.returns(t, self.phase) if tr.src == self.rank}
-            returned = (("return", t % 2),
-                        self.post(("return", t % 2), plan.returns(t, self.phase), lambda tr: return_payload(outs[tr]),
-                                  return_buffers))
+            slot = ("return", phase, t % 2)
+            returned = (slot, self.post(slot, plan.returns(t, phase), lambda tr: return_payload(produced),
+                                        return_buffers))
             if not self.cfg.overlap:
                 self._absorb(returned, absorb)
                 returned = None

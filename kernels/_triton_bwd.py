@@ -17,7 +17,7 @@ A row that saw no key (lse = -inf) gets its lse replaced by +inf, which makes ev
 import triton
 import triton.language as tl
 
-from ._triton_fwd import LOG2E, _load_tile, _store_tile
+from ._triton_fwd import LOG2E, _key_range, _load_tile, _store_tile
 
 
 @triton.jit
@@ -209,13 +209,7 @@ def _bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     # -- key range, as in the forward: [0, n_full) unmasked, [n_full, hi) masked --
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(S_K, DIAG + tl.minimum(m0 + BLOCK_M, S_Q)), 0)
-        n_full = tl.maximum(tl.minimum(DIAG + m0 + 1, S_K), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = S_K
-        n_full = S_K // BLOCK_N * BLOCK_N
-    n_full = tl.minimum(n_full, hi)
+    n_full, hi = _key_range(m0, S_Q, S_K, DIAG, BLOCK_M, BLOCK_N, CAUSAL)
 
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
     do_ptrs = DO + off_b * stride_db + off_h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :]

@@ -31,6 +31,19 @@ LN2 = tl.constexpr(0.69314718)  # ln 2
 
 
 @triton.jit
+def _key_range(m0, S_Q, S_K, DIAG, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys a block of queries starting at row ``m0`` must visit: ``[0, n_full)`` unmasked, ``[n_full, hi)``
+    masked (the diagonal band); keys from ``hi`` on lie above the diagonal and are skipped."""
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(S_K, DIAG + tl.minimum(m0 + BLOCK_M, S_Q)), 0)
+        n_full = tl.maximum(tl.minimum(DIAG + m0 + 1, S_K), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = S_K
+        n_full = S_K // BLOCK_N * BLOCK_N
+    return tl.minimum(n_full, hi), hi
+
+
+@triton.jit
 def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr,
                MASK_D: tl.constexpr):
     """Load a [rows, BLOCK_D] tile, zero-filling rows >= n_rows and columns >= HEAD_DIM."""
@@ -124,13 +137,7 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     # -- key range: [0, n_full) unmasked, [n_full, hi) masked --
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(S_K, DIAG + tl.minimum(m0 + BLOCK_M, S_Q)), 0)
-        n_full = tl.maximum(tl.minimum(DIAG + m0 + 1, S_K), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = S_K
-        n_full = S_K // BLOCK_N * BLOCK_N
-    n_full = tl.minimum(n_full, hi)
+    n_full, hi = _key_range(m0, S_Q, S_K, DIAG, BLOCK_M, BLOCK_N, CAUSAL)
 
     # -- load q and the carried state --
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
