@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int, default=2048, help="tokens per sample, global (split over sp ranks)")
     t.add_argument("--batch-size", type=int, default=2, help="samples per step per data-parallel replica")
-    t.add_argument("--steps", type=int, default=60, help="optimizer steps (in total, counting resumed ones)")
+    t.add_argument("--steps", type=int, default=40, help="optimizer steps (in total, counting resumed ones)")
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     t.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: steps/10, "
                    "at most 100); cosine decay to lr/10 after")
