@@ -152,7 +152,7 @@ class _Executor:
             if returned is not None:
                 self._absorb(returned, absorb)
             slot = ("return", phase, t % 2)
-            returned = (slot, self.post(slot, plan.returns(t, phase), lambda tr: return_payload(produced),
+            returned = (slot, self.post(slot, plan.returns(t, phase), lambda tr, parts=produced: return_payload(parts),
                                         return_buffers))
             if not self.cfg.overlap:
                 self._absorb(returned, absorb)
@@ -193,7 +193,7 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
         return [_empty(k), _empty(v)] if tr.kind == "kv" else [_empty(q)]
 
     def compute(task: Task, inbox):
-        (_, bufs), = inbox.items() if inbox else ((None, None),)
+        bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
         if task.is_helper:  # their queries against my kv: a partial in fp32, sent back to the owner
             partial = kernels.new_state(bufs[0])
             kernels.fold_(partial, bufs[0], k, v, softmax_scale=cfg.scale, q_start=ex.start(task.q_chunk),
@@ -233,7 +233,7 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig):
         return [_empty(k), _empty(v)] if tr.kind == "kv" else [_empty(q), _empty(q), _stats(q), _stats(q)]
 
     def compute(task: Task, inbox):
-        (_, bufs), = inbox.items() if inbox else ((None, None),)
+        bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
         kw = dict(softmax_scale=cfg.scale, q_start=ex.start(task.q_chunk), k_start=ex.start(task.kv_chunk),
                   causal=ex.mask(task), backend=ex.backend)
         if task.is_local:

@@ -14,6 +14,11 @@ def _world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def group_size(group=None) -> int:
+    """Ranks in ``group`` (1 when no process group is initialized)."""
+    return _world(group)[1]
+
+
 def shard_sequence(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (no communication; differentiable).
 

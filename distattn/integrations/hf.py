@@ -46,6 +46,7 @@ from distattn import kernels
 from distattn._ops import dist_flash_attn_op, group_key, group_of
 from distattn.checkpoint import remat_context_fn
 from distattn.schedule import SCHEDULES
+from distattn.sharding import group_size as _group_size, shard_sequence
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "ATTN_IMPLEMENTATION",
            "IGNORE_INDEX"]
@@ -74,12 +75,6 @@ class _Options:
 
 
 _DEFAULT_OPTIONS = _Options(group_key=group_key(None), schedule="balanced", backend=None, overlap=True)
-
-
-def _world(group) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        return 0, 1  # no process group: this process holds the whole sequence
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 # -- attention ----------------------------------------------------------------------------------------------
@@ -129,7 +124,7 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
         ``(attn_output (batch, n, heads_q, head_dim), None)``: no attention weights are ever materialized.
     """
     group = group_of(options.group_key)
-    _check_call(attention_mask, dropout, kwargs, query.shape[2] * _world(group)[1])
+    _check_call(attention_mask, dropout, kwargs, query.shape[2] * _group_size(group))
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     query, key, value = _common_dtype(query, key, value)
@@ -207,24 +202,17 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, gro
             t0 t1 t2 | t3 t4 t5        input_ids
             t1 t2 t3 | t4 t5 -100      shift_labels (t3: rank 0's last target lives on rank 1)
     """
-    rank, world = _world(group)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}; add a batch dim "
                          f"with input_ids.unsqueeze(0)")
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
     batch, seq = input_ids.shape
-    if seq % world:
-        raise ValueError(f"sequence length {seq} must be divisible by the group size {world}; pad or trim the "
-                         f"sequence to a multiple of {world}")
-    n = seq // world
-    piece = slice(rank * n, (rank + 1) * n)
-    positions = torch.arange(seq, device=input_ids.device)[piece]
-    out = {"input_ids": input_ids[:, piece], "position_ids": positions.unsqueeze(0).expand(batch, n)}
+    positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
+    out = {"input_ids": shard_sequence(input_ids, 1, group), "position_ids": shard_sequence(positions, 1, group)}
     if labels is not None:
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
-                             f"{tuple(input_ids.shape)}")
         shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # token i predicts labels[i + 1]
-        out["shift_labels"] = shifted[:, piece]
+        out["shift_labels"] = shard_sequence(shifted, 1, group)
     return out
 
 
@@ -250,7 +238,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
                                 reduction="sum")
     # Sum and count in fp64 across ranks: exact token counts, and one value that every rank agrees on.
     stats = torch.stack([local_sum.detach().double(), (labels != IGNORE_INDEX).sum().double()])
-    if _world(group)[1] > 1:
+    if _group_size(group) > 1:
         dist.all_reduce(stats, group=group)
     total, count = stats[0], stats[1].clamp(min=1.0)
     # Value: the global mean (identical bits on every rank). Gradient: d(local_sum)/count, this rank's share.
