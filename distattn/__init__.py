@@ -3,12 +3,13 @@
 The sequence is split across the ranks of a process group; each rank keeps its own chunk and the ranks trade
 key/value chunks peer to peer while they compute (the DistFlashAttn system), on top of a FlashAttention-2
 kernel that carries softmax statistics across chunks.
+
+The public functions take flash-attn's arguments in flash-attn's order (``distattn.api``).
 """
 
-from distattn.attention import dist_flash_attn_func
+from distattn.api import dist_flash_attn_func, flash_attn_func
 from distattn.checkpoint import remat_checkpoint
 from distattn.sharding import gather_sequence, shard_sequence
-from distattn.single import flash_attn_func
 
 __all__ = ["flash_attn_func", "dist_flash_attn_func", "shard_sequence", "gather_sequence", "remat_checkpoint"]
 __version__ = "0.1.0"

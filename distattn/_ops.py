@@ -10,6 +10,9 @@ The backward is an op too (``torch.ops.distattn.attention_backward``), called by
 autograd formula, so that tracing a backward graph (``torch.compile``/AOTAutograd) sees one opaque call instead
 of stepping into the peer-to-peer communication. Both ops have fake implementations (shapes only).
 
+Layering: ``distattn.api.dist_flash_attn_func`` validates its arguments and calls :func:`dist_attention` here;
+the op runs the executors of ``distattn.attention``. Nothing here imports upward.
+
 A ``ProcessGroup`` cannot be an op argument (ops take tensors, scalars and strings), so groups travel as a
 string key into a small per-process registry (``group_key``; ``"default"`` is the default group).
 
@@ -23,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward, make_config
+from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward
 
-__all__ = ["OpCounters", "COUNTERS", "reset_counters", "group_key", "group_of", "dist_flash_attn_op", "OP"]
+__all__ = ["OpCounters", "COUNTERS", "reset_counters", "group_key", "group_of", "dist_attention", "OP"]
 
 DEFAULT_GROUP_KEY = "default"
 
@@ -74,24 +77,32 @@ def group_of(key: str):
 
 
 @functools.lru_cache(maxsize=256)
-def _config(causal: bool, scale: float, key: str, schedule: str, backend: str | None,
-            overlap: bool) -> DistAttnConfig:
-    # Inputs were validated by make_config at the public boundary; here only the frozen config is rebuilt.
-    return DistAttnConfig(causal=causal, scale=scale, schedule=schedule, backend=backend, group=group_of(key),
-                          overlap=overlap)
+def _config(causal: bool, scale: float, window_left: int, window_right: int, softcap: float, key: str,
+            schedule: str, backend: str | None, overlap: bool) -> DistAttnConfig:
+    # Inputs were validated at the public boundary (distattn.api); here only the frozen config is rebuilt.
+    return DistAttnConfig(causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
+                          schedule=schedule, backend=backend, group=group_of(key), overlap=overlap)
+
+
+def _op_args(cfg: DistAttnConfig) -> tuple:
+    """The op's scalar arguments for ``cfg`` (ops take tensors, scalars and strings, not objects)."""
+    return (cfg.causal, cfg.scale, cfg.window[0], cfg.window[1], cfg.softcap, group_key(cfg.group), cfg.schedule,
+            cfg.backend, cfg.overlap)
 
 
 # -- the op ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("distattn::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, group_key: str,
-               schedule: str, backend: str | None, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, window_left: int,
+               window_right: int, softcap: float, group_key: str, schedule: str, backend: str | None,
+               overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (b, n, h_q, d)``, ``k, v (b, n, h_kv, d)`` -> ``out (b, n, h_q, d)``, ``lse (b, h_q, n)`` fp32."""
     COUNTERS.forward += 1
-    return dist_attn_forward(q, k, v, _config(causal, scale, group_key, schedule, backend, overlap))
+    return dist_attn_forward(q, k, v, _config(causal, scale, window_left, window_right, softcap, group_key, schedule,
+                                              backend, overlap))
 
 
 @_attention.register_fake
-def _attention_fake(q, k, v, causal, scale, group_key, schedule, backend, overlap):
+def _attention_fake(q, k, v, *options):
     b, n, h_q, _ = q.shape
     # The real forward returns fresh contiguous tensors (kernels.finalize), so the fake does too.
     return q.new_empty(q.shape), q.new_empty((b, h_q, n), dtype=torch.float32)
@@ -99,16 +110,18 @@ def _attention_fake(q, k, v, causal, scale, group_key, schedule, backend, overla
 
 @torch.library.custom_op("distattn::attention_backward", mutates_args=())
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, causal: bool, scale: float, group_key: str, schedule: str,
-                           backend: str | None, overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           lse: torch.Tensor, causal: bool, scale: float, window_left: int, window_right: int,
+                           softcap: float, group_key: str, schedule: str, backend: str | None,
+                           overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``distattn::attention`` (an op of its own, so that tracers such as
     ``torch.compile`` see one opaque call instead of tracing into the communication)."""
     COUNTERS.backward += 1
-    return dist_attn_backward(dout, q, k, v, out, lse, _config(causal, scale, group_key, schedule, backend, overlap))
+    return dist_attn_backward(dout, q, k, v, out, lse, _config(causal, scale, window_left, window_right, softcap,
+                                                               group_key, schedule, backend, overlap))
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, causal, scale, group_key, schedule, backend, overlap):
+def _attention_backward_fake(dout, q, k, v, out, lse, *options):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -116,14 +129,14 @@ def _setup_context(ctx, inputs, output):
     q, k, v, *options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = options  # causal, scale, group_key, schedule, backend, overlap
+    ctx.options = options  # the op's scalar arguments, in order
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
 _attention.register_autograd(_attention_backward, setup_context=_setup_context)
@@ -132,16 +145,6 @@ OP = torch.ops.distattn.attention.default
 """The op overload that checkpoint policies match on."""
 
 
-def dist_flash_attn_op(q, k, v, causal: bool = True, softmax_scale: float | None = None, group=None,
-                       schedule: str = "balanced", backend: str | None = None, return_lse: bool = False, *,
-                       overlap: bool = True):
-    """``distattn.dist_flash_attn_func`` executed as the registered op ``torch.ops.distattn.attention``.
-
-    Same arguments, results and validation as ``dist_flash_attn_func`` (this rank's shards
-    ``(batch, n, heads, head_dim)``; rank ``r`` holds tokens ``[r*n, (r+1)*n)``); the difference is that
-    selective checkpointing (``distattn.checkpoint``) and ``torch.compile`` can see this call as one op.
-    """
-    cfg = make_config(q, k, v, causal, softmax_scale, group, schedule, backend, overlap)
-    out, lse = _attention(q, k, v, cfg.causal, cfg.scale, group_key(group), cfg.schedule, cfg.backend,
-                          cfg.overlap)
-    return (out, lse) if return_lse else out
+def dist_attention(q, k, v, cfg: DistAttnConfig):
+    """``(out, lse)`` of the registered op for this rank's shards (validated by ``distattn.api``)."""
+    return _attention(q, k, v, *_op_args(cfg))

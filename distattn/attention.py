@@ -14,8 +14,9 @@ merged. Backward mirrors the forward with the final ``out``/``lse``: owner tasks
 ``dq`` and send ``dk, dv`` partials (fp32) back to the kv owner; helper tasks add into this rank's
 ``dk, dv`` and send a ``dq`` partial (fp32) back. Every accumulator is fp32 and is cast once at the end.
 
-Autograd: ``dist_flash_attn_func`` runs as the registered op ``torch.ops.distattn.attention`` (``distattn._ops``),
-whose forward calls ``dist_attn_forward`` and whose registered backward calls ``dist_attn_backward``.
+Layering: the public ``distattn.dist_flash_attn_func`` (``distattn.api``) validates and calls the registered op
+``torch.ops.distattn.attention`` (``distattn._ops``), whose forward calls ``dist_attn_forward`` and whose registered
+backward calls ``dist_attn_backward``. Nothing here imports upward.
 
 Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head dim. GQA: only ``h_kv`` heads
 of k and v ever travel.
@@ -23,31 +24,33 @@ of k and v ever travel.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from distattn import kernels
-from distattn._validate import check_qkv, resolve_scale
 from distattn.comm import PeerExchange
 from distattn.schedule import SCHEDULES, Plan, Task, Transfer, make_plan
 
-__all__ = ["DistAttnConfig", "make_config", "dist_attn_forward", "dist_attn_backward", "dist_flash_attn_func"]
+__all__ = ["DistAttnConfig", "check_ranks_agree", "dist_attn_forward", "dist_attn_backward"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class DistAttnConfig:
-    """Static options of one sequence-parallel attention call."""
+    """Static options of one sequence-parallel attention call (validated by ``distattn.api``)."""
 
     causal: bool
     """Causal mask on global positions (``k_pos <= q_pos``)."""
     scale: float
     """Softmax scale."""
-    schedule: str
+    window: tuple[int, int] = (-1, -1)
+    """flash-attn's ``(left, right)`` sliding window on global positions; -1: unlimited."""
+    softcap: float = 0.0
+    """Logit soft-capping (0: off)."""
+    schedule: str = "balanced"
     """``"ring"`` or ``"balanced"`` (see ``distattn.schedule``)."""
-    backend: str | None
+    backend: str | None = None
     """Kernel backend name (``None``: best available on the tensors' device)."""
     group: object = None
     """Process group (``None``: the default group)."""
@@ -62,33 +65,8 @@ class DistAttnConfig:
         return make_plan(dist.get_world_size(self.group), self.causal, self.schedule)
 
 
-def make_config(q, k, v, causal=True, softmax_scale=None, group=None, schedule="balanced", backend=None,
-                overlap=True) -> DistAttnConfig:
-    """Validate this rank's shards and build the config. Raises before any communication.
-
-    Every check reads only local shapes/dtypes/devices and arguments, so ranks that agree on them raise the
-    same error. A mismatch between ranks that local shapes cannot show (e.g. a different ``n`` on one rank)
-    is caught only with ``DISTATTN_DEBUG=1``, which all-gathers the shapes first (one small collective).
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("dist_flash_attn_func needs an initialized process group: call "
-                           "torch.distributed.init_process_group(...) first, or use flash_attn_func on one device")
-    check_qkv(q, k, v, same_seq=True)
-    if q.is_cuda and q.device.index != torch.cuda.current_device():
-        raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
-                         f"call torch.cuda.set_device({q.device.index}) on this rank (NCCL hangs otherwise)")
-    if "nccl" in str(dist.get_backend(group)) and not q.is_cuda and "gloo" not in str(dist.get_backend(group)):
-        raise ValueError(f"the process group's backend is {dist.get_backend(group)!r}, which cannot send tensors "
-                         f"on {q.device}; move q, k, v to this rank's CUDA device or use a gloo group")
-    kernels.get_backend(backend, q.device)  # unknown/unavailable backend: same error on every rank
-    cfg = DistAttnConfig(causal=bool(causal), scale=resolve_scale(softmax_scale, q.shape[-1]), schedule=schedule,
-                         backend=backend, group=group, overlap=bool(overlap))
-    if os.environ.get("DISTATTN_DEBUG", "0") == "1":
-        _check_ranks_agree(q, k, cfg)
-    return cfg
-
-
-def _check_ranks_agree(q, k, cfg: DistAttnConfig) -> None:
+def check_ranks_agree(q, k, cfg: DistAttnConfig) -> None:
+    """``DISTATTN_DEBUG=1``: all-gather every rank's shapes and options and raise if they differ."""
     mine = (tuple(q.shape), tuple(k.shape), str(q.dtype), cfg.causal, cfg.schedule, round(cfg.scale, 12))
     world = dist.get_world_size(cfg.group)
     everyone = [None] * world
@@ -110,15 +88,29 @@ class _Executor:
         self.comm = PeerExchange(cfg.group, like.device)
         self.rank = self.comm.rank
         self.n = like.shape[1]
+        self.device = like.device
         self.backend = kernels.get_backend(cfg.backend, like.device)
+        self._bounds: dict[int, kernels.KeyBounds] = {}
 
     def start(self, chunk: int) -> int:
         """Global position of the first token of ``chunk``."""
         return chunk * self.n
 
-    def mask(self, task: Task) -> bool:
+    def mask(self, task: Task) -> dict:
+        """Kernel keywords for ``task``'s (query chunk, kv chunk) pair: the mask and the scale options."""
+        kw = dict(softmax_scale=self.cfg.scale, q_start=self.start(task.q_chunk), k_start=self.start(task.kv_chunk),
+                  softcap=self.cfg.softcap, backend=self.backend)
+        if self.cfg.window != (-1, -1):  # a window is an interval of keys per row: the bounds path
+            return dict(kw, causal=False, bounds=self._window_bounds(task.q_chunk))
         # Off-diagonal causal pairs always have kv_chunk < q_chunk: every key is visible, no mask to pay for.
-        return self.cfg.causal and task.is_diagonal
+        return dict(kw, causal=self.cfg.causal and task.is_diagonal, bounds=None)
+
+    def _window_bounds(self, chunk: int) -> kernels.KeyBounds:
+        if chunk not in self._bounds:
+            total = self.n * self.plan.world_size
+            self._bounds[chunk] = kernels.window_bounds(self.n, total, causal=self.cfg.causal, window=self.cfg.window,
+                                                        device=self.device, q_start=self.start(chunk))
+        return self._bounds[chunk]
 
     def post(self, slot, transfers: tuple[Transfer, ...], payload, buffers) -> dict:
         """Post this rank's part of ``transfers``; returns ``{transfer: receive buffers}``."""
@@ -196,12 +188,10 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
         if task.is_helper:  # their queries against my kv: a partial in fp32, sent back to the owner
             partial = kernels.new_state(bufs[0])
-            kernels.fold_(partial, bufs[0], k, v, softmax_scale=cfg.scale, q_start=ex.start(task.q_chunk),
-                          k_start=ex.start(task.kv_chunk), causal=ex.mask(task), backend=ex.backend)
+            kernels.fold_(partial, bufs[0], k, v, **ex.mask(task))
             return partial
         kc, vc = (k, v) if task.is_local else bufs
-        kernels.fold_(state, q, kc, vc, softmax_scale=cfg.scale, q_start=ex.start(task.q_chunk),
-                      k_start=ex.start(task.kv_chunk), causal=ex.mask(task), backend=ex.backend)
+        kernels.fold_(state, q, kc, vc, **ex.mask(task))
         return None
 
     def absorb(tr, bufs):
@@ -234,8 +224,7 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig):
 
     def compute(task: Task, inbox):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
-        kw = dict(softmax_scale=cfg.scale, q_start=ex.start(task.q_chunk), k_start=ex.start(task.kv_chunk),
-                  causal=ex.mask(task), backend=ex.backend)
+        kw = ex.mask(task)
         if task.is_local:
             kernels.backward_chunk_(dout, q, k, v, lse, delta, dq, dk, dv, **kw)
             return None
@@ -265,32 +254,3 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig):
     ex.run(compute, fetch_payload, fetch_buffers, return_payload=lambda parts: parts,
            return_buffers=return_buffers, absorb=absorb)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-# -- public API -------------------------------------------------------------------------------------------
-def dist_flash_attn_func(q, k, v, causal: bool = True, softmax_scale: float | None = None, group=None,
-                         schedule: str = "balanced", backend: str | None = None, return_lse: bool = False, *,
-                         overlap: bool = True):
-    """Exact attention over a sequence split across the ranks of ``group``; differentiable.
-
-    Args:
-        q: ``(batch, n, heads_q, head_dim)``, this rank's shard: rank ``r`` holds tokens ``[r*n, (r+1)*n)``.
-        k, v: ``(batch, n, heads_kv, head_dim)``, this rank's shards; ``heads_q % heads_kv == 0``.
-        causal: causal mask on global positions (``k_pos <= q_pos``).
-        softmax_scale: defaults to ``head_dim ** -0.5``.
-        group: process group (``None``: the default group).
-        schedule: ``"balanced"`` (DistFlashAttn load balancing, ``1 + P//2`` steps causal) or ``"ring"``.
-        backend: kernel backend, ``"triton"``/``"torch"``/``None`` (best available).
-        return_lse: also return this rank's ``lse (batch, heads_q, n)``, fp32 (not differentiable).
-        overlap: prefetch the next step's chunks while computing (``False`` only for ablations).
-
-    Returns:
-        This rank's ``out (batch, n, heads_q, head_dim)`` in the input dtype, or ``(out, lse)``.
-    """
-    # Autograd goes through the registered op torch.ops.distattn.attention (distattn._ops), whose forward
-    # and backward run the two executors above: one code path that selective activation checkpointing
-    # (distattn.checkpoint) and torch.compile can see as a single op. Imported here: _ops imports this module.
-    from distattn._ops import dist_flash_attn_op
-
-    return dist_flash_attn_op(q, k, v, causal, softmax_scale, group, schedule, backend, return_lse,
-                              overlap=overlap)

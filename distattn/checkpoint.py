@@ -19,7 +19,7 @@ Per layer the memory kept between forward and backward is ``x (b, n, hidden)`` +
 ``lse (b, h_q, n)`` fp32, against ``x`` alone for layer-boundary checkpointing.
 
 Your own transformer block: call attention through ``distattn.dist_flash_attn_func`` (it runs as the
-registered op; ``dist_flash_attn_op`` is the same thing) and checkpoint the block with ``remat_checkpoint``::
+registered op) and checkpoint the block with ``remat_checkpoint``::
 
     from distattn import dist_flash_attn_func
     from distattn.checkpoint import remat_checkpoint
@@ -48,13 +48,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from distattn._ops import COUNTERS, OP, OpCounters, dist_flash_attn_op, reset_counters
+from distattn._ops import COUNTERS, OP, OpCounters, reset_counters
 
 __all__ = [
     "remat_policy",
     "remat_context_fn",
     "remat_checkpoint",
-    "dist_flash_attn_op",
     "COUNTERS",
     "OpCounters",
     "reset_counters",

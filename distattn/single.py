@@ -1,16 +1,9 @@
-"""Single-device exact attention with autograd: ``flash_attn_func``.
+"""Single-device exact attention with autograd (the layer under ``distattn.flash_attn_func``).
 
-Mirrors ``flash_attn.flash_attn_func``: tensors are ``(batch, seq, heads, head_dim)``, and with ``s_q != s_k``
-the causal mask is aligned bottom-right (the last query sees every key)::
+One ``autograd.Function`` for every mask: causal, sliding windows and packed documents reach the kernels as
+data (``kernels.KeyBounds``), never as separate code paths. Static options travel in a frozen dataclass.
 
-    s_q=2, s_k=5, causal       keys 0 1 2 3 4
-                          q 0:      x x x x .      (global position 3)
-                          q 1:      x x x x x      (global position 4)
-
-    s_q=5, s_k=2, causal       keys 0 1
-                          q 0:      . .            (position -3: sees nothing -> output 0, lse -inf)
-                          ...
-                          q 4:      x x
+Legend: ``b`` batch, ``s_q``/``s_k`` query/key length, ``h_q``/``h_kv`` heads, ``d`` head dim.
 """
 
 from __future__ import annotations
@@ -20,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from distattn import kernels
-from distattn._validate import check_qkv, resolve_scale
+
+__all__ = ["attention", "attention_with_bounds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,16 +22,21 @@ class _Options:
     """Static options of one call (kept out of ``backward``'s return tuple)."""
 
     scale: float
-    causal: bool
+    causal: bool  # plain causal on positions (q_start + i vs j); False when ``bounds`` carry the mask
     q_start: int  # global position of the first query; keys start at 0
+    bounds: kernels.KeyBounds | None  # per-row visible key interval, or None
+    softcap: float
     backend: object
+
+    def kernel_kw(self) -> dict:
+        return dict(softmax_scale=self.scale, q_start=self.q_start, k_start=0, causal=self.causal,
+                    bounds=self.bounds, softcap=self.softcap, backend=self.backend)
 
 
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opts: _Options):
-        out, lse = kernels.forward(q, k, v, softmax_scale=opts.scale, q_start=opts.q_start, k_start=0,
-                                   causal=opts.causal, backend=opts.backend)
+        out, lse = kernels.forward(q, k, v, **opts.kernel_kw())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
         ctx.mark_non_differentiable(lse)
@@ -51,29 +50,22 @@ class _FlashAttnFunction(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros_like(dk)
         delta = kernels.attn_delta(dout, out, backend=opts.backend)
-        kernels.backward_chunk_(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=opts.scale,
-                                q_start=opts.q_start, k_start=0, causal=opts.causal, backend=opts.backend)
+        kernels.backward_chunk_(dout, q, k, v, lse, delta, dq, dk, dv, **opts.kernel_kw())
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-                    backend: str | None = None):
-    """Exact attention on one device, differentiable in ``q, k, v``.
+def attention(q, k, v, *, scale: float, causal: bool, window: tuple[int, int], softcap: float, backend):
+    """``(out, lse)`` of dense attention, bottom-right aligned; inputs already validated (``distattn.api``)."""
+    s_q, s_k = q.shape[1], k.shape[1]
+    bounds = None
+    if window != (-1, -1):  # a window is an interval per row: the bounds path
+        bounds = kernels.window_bounds(s_q, s_k, causal=causal, window=window, device=q.device)
+    opts = _Options(scale=scale, causal=causal and bounds is None, q_start=s_k - s_q, bounds=bounds,
+                    softcap=softcap, backend=backend)
+    return _FlashAttnFunction.apply(q, k, v, opts)
 
-    Args:
-        q: ``(batch, s_q, heads_q, head_dim)``, fp16/bf16/fp32.
-        k, v: ``(batch, s_k, heads_kv, head_dim)``; ``heads_q % heads_kv == 0`` (GQA/MQA).
-        causal: mask keys after the query, aligned bottom-right when ``s_q != s_k`` (as flash-attn >= 2.1).
-        softmax_scale: defaults to ``head_dim ** -0.5``.
-        return_lse: also return ``lse (batch, heads_q, s_q)``, fp32 natural log (not differentiable).
-        backend: ``"triton"``, ``"torch"`` or ``None`` (``"triton"`` on CUDA, else ``"torch"``).
 
-    Returns:
-        ``out (batch, s_q, heads_q, head_dim)`` in the input dtype, or ``(out, lse)``.
-    """
-    check_qkv(q, k, v)
-    be = kernels.get_backend(backend, q.device)
-    opts = _Options(scale=resolve_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
-                    q_start=k.shape[1] - q.shape[1], backend=be)
-    out, lse = _FlashAttnFunction.apply(q, k, v, opts)
-    return (out, lse) if return_lse else out
+def attention_with_bounds(q, k, v, bounds: kernels.KeyBounds, *, scale: float, softcap: float, backend):
+    """``(out, lse)`` where query row ``i`` sees keys ``bounds.lo[i] .. bounds.hi[i]`` (packed documents)."""
+    opts = _Options(scale=scale, causal=False, q_start=0, bounds=bounds, softcap=softcap, backend=backend)
+    return _FlashAttnFunction.apply(q, k, v, opts)

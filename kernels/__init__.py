@@ -21,6 +21,11 @@ Global positions and the causal mask:
 
     A query row that sees no key at all gets output 0 and lse -inf, zero gradients, never NaN.
 
+Masks beyond causal (packed documents, sliding windows) are data, not code paths: ``bounds=KeyBounds(lo, hi)``
+gives every query row the interval ``[lo, hi]`` of global key positions it sees, nondecreasing down the rows
+(``_masks.py``; builders ``window_bounds`` and ``varlen_bounds``). With ``bounds`` the ``causal`` flag must be
+False (the bounds already say it). ``softcap > 0`` soft-caps the logits: ``softcap * tanh(scale * q.k / softcap)``.
+
 The carried state (``AttnState``) is the *normalized* fp32 partial result ``(out, lse)`` of the keys folded
 so far: ``out (b, s_q, h_q, d)`` fp32 and ``lse (b, h_q, s_q)`` fp32. It is exactly the classic
 FlashAttention state (accumulator, running max ``m``, running sum ``l``) with ``acc = out``, ``m = lse`` and
@@ -49,6 +54,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._masks import KeyBounds, varlen_bounds, window_bounds
+
 __all__ = [
     "AttnState",
     "new_state",
@@ -61,6 +68,9 @@ __all__ = [
     "get_backend",
     "available_backends",
     "BACKENDS",
+    "KeyBounds",
+    "window_bounds",
+    "varlen_bounds",
 ]
 
 BACKENDS = ("torch", "triton")
@@ -133,12 +143,17 @@ def new_state(q: torch.Tensor) -> AttnState:
     return AttnState(out, lse)
 
 
+def _mask_kw(causal: bool, bounds, softcap: float) -> dict:
+    assert bounds is None or not causal, "bounds already describe the mask: pass causal=False with them"
+    return dict(causal=causal, bounds=bounds, softcap=float(softcap))
+
+
 def fold_(state: AttnState, q, k, v, *, softmax_scale: float, q_start: int = 0, k_start: int = 0,
-          causal: bool = False, backend=None) -> AttnState:
+          causal: bool = False, bounds: KeyBounds | None = None, softcap: float = 0.0, backend=None) -> AttnState:
     """Fold the key/value chunk ``k, v (b, s_k, h_kv, d)`` into ``state`` in place and return it."""
     be = _resolve(backend, q.device)
     be.fold_(state.out, state.lse, q, k, v, scale=softmax_scale, q_start=q_start, k_start=k_start,
-             causal=causal, fresh=False, out_final=None)
+             fresh=False, out_final=None, **_mask_kw(causal, bounds, softcap))
     return state
 
 
@@ -154,14 +169,14 @@ def finalize(state: AttnState, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 
 
 def forward(q, k, v, *, softmax_scale: float, q_start: int = 0, k_start: int = 0, causal: bool = False,
-            backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+            bounds: KeyBounds | None = None, softcap: float = 0.0, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one key/value chunk: ``(out in q.dtype, lse fp32)`` (fused last fold)."""
     be = _resolve(backend, q.device)
     b, s_q, h_q, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
-    be.fold_(None, lse, q, k, v, scale=softmax_scale, q_start=q_start, k_start=k_start, causal=causal,
-             fresh=True, out_final=out)
+    be.fold_(None, lse, q, k, v, scale=softmax_scale, q_start=q_start, k_start=k_start, fresh=True,
+             out_final=out, **_mask_kw(causal, bounds, softcap))
     return out, lse
 
 
@@ -171,14 +186,15 @@ def attn_delta(dout: torch.Tensor, out: torch.Tensor, backend=None) -> torch.Ten
 
 
 def backward_chunk_(dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *, softmax_scale: float,
-                    q_start: int = 0, k_start: int = 0, causal: bool = False, backend=None) -> None:
+                    q_start: int = 0, k_start: int = 0, causal: bool = False, bounds: KeyBounds | None = None,
+                    softcap: float = 0.0, backend=None) -> None:
     """Add one key/value chunk's gradients into the fp32 accumulators ``dq_acc, dk_acc, dv_acc``.
 
     ``lse`` and ``delta`` must be the final ones (after every chunk was folded).
     """
     _resolve(backend, q.device).backward_chunk_(
         dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, scale=softmax_scale, q_start=q_start,
-        k_start=k_start, causal=causal)
+        k_start=k_start, **_mask_kw(causal, bounds, softcap))
 
 
 def interpreter_enabled() -> bool:

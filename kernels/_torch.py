@@ -1,7 +1,14 @@
 """Pure-PyTorch backend of the kernel contract: the reference every other backend must agree with.
 
-Runs on any device. Blockwise over keys (``block_k`` at a time), so memory stays O(s_q x block_k) per head,
-never O(s_q x s_k). All arithmetic is fp32 whatever the input dtype.
+Runs on any device. Tiled over queries (``block_q`` rows) and keys (``block_k``), so memory stays
+O(block_q x block_k) per head and work is proportional to the visible pairs: a (query block, key block) tile
+that no row can see is never computed, and a tile every row sees whole pays for no mask. All arithmetic is
+fp32 whatever the input dtype.
+
+Which keys a row sees comes from one description (``_masks.KeyBounds``: per row an interval ``[lo, hi]`` of
+global key positions, nondecreasing down the rows); ``causal=True`` without bounds is the interval
+``[k_start, q_pos]``, nothing masked is the whole chunk. The bounds are read to the host once per call (this
+is the reference, not the fast path).
 
 Legend: ``b`` batch, ``q``/``k`` query/key positions, ``h`` kv heads, ``g`` query heads per kv head
 (GQA group), ``d`` head dim. Queries are viewed as ``(b, s_q, h_kv, g, d)`` so GQA needs no repeated keys.
@@ -20,20 +27,48 @@ def _grouped(x_bshd: torch.Tensor, h_kv: int) -> torch.Tensor:
     return x_bshd.float().reshape(b, s, h_kv, h_q // h_kv, d)
 
 
-def _causal_keep(q_start: int, s_q: int, k0: int, s_blk: int, device) -> torch.Tensor:
-    """Boolean (s_q, s_blk): key at global k0 + j visible to query at global q_start + i."""
-    q_pos = torch.arange(q_start, q_start + s_q, device=device)
-    k_pos = torch.arange(k0, k0 + s_blk, device=device)
-    return k_pos[None, :] <= q_pos[:, None]
+class _Visibility:
+    """Which keys of a chunk each query row sees, and the tiles that need computing (host-side plan)."""
+
+    def __init__(self, s_q, s_k, q_start, k_start, causal, bounds, device):
+        self.s_k, self.k_start = s_k, k_start
+        if bounds is not None:
+            lo, hi = bounds.lo.to(device, torch.int64), bounds.hi.to(device, torch.int64)
+        else:
+            lo = torch.full((s_q,), k_start, dtype=torch.int64, device=device)
+            hi = torch.full((s_q,), k_start + s_k - 1, dtype=torch.int64, device=device)
+            if causal:
+                hi = torch.minimum(hi, torch.arange(q_start, q_start + s_q, device=device))
+        self.lo, self.hi = lo, hi
+        self.lo_h, self.hi_h = lo.tolist(), hi.tolist()
+
+    def tiles(self, s_q: int, block_q: int, block_k: int):
+        """Yield ``(i0, i1, [(j0, j1, masked), ...])`` for every query block with any visible key."""
+        for i0 in range(0, s_q, block_q):
+            i1 = min(i0 + block_q, s_q)
+            # nondecreasing bounds: the block's extremes are its first and last rows
+            k_lo = max(self.lo_h[i0] - self.k_start, 0)
+            k_hi = min(self.hi_h[i1 - 1] - self.k_start + 1, self.s_k)
+            full_lo = self.lo_h[i1 - 1] - self.k_start  # keys every row of the block sees: [full_lo, full_hi]
+            full_hi = self.hi_h[i0] - self.k_start
+            blocks = [(j0, min(j0 + block_k, k_hi), not (j0 >= full_lo and min(j0 + block_k, k_hi) - 1 <= full_hi))
+                      for j0 in range(k_lo, k_hi, block_k)]
+            if blocks:
+                yield i0, i1, blocks
+
+    def keep(self, i0, i1, j0, j1) -> torch.Tensor:
+        """Boolean (i1 - i0, j1 - j0): row sees key."""
+        k_pos = torch.arange(self.k_start + j0, self.k_start + j1, device=self.lo.device)
+        return (k_pos[None, :] >= self.lo[i0:i1, None]) & (k_pos[None, :] <= self.hi[i0:i1, None])
 
 
-def _key_blocks(s_q: int, s_k: int, q_start: int, k_start: int, causal: bool, block_k: int):
-    """Yield (start, stop) of key blocks that at least one query can see."""
-    last_q = q_start + s_q - 1
-    for j0 in range(0, s_k, block_k):
-        if causal and k_start + j0 > last_q:
-            break  # this block and every later one lie entirely above the diagonal
-        yield j0, min(j0 + block_k, s_k)
+def _scores(q5, kb, scale, softcap):
+    """Logits ``(b, h, g, q, k)`` in fp32; with ``softcap`` also ``tanh`` (for the backward's chain rule)."""
+    s = torch.einsum("bqhgd,bkhd->bhgqk", q5, kb) * scale
+    if softcap:
+        t = torch.tanh(s / softcap)
+        return softcap * t, t
+    return s, None
 
 
 class TorchBackend:
@@ -41,47 +76,51 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, block_k: int = 128):
-        self.block_k = block_k
+    def __init__(self, block_q: int = 128, block_k: int = 128):
+        self.block_q, self.block_k = block_q, block_k
 
     # -- forward ---------------------------------------------------------------------------------------
-    def fold_(self, out_f32, lse, q, k, v, *, scale, q_start, k_start, causal, fresh, out_final):
+    def fold_(self, out_f32, lse, q, k, v, *, scale, q_start, k_start, causal, fresh, out_final, bounds=None,
+              softcap=0.0):
         b, s_q, h_q, d = q.shape
         s_k, h_kv = k.shape[1], k.shape[2]
+        g = h_q // h_kv
         q5 = _grouped(q, h_kv)  # (b, s_q, h, g, d)
         if fresh:
             acc = q5.new_zeros(q5.shape)
-            m = q5.new_full((b, h_kv, h_q // h_kv, s_q), _NEG_INF)
+            m = q5.new_full((b, h_kv, g, s_q), _NEG_INF)
         else:
             acc = _grouped(out_f32, h_kv).clone()
-            m = lse.reshape(b, h_kv, h_q // h_kv, s_q).clone()
+            m = lse.reshape(b, h_kv, g, s_q).clone()
         l = torch.ones_like(m)  # noqa: E741  (l = running sum; a normalized state has l = 1)
+        l[m == _NEG_INF] = 0.0
 
-        for j0, j1 in _key_blocks(s_q, s_k, q_start, k_start, causal, self.block_k):
-            kb, vb = k[:, j0:j1].float(), v[:, j0:j1].float()
-            s = torch.einsum("bqhgd,bkhd->bhgqk", q5, kb) * scale
-            if causal:
-                s = s.masked_fill(~_causal_keep(q_start, s_q, k_start + j0, j1 - j0, q.device), _NEG_INF)
-            # -- online softmax: rescale what we have to the new running max --
-            m_new = torch.maximum(m, s.amax(dim=-1))
-            m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)  # all -inf so far: avoid (-inf) - (-inf)
-            alpha = torch.exp(m - m_safe)
-            p = torch.exp(s - m_safe[..., None])
-            l = l * alpha + p.sum(dim=-1)  # noqa: E741
-            acc = acc * alpha.permute(0, 3, 1, 2)[..., None] + torch.einsum("bhgqk,bkhd->bqhgd", p, vb)
-            m = m_new
+        vis = _Visibility(s_q, s_k, q_start, k_start, causal, bounds, q.device)
+        for i0, i1, blocks in vis.tiles(s_q, self.block_q, self.block_k):
+            acc_i, m_i, l_i = acc[:, i0:i1], m[..., i0:i1], l[..., i0:i1]
+            for j0, j1, masked in blocks:
+                kb, vb = k[:, j0:j1].float(), v[:, j0:j1].float()
+                s, _ = _scores(q5[:, i0:i1], kb, scale, softcap)
+                if masked:
+                    s = s.masked_fill(~vis.keep(i0, i1, j0, j1), _NEG_INF)
+                # -- online softmax: rescale what we have to the new running max --
+                m_new = torch.maximum(m_i, s.amax(dim=-1))
+                m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)  # all -inf so far: avoid (-inf) - (-inf)
+                alpha = torch.exp(m_i - m_safe)
+                p = torch.exp(s - m_safe[..., None])
+                l_i = l_i * alpha + p.sum(dim=-1)
+                acc_i = acc_i * alpha.permute(0, 3, 1, 2)[..., None] + torch.einsum("bhgqk,bkhd->bqhgd", p, vb)
+                m_i = m_new
+            acc[:, i0:i1], m[..., i0:i1], l[..., i0:i1] = acc_i, m_i, l_i
 
         # -- normalize: out = acc / l, lse = m + ln l; rows that saw nothing stay (0, -inf) --
         seen = l > 0  # m = -inf  =>  alpha = 0 and every p = 0, so l = 0 exactly
         l_safe = torch.where(seen, l, 1.0)
-        out5 = acc / l_safe.permute(0, 3, 1, 2)[..., None]
+        out5 = torch.where(seen.permute(0, 3, 1, 2)[..., None], acc / l_safe.permute(0, 3, 1, 2)[..., None], 0.0)
         new_lse = torch.where(seen, m + torch.log(l_safe), _NEG_INF).reshape(b, h_q, s_q)
         out_bshd = out5.reshape(b, s_q, h_q, d)
         lse.copy_(new_lse)
-        if out_final is not None:
-            out_final.copy_(out_bshd)
-        else:
-            out_f32.copy_(out_bshd)
+        (out_final if out_final is not None else out_f32).copy_(out_bshd)
 
     def merge_(self, out_f32, lse, out_part, lse_part):
         # Two normalized partials over disjoint key sets: with m = max(lse1, lse2) and w_i = exp(lse_i - m),
@@ -95,35 +134,43 @@ class TorchBackend:
         seen = total > 0
         total_safe = torch.where(seen, total, 1.0)
         to_bshd = lambda t: t.permute(0, 2, 1)[..., None]  # (b, h, s) -> (b, s, h, 1)  # noqa: E731
-        out = (to_bshd(w1) * out_f32 + to_bshd(w2) * out_part.float()) / to_bshd(total_safe)
-        out_f32.copy_(out)
+        # An empty side may hold anything in its output (even NaN): select, never multiply by a zero weight.
+        part1 = torch.where(to_bshd(w1) > 0, to_bshd(w1) * out_f32, 0.0)
+        part2 = torch.where(to_bshd(w2) > 0, to_bshd(w2) * out_part.float(), 0.0)
+        out_f32.copy_((part1 + part2) / to_bshd(total_safe))
         lse.copy_(torch.where(seen, m + torch.log(total_safe), _NEG_INF))
 
     # -- backward --------------------------------------------------------------------------------------
     def delta(self, dout, out):
         return (dout.float() * out.float()).sum(dim=-1).transpose(1, 2).contiguous()  # (b, h_q, s_q)
 
-    def backward_chunk_(self, dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *, scale, q_start,
-                        k_start, causal):
+    def backward_chunk_(self, dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *, scale, q_start, k_start,
+                        causal, bounds=None, softcap=0.0):
         b, s_q, h_q, d = q.shape
         s_k, h_kv = k.shape[1], k.shape[2]
         g = h_q // h_kv
         q5, do5 = _grouped(q, h_kv), _grouped(dout, h_kv)
         lse4 = lse.reshape(b, h_kv, g, s_q)
         # A row with lse = -inf saw no key anywhere: every p of it must be 0 (and not exp(nan)).
-        lse_safe = torch.where(lse4 == _NEG_INF, float("inf"), lse4)[..., None]
-        delta4 = delta.reshape(b, h_kv, g, s_q)[..., None]
+        lse_safe = torch.where(lse4 == _NEG_INF, float("inf"), lse4)
+        delta4 = delta.reshape(b, h_kv, g, s_q)
         dq5 = torch.zeros_like(q5)
 
-        for j0, j1 in _key_blocks(s_q, s_k, q_start, k_start, causal, self.block_k):
-            kb, vb = k[:, j0:j1].float(), v[:, j0:j1].float()
-            s = torch.einsum("bqhgd,bkhd->bhgqk", q5, kb) * scale
-            if causal:
-                s = s.masked_fill(~_causal_keep(q_start, s_q, k_start + j0, j1 - j0, q.device), _NEG_INF)
-            p = torch.exp(s - lse_safe)  # masked: exp(-inf) = 0; empty rows: exp(-inf) = 0
-            dv_acc[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", p, do5)
-            dp = torch.einsum("bqhgd,bkhd->bhgqk", do5, vb)
-            ds = p * (dp - delta4)
-            dq5 += torch.einsum("bhgqk,bkhd->bqhgd", ds, kb) * scale
-            dk_acc[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", ds, q5) * scale
+        vis = _Visibility(s_q, s_k, q_start, k_start, causal, bounds, q.device)
+        for i0, i1, blocks in vis.tiles(s_q, self.block_q, self.block_k):
+            qi, doi = q5[:, i0:i1], do5[:, i0:i1]
+            lse_i, delta_i = lse_safe[..., i0:i1, None], delta4[..., i0:i1, None]
+            for j0, j1, masked in blocks:
+                kb, vb = k[:, j0:j1].float(), v[:, j0:j1].float()
+                s, t = _scores(qi, kb, scale, softcap)
+                p = torch.exp(s - lse_i)  # empty rows: exp(-inf) = 0
+                if masked:
+                    p = p.masked_fill(~vis.keep(i0, i1, j0, j1), 0.0)
+                dv_acc[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", p, doi)
+                dp = torch.einsum("bqhgd,bkhd->bhgqk", doi, vb)
+                ds = p * (dp - delta_i)
+                if softcap:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh^2
+                    ds = ds * (1.0 - t * t)
+                dq5[:, i0:i1] += torch.einsum("bhgqk,bkhd->bqhgd", ds, kb) * scale
+                dk_acc[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", ds, qi) * scale
         dq_acc += dq5.reshape(b, s_q, h_q, d)

@@ -2,8 +2,9 @@
 
 Legend: q_bshd (b, s_q, h_q, d), k_bshd / v_bshd (b, s_k, h_kv, d), lse_bhs (b, h_q, s_q) fp32 natural log.
 
-On CUDA the attention kernels are autotuned, keyed on (HEAD_DIM, CAUSAL, power-of-two bucket of the chunk
-lengths) plus the tensor dtypes. Under ``TRITON_INTERPRET=1`` (CPU tests) one fixed small configuration is
+On CUDA the attention kernels are autotuned, keyed on (HEAD_DIM, MASK kind, SOFTCAP, power-of-two bucket of the
+chunk lengths) plus the tensor dtypes. MASK: 0 none, 1 causal on positions, 2 per-row key bounds
+(``_masks.KeyBounds``: packed documents, sliding windows). Under ``TRITON_INTERPRET=1`` (CPU tests) one fixed small configuration is
 used, because the interpreter is slow and autotuning there would measure nothing. Whether the kernels are
 interpreted is decided by Triton when they are *decorated*, i.e. when this module is first imported, so the
 environment variable must be set before that (tests/conftest.py and tests/test_triton.py do so).
@@ -16,6 +17,7 @@ import torch
 try:
     import triton
 
+    from . import _masks
     from . import _triton_bwd as _bwd
     from . import _triton_fwd as _fwd
     _IMPORT_ERROR: Optional[BaseException] = None
@@ -125,7 +127,7 @@ def _kernel(name: str):
         configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
                    for bm, bn, w, s in _CONFIGS[name]]
         _TUNED[name] = triton.autotune(
-            configs=configs, key=["HEAD_DIM", "CAUSAL", "LEN_BUCKET"], restore_value=restore,
+            configs=configs, key=["HEAD_DIM", "MASK", "SOFTCAP", "LEN_BUCKET"], restore_value=restore,
             prune_configs_by={"early_config_prune": lambda c, a, **kw: _prune(name, c, a, **kw)},
         )(raw)
     return _TUNED[name]
@@ -185,6 +187,35 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     assert q.shape[3] <= 256, f"head_dim {q.shape[3]} > 256 is not supported by the triton backend"
 
 
+class _MaskArgs:
+    """What the kernels need to know about one chunk pair's mask (see ``_masks.py``).
+
+    kind: 0 none, 1 causal on positions (``j <= i + diag``, ``diag = q_start - k_start``), 2 per-row bounds.
+    With bounds, ``lo``/``hi`` (s_q,) int32 are global key positions and the kernels subtract ``k_start``.
+    """
+
+    def __init__(self, q_start, k_start, causal, bounds, scale, softcap, like):
+        self.kind = 2 if bounds is not None else (1 if causal else 0)
+        self.diag, self.k_start = q_start - k_start, k_start
+        self.bounds = bounds
+        self.lo, self.hi = (bounds.lo, bounds.hi) if bounds is not None else (like, like)  # dummies: never read
+        self.scale, self.softcap_value = scale, float(softcap)
+        self.softcap = self.softcap_value > 0.0
+
+    def scales(self) -> tuple[float, float, float]:
+        """(qk_scale, cap_in, cap_out): scale / ln 2, and softcap's scale / softcap and softcap / ln 2."""
+        if not self.softcap:
+            return self.scale * 1.44269504, 1.0, 1.0  # 1/ln 2
+        return self.scale * 1.44269504, self.scale / self.softcap_value, self.softcap_value * 1.44269504
+
+    def per_key(self, s_k: int):
+        """(first row, last row) that sees each key of the chunk, for the dK/dV kernel (bounds only)."""
+        if self.bounds is None:
+            return self.lo, self.hi
+        t = _masks.transpose_bounds(self.bounds, self.k_start, s_k)
+        return t.lo, t.hi
+
+
 # ----------------------------------------------------------------------------- backend
 
 class TritonBackend:
@@ -197,7 +228,7 @@ class TritonBackend:
             raise RuntimeError(f"the triton backend needs triton: {_IMPORT_ERROR}")
 
     def fold_(self, out_f32, lse, q, k, v, *, scale: float, q_start: int, k_start: int, causal: bool,
-              fresh: bool, out_final) -> None:
+              fresh: bool, out_final, bounds=None, softcap: float = 0.0) -> None:
         """Fold one key/value chunk into the state (out_f32, lse_bhs); see the module docstring of _triton_fwd."""
         _check_qkv(q, k, v)
         assert out_f32 is not None or (fresh and out_final is not None), "out_f32 is needed unless fresh and last"
@@ -206,17 +237,17 @@ class TritonBackend:
         if b * s_q * h_q == 0:
             return
         q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
+        mask = _MaskArgs(q_start, k_start, causal, bounds, scale, softcap, lse)
         with _WritableUnitD(out_f32) as acc, _WritableUnitD(out_final) as out:
             acc_arg = acc if acc is not None else lse  # never dereferenced when FRESH and LAST
             out_arg = out if out is not None else acc  # never written unless LAST
             kernel = _kernel("fwd")
             grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h_q)  # noqa: E731
             kernel[grid](
-                q, k, v, acc_arg, lse, out_arg,
+                q, k, v, acc_arg, lse, out_arg, mask.lo, mask.hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(acc), *_bsh(out), *lse.stride(),
-                h_q, h_q // h_kv, s_q, s_k, q_start - k_start, scale * 1.44269504,  # 1/ln 2
-                _len_bucket(s_q, s_k),
-                HEAD_DIM=d, BLOCK_D=_block_d(d), CAUSAL=bool(causal), FRESH=bool(fresh),
+                h_q, h_q // h_kv, s_q, s_k, mask.diag, mask.k_start, *mask.scales(), _len_bucket(s_q, s_k),
+                HEAD_DIM=d, BLOCK_D=_block_d(d), MASK=mask.kind, SOFTCAP=mask.softcap, FRESH=bool(fresh),
                 LAST=out is not None, DOT_PREC=_dot_prec(q.dtype), **_blocks(),
             )
 
@@ -250,7 +281,7 @@ class TritonBackend:
         return delta
 
     def backward_chunk_(self, dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *, scale: float,
-                        q_start: int, k_start: int, causal: bool) -> None:
+                        q_start: int, k_start: int, causal: bool, bounds=None, softcap: float = 0.0) -> None:
         """Add this chunk's dq, dk, dv into the fp32 accumulators (deterministic, no atomics)."""
         _check_qkv(q, k, v)
         b, s_q, h_q, d = q.shape
@@ -258,20 +289,23 @@ class TritonBackend:
         if b * s_q * h_q == 0 or s_k == 0:
             return
         q, k, v, dout = _unit_d(q), _unit_d(k), _unit_d(v), _unit_d(dout.to(q.dtype))
-        common = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), CAUSAL=bool(causal), DOT_PREC=_dot_prec(q.dtype),
-                      **_blocks())
-        scalars = (s_q, s_k, q_start - k_start, scale * 1.44269504, scale, _len_bucket(s_q, s_k))  # 1/ln 2
+        mask = _MaskArgs(q_start, k_start, causal, bounds, scale, softcap, lse)
+        rlo, rhi = mask.per_key(s_k)
+        common = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), MASK=mask.kind, SOFTCAP=mask.softcap,
+                      DOT_PREC=_dot_prec(q.dtype), **_blocks())
+        qk_scale, cap_in, cap_out = mask.scales()
+        scalars = (s_q, s_k, mask.diag, mask.k_start, qk_scale, scale, cap_in, cap_out, _len_bucket(s_q, s_k))
         with _WritableUnitD(dk_acc) as dk, _WritableUnitD(dv_acc) as dv:
             grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
             _kernel("dkdv")[grid](
-                q, k, v, dout, lse, delta, dk, dv,
+                q, k, v, dout, lse, delta, dk, dv, mask.lo, mask.hi, rlo, rhi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *lse.stride(), *delta.stride(), *_bsh(dk), *_bsh(dv),
                 h_kv, h_q // h_kv, *scalars, **common,
             )
         with _WritableUnitD(dq_acc) as dq:
             grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h_q)  # noqa: E731
             _kernel("dq")[grid](
-                q, k, v, dout, lse, delta, dq,
+                q, k, v, dout, lse, delta, dq, mask.lo, mask.hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *lse.stride(), *delta.stride(), *_bsh(dq),
                 h_q, h_q // h_kv, *scalars, **common,
             )

@@ -10,14 +10,14 @@ Three kernels, each owning its output tiles (load-add-store into fp32 accumulato
 runs on the same input are bit-identical):
   * ``_bwd_preprocess_kernel``: delta = rowsum(dout * out) in fp32.
   * ``_bwd_dkdv_kernel``: one key block resident, loops over the query heads of its GQA group and over
-    their query blocks, so dk / dv come out with h_kv heads, summed in registers.
+    the query blocks that see it, so dk / dv come out with h_kv heads, summed in registers.
   * ``_bwd_dq_kernel``: one query block resident, loops over the key blocks.
 A row that saw no key (lse = -inf) gets its lse replaced by +inf, which makes every P of that row exactly 0.
 """
 import triton
 import triton.language as tl
 
-from ._triton_fwd import LOG2E, _key_range, _load_tile, _store_tile
+from ._triton_fwd import LOG2E, _key_range, _load_tile, _logits, _row_bounds, _store_tile, _visible
 
 
 @triton.jit
@@ -55,13 +55,14 @@ def _load_row_stats(LSE_ptrs, DELTA_ptrs, rows, S_Q):
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
+def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI, K_START,
                     stride_qs, stride_ds, stride_ls, stride_es, start, stop, offs_m, offs_n, offs_d,
-                    S_Q, DIAG, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    MASKED: tl.constexpr, MASK_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Accumulate dk, dv of one resident key block over query blocks [start, stop) of one query head.
+                    S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    MASK: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    """Accumulate dk, dv of one resident key block over query rows [start, stop) of one query head.
 
-    Works on transposed tiles (keys on rows): S^T = K Q^T. MASKED: the causal diagonal band.
+    Works on transposed tiles (keys on rows): S^T = K Q^T. MASKED: apply the mask (an edge of the visible band).
     """
     q_ptrs = Q_head + start.to(tl.int64) * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :]
     do_ptrs = DO_head + start.to(tl.int64) * stride_ds + offs_m[:, None] * stride_ds + offs_d[None, :]
@@ -71,15 +72,19 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
         do = _load_tile(do_ptrs, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
         lse2, delta = _load_row_stats(LSE_head + rows * stride_ls, DELTA_head + rows * stride_es, rows, S_Q)
         # -- recompute P^T --
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+        s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), qk_scale, cap_in, cap_out, SOFTCAP)
+        p_t = tl.math.exp2(s_t - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + DIAG, p_t, 0.0)
+            lo_r, hi_r = _row_bounds(LO, HI, K_START, rows, S_Q, MASK)
+            keep = tl.trans(_visible(rows, offs_n, S_K, DIAG, lo_r, hi_r, MASK))
+            p_t = tl.where(keep, p_t, 0.0)
         # -- dV += P^T dO --
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        # -- dS^T = P^T * (dP^T - delta), dK += dS^T Q --
+        # -- dS^T = P^T * (dP^T - delta) (x (1 - tanh^2) when soft-capped), dK += dS^T Q --
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
         q_ptrs += BLOCK_M * stride_qs
         do_ptrs += BLOCK_M * stride_ds
@@ -87,8 +92,40 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
 
 
 @triton.jit
+def _query_range(n0, S_Q, S_K, DIAG, RLO, RHI, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+    """Query rows a resident key block (keys ``n0 .. n0+BLOCK_N-1``) must visit, as three segments:
+    ``[start, full_lo)`` masked, ``[full_lo, full_hi)`` rows that see the whole block, ``[full_hi, end)`` masked.
+
+    MASK 2: RLO/RHI (s_k,) int32 give per key the first and last row that sees it, both nondecreasing
+    (``_masks.transpose_bounds``), so the block's extremes are its first and last keys."""
+    if MASK == 2:
+        last = tl.minimum(n0 + BLOCK_N, S_K) - 1
+        first_row = tl.load(RLO + n0)  # first row that sees the block's first key
+        end = tl.maximum(tl.load(RHI + last) + 1, 0)  # one past the last row that sees its last key
+        start = tl.minimum(first_row, end) // BLOCK_M * BLOCK_M
+        full_lo = (tl.load(RLO + last) + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # rows from here see the last key...
+        full_hi = (tl.load(RHI + n0) + 1) // BLOCK_M * BLOCK_M  # ...and rows before here the first one
+        none_full = full_hi <= full_lo
+        full_lo = tl.where(none_full, end, tl.maximum(full_lo, start))
+        full_hi = tl.where(none_full, end, full_hi)
+    elif MASK == 1:
+        # row i sees key j iff j <= i + DIAG: the first row to see key n0 is n0 - DIAG, and from
+        # row n0 + BLOCK_N - 1 - DIAG on a row sees the whole block.
+        start = tl.minimum(tl.maximum(n0 - DIAG, 0) // BLOCK_M * BLOCK_M, S_Q)
+        full_lo = tl.minimum((tl.maximum(n0 + BLOCK_N - 1 - DIAG, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, S_Q)
+        full_hi = S_Q
+        end = S_Q
+    else:
+        start = tl.minimum(S_Q, 0)
+        full_lo = start
+        full_hi = S_Q
+        end = S_Q
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, RLO, RHI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -97,10 +134,10 @@ def _bwd_dkdv_kernel(
     stride_eb, stride_eh, stride_es,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    H_KV, GROUP, S_Q, S_K, DIAG, qk_scale, sm_scale,
+    H_KV, GROUP, S_Q, S_K, DIAG, K_START, qk_scale, sm_scale, cap_in, cap_out,
     LEN_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head); adds their dk, dv into DK, DV (fp32)."""
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -112,17 +149,8 @@ def _bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    # -- query range: [m_lo, m_full) causal band (masked), [m_full, S_Q) every row sees every key --
-    if CAUSAL:
-        # row i sees key j iff j <= i + DIAG: the first row to see key n0 is n0 - DIAG, and from
-        # row n0 + BLOCK_N - 1 - DIAG on a row sees the whole block.
-        m_lo = tl.maximum(n0 - DIAG, 0) // BLOCK_M * BLOCK_M
-        m_full = (tl.maximum(n0 + BLOCK_N - 1 - DIAG, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        m_lo = tl.minimum(m_lo, S_Q)
-        m_full = tl.minimum(m_full, S_Q)
-    else:
-        m_lo = tl.minimum(S_Q, 0)
-        m_full = m_lo
+    # -- query rows: [start, full_lo) masked, [full_lo, full_hi) see the whole block, [full_hi, end) masked --
+    start, full_lo, full_hi, end = _query_range(n0, S_Q, S_K, DIAG, RLO, RHI, BLOCK_M, BLOCK_N, MASK)
 
     k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
     v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
@@ -130,19 +158,26 @@ def _bwd_dkdv_kernel(
     v = _load_tile(v_ptrs, offs_n, S_K, offs_d, HEAD_DIM, True, MASK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # Keys past S_K were loaded as 0: their rows of dk/dv are garbage-free but never stored.
+    # Keys past S_K were loaded as 0: their rows of dk/dv hold garbage but are never stored.
     for g in range(GROUP):
         off_h = off_hk * GROUP + g  # GQA: the query heads that read this kv head
         Q_head = Q + off_b * stride_qb + off_h * stride_qh
         DO_head = DO + off_b * stride_db + off_h * stride_dh
         LSE_head = LSE + off_b * stride_lb + off_h * stride_lh
         DELTA_head = DELTA + off_b * stride_eb + off_h * stride_eh
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
-                                 stride_qs, stride_ds, stride_ls, stride_es, m_lo, m_full, offs_m, offs_n,
-                                 offs_d, S_Q, DIAG, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, MASK_D, DOT_PREC)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
-                                 stride_qs, stride_ds, stride_ls, stride_es, m_full, S_Q, offs_m, offs_n,
-                                 offs_d, S_Q, DIAG, qk_scale, HEAD_DIM, BLOCK_M, False, MASK_D, DOT_PREC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI, K_START,
+                                 stride_qs, stride_ds, stride_ls, stride_es, start, full_lo, offs_m, offs_n,
+                                 offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_M, MASK, True,
+                                 MASK_D, SOFTCAP, DOT_PREC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI, K_START,
+                                 stride_qs, stride_ds, stride_ls, stride_es, full_lo, full_hi, offs_m, offs_n,
+                                 offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_M, MASK, False,
+                                 MASK_D, SOFTCAP, DOT_PREC)
+        if MASK == 2:  # only bounds can end masked: causal and dense blocks are seen by every later row
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI, K_START,
+                                     stride_qs, stride_ds, stride_ls, stride_es, full_hi, end, offs_m, offs_n,
+                                     offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_M, MASK,
+                                     True, MASK_D, SOFTCAP, DOT_PREC)
 
     # -- add into the fp32 accumulators (this program owns these rows: deterministic) --
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
@@ -155,9 +190,10 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, K_blk, V_blk, stride_ks, stride_vs, start, stop, offs_m, offs_n,
-                  offs_d, S_K, DIAG, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Accumulate dq of one resident query block over key blocks [start, stop)."""
+                  offs_d, S_K, DIAG, lo_r, hi_r, qk_scale, cap_in, cap_out, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
+                  SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Accumulate dq of one resident query block over key blocks [start, stop); K_blk/V_blk point at ``start``."""
     k_ptrs = K_blk + offs_n[:, None] * stride_ks + offs_d[None, :]
     v_ptrs = V_blk + offs_n[:, None] * stride_vs + offs_d[None, :]
     for start_n in range(start, stop, BLOCK_N):
@@ -165,17 +201,16 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_blk, V_blk, stride_ks, stride_vs, st
         k = _load_tile(k_ptrs, cols, S_K, offs_d, HEAD_DIM, MASKED, MASK_D)
         v = _load_tile(v_ptrs, cols, S_K, offs_d, HEAD_DIM, MASKED, MASK_D)
         # -- recompute P --
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s, t = _logits(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, cap_in, cap_out, SOFTCAP)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             # Keys past S_K are zero vectors, but exp2(0 - lse2) can overflow: mask them explicitly.
-            keep = cols[None, :] < S_K
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + DIAG)
-            p = tl.where(keep, p, 0.0)
-        # -- dS = P * (dP - delta), dQ += dS K --
+            p = tl.where(_visible(offs_m, cols, S_K, DIAG, lo_r, hi_r, MASK), p, 0.0)
+        # -- dS = P * (dP - delta) (x (1 - tanh^2) when soft-capped), dQ += dS K --
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
@@ -184,7 +219,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_blk, V_blk, stride_ks, stride_vs, st
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, LO, HI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -192,10 +227,10 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_eb, stride_eh, stride_es,
     stride_dqb, stride_dqs, stride_dqh,
-    H_Q, GROUP, S_Q, S_K, DIAG, qk_scale, sm_scale,
+    H_Q, GROUP, S_Q, S_K, DIAG, K_START, qk_scale, sm_scale, cap_in, cap_out,
     LEN_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); adds their dq into DQ (fp32)."""
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -208,8 +243,9 @@ def _bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    # -- key range, as in the forward: [0, n_full) unmasked, [n_full, hi) masked --
-    n_full, hi = _key_range(m0, S_Q, S_K, DIAG, BLOCK_M, BLOCK_N, CAUSAL)
+    # -- key range, as in the forward --
+    start, full_lo, full_hi, end = _key_range(m0, S_Q, S_K, DIAG, LO, HI, K_START, BLOCK_M, BLOCK_N, MASK)
+    lo_r, hi_r = _row_bounds(LO, HI, K_START, offs_m, S_Q, MASK)
 
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
     do_ptrs = DO + off_b * stride_db + off_h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :]
@@ -220,12 +256,19 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     K_head = K + off_b * stride_kb + off_hk * stride_kh
     V_head = V + off_b * stride_vb + off_hk * stride_vh
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head, V_head, stride_ks, stride_vs, 0, n_full, offs_m, offs_n,
-                       offs_d, S_K, DIAG, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False, MASK_D, DOT_PREC)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta,
-                       K_head + n_full.to(tl.int64) * stride_ks, V_head + n_full.to(tl.int64) * stride_vs,
-                       stride_ks, stride_vs, n_full, hi, offs_m, offs_n, offs_d, S_K, DIAG, qk_scale,
-                       HEAD_DIM, BLOCK_N, CAUSAL, True, MASK_D, DOT_PREC)
+    if MASK == 2:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head + start.to(tl.int64) * stride_ks,
+                           V_head + start.to(tl.int64) * stride_vs, stride_ks, stride_vs, start, full_lo, offs_m,
+                           offs_n, offs_d, S_K, DIAG, lo_r, hi_r, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_N,
+                           MASK, True, MASK_D, SOFTCAP, DOT_PREC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head + full_lo.to(tl.int64) * stride_ks,
+                       V_head + full_lo.to(tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi, offs_m,
+                       offs_n, offs_d, S_K, DIAG, lo_r, hi_r, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_N, MASK,
+                       False, MASK_D, SOFTCAP, DOT_PREC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_head + full_hi.to(tl.int64) * stride_ks,
+                       V_head + full_hi.to(tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, end, offs_m,
+                       offs_n, offs_d, S_K, DIAG, lo_r, hi_r, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_N, MASK,
+                       True, MASK_D, SOFTCAP, DOT_PREC)
 
     # -- add into the fp32 accumulator (this program owns these rows: deterministic) --
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]

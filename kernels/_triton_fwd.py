@@ -31,16 +31,71 @@ LN2 = tl.constexpr(0.69314718)  # ln 2
 
 
 @triton.jit
-def _key_range(m0, S_Q, S_K, DIAG, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Keys a block of queries starting at row ``m0`` must visit: ``[0, n_full)`` unmasked, ``[n_full, hi)``
-    masked (the diagonal band); keys from ``hi`` on lie above the diagonal and are skipped."""
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(S_K, DIAG + tl.minimum(m0 + BLOCK_M, S_Q)), 0)
-        n_full = tl.maximum(tl.minimum(DIAG + m0 + 1, S_K), 0) // BLOCK_N * BLOCK_N
+def _key_range(m0, S_Q, S_K, DIAG, LO, HI, K_START, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK: tl.constexpr):
+    """Key blocks a block of queries (rows ``m0 .. m0+BLOCK_M-1``) must visit, as three segments:
+    ``[start, full_lo)`` masked, ``[full_lo, full_hi)`` seen whole by every row (no mask), ``[full_hi, end)``
+    masked; keys outside ``[start, end)`` are seen by no row and never loaded.
+
+    MASK 0: none. MASK 1: causal, ``j <= i + DIAG``. MASK 2: per-row bounds ``LO[i] <= K_START + j <= HI[i]``,
+    nondecreasing in ``i``, so the block's extremes are its first and last rows (O(1) loads)."""
+    if MASK == 2:
+        last = tl.minimum(m0 + BLOCK_M, S_Q) - 1
+        lo_first = tl.load(LO + m0) - K_START
+        lo_last = tl.load(LO + last) - K_START
+        hi_first = tl.load(HI + m0) - K_START
+        hi_last = tl.load(HI + last) - K_START
+        start = tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N
+        end = tl.maximum(tl.minimum(hi_last + 1, S_K), start)
+        full_lo = (tl.maximum(lo_last, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        full_hi = tl.minimum(hi_first + 1, S_K) // BLOCK_N * BLOCK_N
+        none_full = full_hi <= full_lo
+        full_lo = tl.where(none_full, end, full_lo)
+        full_hi = tl.where(none_full, end, full_hi)
+    elif MASK == 1:
+        end = tl.maximum(tl.minimum(S_K, DIAG + tl.minimum(m0 + BLOCK_M, S_Q)), 0)
+        full_hi = tl.minimum(tl.maximum(tl.minimum(DIAG + m0 + 1, S_K), 0) // BLOCK_N * BLOCK_N, end)
+        start = end * 0
+        full_lo = start
     else:
-        hi = S_K
-        n_full = S_K // BLOCK_N * BLOCK_N
-    return tl.minimum(n_full, hi), hi
+        end = S_K
+        full_hi = S_K // BLOCK_N * BLOCK_N
+        start = S_K * 0
+        full_lo = start
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
+def _tanh(y):
+    """tanh in fp32 without libdevice (the interpreter has none): a series near 0, where 1 - 2/(e^2y + 1)
+    would cancel, and the exponential form elsewhere (exact to a few ulps; saturates to +-1, never NaN)."""
+    y2 = y * y
+    series = y * (1.0 + y2 * (-0.33333333 + y2 * (0.13333333 + y2 * -0.053968254)))
+    expo = 1.0 - 2.0 / (tl.math.exp2(y * 2.88539008) + 1.0)  # 2.88539008 = 2/ln 2
+    return tl.where(tl.abs(y) < 0.125, series, expo)
+
+
+@triton.jit
+def _logits(qk, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """Base-2 logits of a raw q.k tile, and with SOFTCAP the tanh the backward's chain rule needs.
+
+    qk_scale = scale / ln 2. Soft-capped: ``softcap * tanh(scale * qk / softcap) / ln 2`` with
+    cap_in = scale / softcap and cap_out = softcap / ln 2."""
+    if SOFTCAP:
+        t = _tanh(qk * cap_in)
+        return t * cap_out, t
+    return qk * qk_scale, qk
+
+
+@triton.jit
+def _visible(rows, cols, S_K, DIAG, lo_r, hi_r, MASK: tl.constexpr):
+    """Boolean [rows, cols] tile: key column visible to query row (keys past S_K never are)."""
+    keep = cols[None, :] < S_K
+    if MASK == 1:
+        keep = keep & (cols[None, :] <= rows[:, None] + DIAG)
+    if MASK == 2:  # lo_r / hi_r: the rows' bounds relative to the chunk's first key
+        keep = keep & (cols[None, :] >= lo_r[:, None]) & (cols[None, :] <= hi_r[:, None])
+    return keep
 
 
 @triton.jit
@@ -69,21 +124,30 @@ def _store_tile(ptrs, val, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, MASK_D:
 
 
 @triton.jit
+def _row_bounds(LO, HI, K_START, rows, S_Q, MASK: tl.constexpr):
+    """The rows' key bounds relative to the chunk's first key (MASK 2); rows past S_Q see nothing."""
+    if MASK == 2:
+        ok = rows < S_Q
+        lo_r = tl.load(LO + rows, mask=ok, other=1) - K_START
+        hi_r = tl.load(HI + rows, mask=ok, other=0) - K_START
+        return lo_r, hi_r
+    return rows, rows  # unused
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, stride_ks, stride_vs, start, stop, offs_m, offs_n, offs_d,
-               S_K, DIAG, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               MASKED: tl.constexpr, MASK_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online softmax over key blocks [start, stop). MASKED: the diagonal band / key tail (mask needed)."""
+               S_K, DIAG, lo_r, hi_r, qk_scale, cap_in, cap_out, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """Online softmax over key blocks [start, stop); K_blk/V_blk point at key ``start``. MASKED: apply the mask."""
     k_ptrs = K_blk + offs_n[:, None] * stride_ks + offs_d[None, :]
     v_ptrs = V_blk + offs_n[:, None] * stride_vs + offs_d[None, :]
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         k = _load_tile(k_ptrs, cols, S_K, offs_d, HEAD_DIM, MASKED, MASK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # base-2 logits [BLOCK_M, BLOCK_N]
+        s, _ = _logits(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, cap_in, cap_out, SOFTCAP)
         if MASKED:
-            keep = cols[None, :] < S_K
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + DIAG)
-            s = tl.where(keep, s, float("-inf"))
+            s = tl.where(_visible(offs_m, cols, S_K, DIAG, lo_r, hi_r, MASK), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
             # A row that has seen no key yet keeps m = -inf; subtract 0 instead so that
@@ -107,23 +171,23 @@ def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, stride_ks, stride_vs, start, stop
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O_ACC, LSE, OUT,
+    Q, K, V, O_ACC, LSE, OUT, LO, HI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ab, stride_as, stride_ah,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
-    H_Q, GROUP, S_Q, S_K, DIAG, qk_scale,
+    H_Q, GROUP, S_Q, S_K, DIAG, K_START, qk_scale, cap_in, cap_out,
     LEN_BUCKET,  # power-of-two bucket of max(s_q, s_k): an autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, FRESH: tl.constexpr, LAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK: tl.constexpr, SOFTCAP: tl.constexpr, FRESH: tl.constexpr, LAST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, query head); loops over the chunk's key blocks.
+    """One program: BLOCK_M query rows of one (batch, query head); loops over the key blocks its rows see.
 
     O_ACC (b, s_q, h_q, d) fp32 and LSE (b, h_q, s_q) fp32 are the carried state, read unless FRESH.
     LAST writes the finalized output into OUT (input dtype) and lse into LSE; otherwise the state is
-    written back to O_ACC / LSE. qk_scale = softmax scale * 1/ln 2.
+    written back to O_ACC / LSE. LO, HI (s_q,) int32: per-row key bounds (MASK 2 only).
     """
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
     start_m = tl.program_id(0)
@@ -136,8 +200,9 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    # -- key range: [0, n_full) unmasked, [n_full, hi) masked --
-    n_full, hi = _key_range(m0, S_Q, S_K, DIAG, BLOCK_M, BLOCK_N, CAUSAL)
+    # -- key range: [start, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, end) masked --
+    start, full_lo, full_hi, end = _key_range(m0, S_Q, S_K, DIAG, LO, HI, K_START, BLOCK_M, BLOCK_N, MASK)
+    lo_r, hi_r = _row_bounds(LO, HI, K_START, offs_m, S_Q, MASK)
 
     # -- load q and the carried state --
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
@@ -153,16 +218,22 @@ def _fwd_kernel(
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
         acc = _load_tile(a_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D).to(tl.float32)
 
+    # Key offsets are advanced in 64-bit pointer arithmetic, never n * stride in int32.
     K_head = K + off_b * stride_kb + off_hk * stride_kh
     V_head = V + off_b * stride_vb + off_hk * stride_vh
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head, V_head, stride_ks, stride_vs, 0, n_full,
-                               offs_m, offs_n, offs_d, S_K, DIAG, qk_scale,
-                               HEAD_DIM, BLOCK_N, CAUSAL, False, MASK_D, DOT_PREC)
-    # Pointer offsets from here on are advanced in 64-bit pointer arithmetic, never n * stride in int32.
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q,
-                               K_head + n_full.to(tl.int64) * stride_ks, V_head + n_full.to(tl.int64) * stride_vs,
-                               stride_ks, stride_vs, n_full, hi, offs_m, offs_n, offs_d, S_K, DIAG, qk_scale,
-                               HEAD_DIM, BLOCK_N, CAUSAL, True, MASK_D, DOT_PREC)
+    if MASK == 2:  # only bounds can start masked: causal and dense rows all see key 0
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head + start.to(tl.int64) * stride_ks,
+                                   V_head + start.to(tl.int64) * stride_vs, stride_ks, stride_vs, start, full_lo,
+                                   offs_m, offs_n, offs_d, S_K, DIAG, lo_r, hi_r, qk_scale, cap_in, cap_out,
+                                   HEAD_DIM, BLOCK_N, MASK, True, MASK_D, SOFTCAP, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head + full_lo.to(tl.int64) * stride_ks,
+                               V_head + full_lo.to(tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi,
+                               offs_m, offs_n, offs_d, S_K, DIAG, lo_r, hi_r, qk_scale, cap_in, cap_out,
+                               HEAD_DIM, BLOCK_N, MASK, False, MASK_D, SOFTCAP, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_head + full_hi.to(tl.int64) * stride_ks,
+                               V_head + full_hi.to(tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, end,
+                               offs_m, offs_n, offs_d, S_K, DIAG, lo_r, hi_r, qk_scale, cap_in, cap_out,
+                               HEAD_DIM, BLOCK_N, MASK, True, MASK_D, SOFTCAP, DOT_PREC)
 
     # -- epilogue: out = acc / l, lse = (m + log2 l) * ln 2; a row with l == 0 saw nothing --
     empty = l_i == 0.0

@@ -173,8 +173,8 @@ def test_exchange_raises_on_misuse_and_delivers():
 def _no_overlap_and_gather_worker(rank, world):
     q, k, v, dout = _full_inputs(world, 4, 4, 1, 16, torch.float32, seed=5)
     shards = [distattn.shard_sequence(t) for t in (q, k, v)]
-    a = distattn.dist_flash_attn_func(*shards, overlap=True)
-    b = distattn.dist_flash_attn_func(*shards, overlap=False)
+    a = distattn.dist_flash_attn_func(*shards, causal=True, overlap=True)
+    b = distattn.dist_flash_attn_func(*shards, causal=True, overlap=False)
     x = distattn.shard_sequence(q).clone().requires_grad_()
     full = distattn.gather_sequence(x)
     (full * (rank + 1)).sum().backward()  # every rank uses the whole gathered tensor

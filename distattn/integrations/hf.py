@@ -43,7 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distattn import kernels
-from distattn._ops import dist_flash_attn_op, group_key, group_of
+from distattn._ops import group_key, group_of
+from distattn.api import dist_flash_attn_func
 from distattn.checkpoint import remat_context_fn
 from distattn.schedule import SCHEDULES
 from distattn.sharding import group_size as _group_size, shard_sequence
@@ -129,9 +130,9 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     query, key, value = _common_dtype(query, key, value)
     # (b, h, n, d) -> (b, n, h, d), the op's layout; transposed views, the op makes them contiguous once.
-    out = dist_flash_attn_op(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                             causal=bool(is_causal), softmax_scale=scaling, group=group, schedule=options.schedule,
-                             backend=options.backend, overlap=options.overlap)
+    out = dist_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                               softmax_scale=scaling, causal=bool(is_causal), group=group, schedule=options.schedule,
+                               backend=options.backend, overlap=options.overlap)
     return out, None
 
 

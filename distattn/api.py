@@ -1,0 +1,196 @@
+"""distattn's public attention functions: flash-attn's names, positional order and keywords.
+
+Swap one import: ``from flash_attn import flash_attn_func`` -> ``from distattn import flash_attn_func``. Every
+function here takes flash-attn's exact arguments in flash-attn's order; distattn's own options (``group``,
+``schedule``, ``backend``, ``return_lse``, ...) come after them and are keyword-only. Validation happens here,
+at the public boundary, before any work or communication; the way down is one way:
+
+    api (this module)  ->  single.py (autograd, one device) / _ops.py (registered ops)  ->  attention.py
+    (plan executors)  ->  schedule + comm  ->  kernels
+
+What flash-attn offers and distattn does not compute raises a ``ValueError`` naming the alternative:
+``dropout_p > 0`` (use dropout outside attention, or 0 - most LLM pre-training uses none) and ALiBi
+(``alibi_slopes``; use RoPE models). ``deterministic`` is accepted: every distattn backward is deterministic.
+``return_attn_probs=True`` returns ``(out, lse, None)``: like flash-attn's third value, the probabilities are
+for testing only, and distattn never materializes them.
+
+Legend: ``b`` batch, ``s`` sequence, ``h_q``/``h_kv`` heads, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from distattn import kernels
+from distattn._validate import check_qkv, resolve_scale
+
+__all__ = ["flash_attn_func", "dist_flash_attn_func"]
+
+
+# -- validation of flash-attn's options ---------------------------------------------------------------------
+def check_causal(causal) -> bool:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool (True or False), got {causal!r} of type {type(causal).__name__}")
+    return causal
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """flash-attn's ``window_size=(left, right)``: -1 means unlimited on that side."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unlimited, got "
+                        f"{window_size!r}") from None
+    for name, w in (("left", left), ("right", right)):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+            raise ValueError(f"window_size {name} must be an int >= -1 (-1: unlimited), got {w!r}")
+    return int(left), int(right)
+
+
+def check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a number (0.0: no soft-capping), got {softcap!r}")
+    softcap = float(softcap)
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off; Gemma-2 uses 50.0), got {softcap}")
+    return softcap
+
+
+def check_unsupported(dropout_p, alibi_slopes, deterministic) -> None:
+    """flash-attn options distattn does not compute: a clear error instead of a silently different result."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0.0:
+        raise ValueError(f"dropout_p={dropout_p}: distattn does not implement attention dropout (its kernels keep "
+                         f"no dropout mask); pass dropout_p=0.0 (e.g. model.eval()-style configs set "
+                         f"attention_dropout=0), or apply dropout to the attention output instead")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: distattn does not implement ALiBi position biases; use a RoPE model, or "
+                         "flash-attn's own flash_attn_func on one device")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r} (distattn's backward is always "
+                        f"deterministic)")
+
+
+def _returns(out, lse, return_attn_probs: bool, return_lse: bool):
+    """flash-attn's return convention, plus distattn's ``return_lse``."""
+    if return_attn_probs:
+        return out, lse, None  # flash-attn's S_dmask: distattn never materializes probabilities
+    return (out, lse) if return_lse else out
+
+
+# -- one device -------------------------------------------------------------------------------------------
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False,
+                    backend=None):
+    """Exact attention on one device, differentiable in ``q, k, v``; flash-attn's ``flash_attn_func``.
+
+    With ``s_q != s_k`` the causal mask and the window are aligned bottom-right, as flash-attn >= 2.1 (the last
+    query sees the last key)::
+
+        s_q=2, s_k=5, causal       keys 0 1 2 3 4
+                              q 0:      x x x x .      (position 3)
+                              q 1:      x x x x x      (position 4)
+
+    A query row that sees no key (``s_q > s_k`` causal) gets output 0 and lse -inf, never NaN.
+
+    Args:
+        q: ``(b, s_q, h_q, d)``, fp16/bf16/fp32.
+        k, v: ``(b, s_k, h_kv, d)``; ``h_q % h_kv == 0`` (GQA/MQA; k/v are never repeated).
+        dropout_p: must be 0.0 (distattn computes no attention dropout).
+        softmax_scale: defaults to ``d ** -0.5``.
+        causal: mask keys after the query (bottom-right aligned).
+        window_size: ``(left, right)``: the query at position ``p`` sees keys in ``[p - left, p + right]``;
+            -1 is unlimited. ``causal=True`` implies ``right = 0``.
+        softcap: > 0 soft-caps the scores: ``softcap * tanh(scale * q.k / softcap)`` (Gemma-2).
+        alibi_slopes: must be None (no ALiBi).
+        deterministic: accepted; distattn's backward is always deterministic.
+        return_attn_probs: return ``(out, lse, None)`` as flash-attn does (no probabilities materialized).
+        return_lse: (distattn) return ``(out, lse)``; ``lse (b, h_q, s_q)`` fp32, natural log, not differentiable.
+        backend: (distattn) ``"triton"``, ``"torch"`` or ``None`` (triton on CUDA, torch elsewhere).
+
+    Returns:
+        ``out (b, s_q, h_q, d)`` in the input dtype; or the tuples described above.
+    """
+    from distattn.single import attention
+
+    check_unsupported(dropout_p, alibi_slopes, deterministic)
+    check_qkv(q, k, v)
+    causal = check_causal(causal)
+    window = check_window(window_size)
+    softcap = check_softcap(softcap)
+    be = kernels.get_backend(backend, q.device)
+    out, lse = attention(q, k, v, scale=resolve_scale(softmax_scale, q.shape[-1]), causal=causal, window=window,
+                         softcap=softcap, backend=be)
+    return _returns(out, lse, return_attn_probs, return_lse)
+
+
+# -- across ranks -----------------------------------------------------------------------------------------
+def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                         group=None, schedule="balanced", backend=None, return_lse=False, overlap=True):
+    """Exact attention over a sequence split across the ranks of ``group``; differentiable.
+
+    flash-attn's arguments, for this rank's contiguous shards: rank ``r`` of ``P`` holds tokens
+    ``[r*n, (r+1)*n)`` of q, k and v (``distattn.shard_sequence``). The causal mask is on global positions.
+
+    Args:
+        q: ``(b, n, h_q, d)``, this rank's shard.
+        k, v: ``(b, n, h_kv, d)``, this rank's shards; ``h_q % h_kv == 0``.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
+            as in :func:`flash_attn_func`.
+        group: (distattn) the sequence-parallel process group (``None``: the default group).
+        schedule: (distattn) ``"balanced"`` (DistFlashAttn load balancing: ``1 + P//2`` steps causal) or
+            ``"ring"``.
+        backend: (distattn) kernel backend, ``"triton"``/``"torch"``/``None``.
+        return_lse: (distattn) also return this rank's ``lse (b, h_q, n)`` fp32.
+        overlap: (distattn) prefetch the next step's chunks while computing (``False`` only for ablations).
+
+    Returns:
+        This rank's ``out (b, n, h_q, d)`` in the input dtype; or the tuples of :func:`flash_attn_func`.
+
+    Gradients: ``out.backward(...)`` gives this rank's ``q, k, v`` the gradient of the *whole* sequence's loss
+    with respect to this rank's shards, provided every rank runs the backward (each rank's loss term
+    reaches the others' keys and values through the exchange). Parameters upstream of q/k/v get only this
+    rank's share: sum them over the group (DDP/FSDP over the group does it) before an optimizer step.
+    """
+    from distattn._ops import dist_attention
+
+    check_unsupported(dropout_p, alibi_slopes, deterministic)
+    cfg = make_config(q, k, v, causal=check_causal(causal), softmax_scale=softmax_scale,
+                      window=check_window(window_size), softcap=check_softcap(softcap), group=group,
+                      schedule=schedule, backend=backend, overlap=overlap)
+    out, lse = dist_attention(q, k, v, cfg)
+    return _returns(out, lse, return_attn_probs, return_lse)
+
+
+def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, schedule, backend, overlap):
+    """Validate this rank's shards and options; the frozen ``DistAttnConfig``. Raises before any communication."""
+    import os
+
+    import torch.distributed as dist
+
+    from distattn.attention import DistAttnConfig, check_ranks_agree
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("dist_flash_attn_func needs an initialized process group: call "
+                           "torch.distributed.init_process_group(...) first, or use flash_attn_func on one device")
+    check_qkv(q, k, v, same_seq=True)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
+                         f"call torch.cuda.set_device({q.device.index}) on this rank (NCCL hangs otherwise)")
+    backend_name = str(dist.get_backend(group))
+    if "nccl" in backend_name and not q.is_cuda and "gloo" not in backend_name:
+        raise ValueError(f"the process group's backend is {backend_name!r}, which cannot send tensors on "
+                         f"{q.device}; move q, k, v to this rank's CUDA device or use a gloo group")
+    kernels.get_backend(backend, q.device)  # unknown/unavailable backend: same error on every rank
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool, got {overlap!r}")
+    cfg = DistAttnConfig(causal=causal, scale=resolve_scale(softmax_scale, q.shape[-1]), window=window,
+                         softcap=softcap, schedule=schedule, backend=backend, group=group, overlap=overlap)
+    if os.environ.get("DISTATTN_DEBUG", "0") == "1":
+        check_ranks_agree(q, k, cfg)
+    return cfg
