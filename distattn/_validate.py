@@ -12,11 +12,12 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def check_qkv(q, k, v, *, same_seq: bool = False) -> None:
+def check_qkv(q, k, v, *, same_seq: bool = False, allow_empty: bool = False) -> None:
     """Validate ``q (b, s_q, h_q, d)``, ``k, v (b, s_k, h_kv, d)``.
 
     Args:
         same_seq: require ``s_q == s_k`` (the sequence-parallel op, where every rank holds equal shards).
+        allow_empty: accept zero tokens (a packed batch whose documents are all empty).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -48,7 +49,7 @@ def check_qkv(q, k, v, *, same_seq: bool = False) -> None:
     if h_kv < 1 or h_q % h_kv != 0:
         raise ValueError(f"heads_q ({h_q}) must be a multiple of heads_kv ({h_kv}) (GQA/MQA); choose heads_kv "
                          f"among the divisors of {h_q}")
-    if min(s_q, k.shape[1]) < 1:
+    if min(s_q, k.shape[1]) < 1 and not allow_empty:
         raise ValueError(f"sequence lengths must be >= 1, got s_q={s_q}, s_k={k.shape[1]}")
     if same_seq and s_q != k.shape[1]:
         raise ValueError(f"q holds {s_q} tokens of this rank's shard but k/v hold {k.shape[1]}; every rank "

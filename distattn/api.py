@@ -27,7 +27,7 @@ import torch
 from distattn import kernels
 from distattn._validate import check_qkv, resolve_scale
 
-__all__ = ["flash_attn_func", "dist_flash_attn_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func"]
 
 
 # -- validation of flash-attn's options ---------------------------------------------------------------------
@@ -126,6 +126,88 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     out, lse = attention(q, k, v, scale=resolve_scale(softmax_scale, q.shape[-1]), causal=causal, window=window,
                          softcap=softcap, backend=be)
     return _returns(out, lse, return_attn_probs, return_lse)
+
+
+def check_cu_seqlens(cu_seqlens, total: int, name: str, device) -> list[int]:
+    """Validate a ``cu_seqlens`` tensor against the ``total`` tokens it must cover; returns it as a host list.
+
+    Reading it to the host costs one device sync per call; it buys a clear error instead of a wrong result.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}; build it with "
+                        f"torch.tensor([0, len0, len0 + len1, ...], dtype=torch.int32)")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{name} is on {cu_seqlens.device} but the tokens are on {device}; move it with .to()")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
+    bad = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
+    if bad is not None:
+        raise ValueError(f"{name} must be non-decreasing (cumulative lengths), but {name}[{bad}] = {cu[bad]} < "
+                         f"{name}[{bad - 1}] = {cu[bad - 1]}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}[-1] = {cu[-1]} must equal the number of packed tokens ({total}); pass the "
+                         f"cumulative lengths of exactly the documents in the tensor")
+    return cu
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False,
+                           backend=None):
+    """Exact attention over packed documents of varied length on one device; flash-attn's ``flash_attn_varlen_func``.
+
+    Document ``i`` holds query rows ``cu_seqlens_q[i] .. cu_seqlens_q[i+1]-1`` and key rows
+    ``cu_seqlens_k[i] .. cu_seqlens_k[i+1]-1``; a query sees only its own document's keys (no padding, no
+    attention across documents). Causal mask and window are aligned bottom-right inside each document when its
+    query and key lengths differ. Work is proportional to the visible pairs: key blocks of other documents are
+    never loaded.
+
+    Args:
+        q: ``(total_q, h_q, d)``, the documents' queries concatenated.
+        k, v: ``(total_k, h_kv, d)``; ``h_q % h_kv == 0``.
+        cu_seqlens_q, cu_seqlens_k: ``(batch + 1,)`` int32/int64 cumulative lengths starting at 0.
+        max_seqlen_q, max_seqlen_k: the longest document (flash-attn sizes its grid with them); must be at
+            least the real maximum (checked), distattn does not otherwise need them.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
+            as in :func:`flash_attn_func`.
+        block_table: must be None (paged key/value caches are an inference feature).
+        return_lse, backend: (distattn) as in :func:`flash_attn_func`; ``lse`` is ``(h_q, total_q)`` as flash-attn's.
+
+    Returns:
+        ``out (total_q, h_q, d)`` in the input dtype; or ``(out, lse)`` / ``(out, lse, None)``.
+    """
+    from distattn.single import attention_with_bounds
+
+    check_unsupported(dropout_p, alibi_slopes, deterministic)
+    if block_table is not None:
+        raise ValueError("block_table (a paged key/value cache) is not supported by distattn, which computes "
+                         "attention for training; pass block_table=None")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim) for the varlen function, got "
+                             f"shape {tuple(t.shape)}; use flash_attn_func for (batch, seq, heads, head_dim)")
+    q4, k4, v4 = (t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    check_qkv(q4, k4, v4, allow_empty=True)
+    cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", q.device)
+    cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", k.device)
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_seqlens_q has {len(cu_q) - 1} documents but cu_seqlens_k has {len(cu_k) - 1}; both "
+                         f"must describe the same batch of documents")
+    for name, given, lens in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+        longest = max(b - a for a, b in zip(lens, lens[1:]))
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < longest:
+            raise ValueError(f"{name} ({given!r}) must be an int >= the longest document ({longest})")
+    causal, window, softcap = check_causal(causal), check_window(window_size), check_softcap(softcap)
+    be = kernels.get_backend(backend, q.device)
+    bounds = kernels.varlen_bounds(cu_seqlens_q, cu_seqlens_k, (0, q.shape[0]), causal=causal, window=window)
+    out, lse = attention_with_bounds(q4, k4, v4, bounds, scale=resolve_scale(softmax_scale, q.shape[-1]),
+                                     softcap=softcap, backend=be)
+    return _returns(out[0], lse[0], return_attn_probs, return_lse)
 
 
 # -- across ranks -----------------------------------------------------------------------------------------
