@@ -27,7 +27,7 @@ import torch
 from distattn import kernels
 from distattn._validate import check_qkv, resolve_scale
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func"]
 
 
 # -- validation of flash-attn's options ---------------------------------------------------------------------
@@ -128,7 +128,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return _returns(out, lse, return_attn_probs, return_lse)
 
 
-def check_cu_seqlens(cu_seqlens, total: int, name: str, device) -> list[int]:
+def check_cu_seqlens(cu_seqlens, total: int | None, name: str, device) -> list[int]:
     """Validate a ``cu_seqlens`` tensor against the ``total`` tokens it must cover; returns it as a host list.
 
     Reading it to the host costs one device sync per call; it buys a clear error instead of a wrong result.
@@ -149,7 +149,7 @@ def check_cu_seqlens(cu_seqlens, total: int, name: str, device) -> list[int]:
     if bad is not None:
         raise ValueError(f"{name} must be non-decreasing (cumulative lengths), but {name}[{bad}] = {cu[bad]} < "
                          f"{name}[{bad - 1}] = {cu[bad - 1]}")
-    if cu[-1] != total:
+    if total is not None and cu[-1] != total:
         raise ValueError(f"{name}[-1] = {cu[-1]} must equal the number of packed tokens ({total}); pass the "
                          f"cumulative lengths of exactly the documents in the tensor")
     return cu
@@ -247,6 +247,68 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
                       schedule=schedule, backend=backend, overlap=overlap)
     out, lse = dist_attention(q, k, v, cfg)
     return _returns(out, lse, return_attn_probs, return_lse)
+
+
+def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                return_attn_probs=False, *, group=None, schedule="balanced", backend=None,
+                                return_lse=False, overlap=True):
+    """Exact attention over a stream of packed documents split across the ranks of ``group``; differentiable.
+
+    The padding-free layout of long-context training: the documents of a batch are concatenated into one
+    stream of ``T`` tokens, and rank ``r`` of ``P`` holds tokens ``[r*n, (r+1)*n)`` of it (``T = P*n``). Documents
+    may have any length (1 included) and straddle any number of rank boundaries. A query sees only keys of its
+    own document (causal and window on positions within the stream, which are the document's positions
+    shifted). If the documents fill fewer than ``P*n`` tokens (pad the stream's tail to a multiple of ``P``),
+    the tail is one extra document of its own: no real token sees it; ignore its outputs (labels -100).
+
+    The plan is built from ``cu_seqlens`` on every rank alike, without communication: (query chunk, kv chunk)
+    pairs that share no visible (query, key) pair are never computed nor communicated, and the balanced
+    schedule assigns the remaining pairs by their work (``distattn.schedule``; ``python -m distattn.schedule
+    --docs ...`` simulates a length distribution).
+
+    Args:
+        q: ``(n, h_q, d)``, this rank's tokens of the packed stream.
+        k, v: ``(n, h_kv, d)``; ``h_q % h_kv == 0``.
+        cu_seqlens: ``(documents + 1,)`` int32/int64 cumulative lengths over the WHOLE stream (the same tensor on
+            every rank), starting at 0, ending at ``<= P*n``.
+        max_seqlen: the longest document (as flash-attn; checked, not otherwise needed).
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
+            as in :func:`flash_attn_func`.
+        group, schedule, backend, return_lse, overlap: as in :func:`dist_flash_attn_func`; ``lse`` is ``(h_q, n)``.
+
+    Returns:
+        This rank's ``out (n, h_q, d)``; or ``(out, lse)`` / ``(out, lse, None)``.
+    """
+    from distattn._ops import dist_attention
+
+    import torch.distributed as dist
+
+    check_unsupported(dropout_p, alibi_slopes, deterministic)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (tokens of this rank, heads, head_dim) for the varlen "
+                             f"function, got shape {tuple(t.shape)}; use dist_flash_attn_func for 4-D tensors")
+    q4, k4, v4 = (t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    cfg = make_config(q4, k4, v4, causal=check_causal(causal), softmax_scale=softmax_scale,
+                      window=check_window(window_size), softcap=check_softcap(softcap), group=group,
+                      schedule=schedule, backend=backend, overlap=overlap)
+    total = q.shape[0] * dist.get_world_size(group)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
+    cu = check_cu_seqlens(cu_seqlens, None, "cu_seqlens", cu_seqlens.device)
+    if cu[-1] > total:
+        raise ValueError(f"cu_seqlens[-1] = {cu[-1]} is more than the stream holds ({total} = {dist.get_world_size(group)}"
+                         f" ranks x {q.shape[0]} tokens); every rank must pass its n = T / P tokens and the global "
+                         f"cu_seqlens")
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
+        raise ValueError(f"max_seqlen ({max_seqlen!r}) must be an int >= the longest document ({longest})")
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, cu_seqlens=tuple(cu))
+    out, lse = dist_attention(q4, k4, v4, cfg)
+    return _returns(out[0], lse[0], return_attn_probs, return_lse)
 
 
 def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, schedule, backend, overlap):

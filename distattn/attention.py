@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from distattn import kernels
 from distattn.comm import PeerExchange
-from distattn.schedule import SCHEDULES, Plan, Task, Transfer, make_plan
+from distattn.schedule import SCHEDULES, MaskSpec, Plan, Task, Transfer, make_plan
 
 __all__ = ["DistAttnConfig", "check_ranks_agree", "dist_attn_forward", "dist_attn_backward"]
 
@@ -56,13 +56,20 @@ class DistAttnConfig:
     """Process group (``None``: the default group)."""
     overlap: bool = True
     """Post step ``t + 1``'s fetches before computing step ``t``; ``False`` waits first (ablation)."""
+    cu_seqlens: tuple[int, ...] | None = None
+    """Packed documents: cumulative lengths over the whole stream (identical on every rank), or None."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}; use schedule='balanced'")
 
-    def plan(self) -> Plan:
-        return make_plan(dist.get_world_size(self.group), self.causal, self.schedule)
+    def mask_spec(self) -> MaskSpec:
+        """The call's mask as data: what the plan (pairs, work) and the kernels (per-row bounds) both read."""
+        return MaskSpec(causal=self.causal, window=self.window, cu_seqlens=self.cu_seqlens)
+
+    def plan(self, n: int) -> Plan:
+        """The plan for ``n`` tokens per rank (masked plans drop pairs that share no visible key)."""
+        return make_plan(dist.get_world_size(self.group), self.causal, self.schedule, mask=self.mask_spec(), chunk=n)
 
 
 def check_ranks_agree(q, k, cfg: DistAttnConfig) -> None:
@@ -84,10 +91,11 @@ class _Executor:
 
     def __init__(self, cfg: DistAttnConfig, like: torch.Tensor, phase: str):
         self.cfg, self.phase = cfg, phase
-        self.plan = cfg.plan()
+        self.n = like.shape[1]
+        self.plan = cfg.plan(self.n)
+        self.spec = cfg.mask_spec()
         self.comm = PeerExchange(cfg.group, like.device)
         self.rank = self.comm.rank
-        self.n = like.shape[1]
         self.device = like.device
         self.backend = kernels.get_backend(cfg.backend, like.device)
         self._bounds: dict[int, kernels.KeyBounds] = {}
@@ -100,16 +108,17 @@ class _Executor:
         """Kernel keywords for ``task``'s (query chunk, kv chunk) pair: the mask and the scale options."""
         kw = dict(softmax_scale=self.cfg.scale, q_start=self.start(task.q_chunk), k_start=self.start(task.kv_chunk),
                   softcap=self.cfg.softcap, backend=self.backend)
-        if self.cfg.window != (-1, -1):  # a window is an interval of keys per row: the bounds path
-            return dict(kw, causal=False, bounds=self._window_bounds(task.q_chunk))
+        if not self.spec.dense:  # documents / window: per-row key bounds, from the description the plan read
+            return dict(kw, causal=False, bounds=self._bounds_of(task.q_chunk))
         # Off-diagonal causal pairs always have kv_chunk < q_chunk: every key is visible, no mask to pay for.
         return dict(kw, causal=self.cfg.causal and task.is_diagonal, bounds=None)
 
-    def _window_bounds(self, chunk: int) -> kernels.KeyBounds:
+    def _bounds_of(self, chunk: int) -> kernels.KeyBounds:
+        """Key bounds of query chunk ``chunk``'s rows (host-computed, one small copy to the device, cached)."""
         if chunk not in self._bounds:
-            total = self.n * self.plan.world_size
-            self._bounds[chunk] = kernels.window_bounds(self.n, total, causal=self.cfg.causal, window=self.cfg.window,
-                                                        device=self.device, q_start=self.start(chunk))
+            lo, hi = self.spec.bounds(self.n * self.plan.world_size, self.start(chunk), self.start(chunk + 1))
+            to_dev = lambda a: torch.from_numpy(a).to(device=self.device, dtype=torch.int32)  # noqa: E731
+            self._bounds[chunk] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
         return self._bounds[chunk]
 
     def post(self, slot, transfers: tuple[Transfer, ...], payload, buffers) -> dict:

@@ -64,7 +64,7 @@ def _run(blocks, x, mode):
 def _via_op(q, k, v, *, causal, group, return_lse):
     """The registered op called directly (what checkpoint policies and torch.compile see)."""
     out, lse = torch.ops.distattn.attention(q, k, v, causal, HEAD_DIM ** -0.5, -1, -1, 0.0,
-                                            distattn._ops.group_key(group), "balanced", None, True)
+                                            distattn._ops.group_key(group), "balanced", None, True, [])
     return out, lse
 
 
@@ -247,7 +247,7 @@ def test_fake_impl_gives_shapes_without_running():
         q = torch.empty(2, 5, 4, 8, dtype=torch.bfloat16)
         k = torch.empty(2, 5, 2, 8, dtype=torch.bfloat16)
         before = ck.COUNTERS.forward
-        out, lse = torch.ops.distattn.attention(q, k, k, True, 0.5, -1, -1, 0.0, "default", "balanced", None, True)
+        out, lse = torch.ops.distattn.attention(q, k, k, True, 0.5, -1, -1, 0.0, "default", "balanced", None, True, [])
     assert ck.COUNTERS.forward == before
     assert out.shape == (2, 5, 4, 8) and out.dtype == torch.bfloat16
     assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32

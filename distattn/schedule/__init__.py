@@ -32,11 +32,14 @@ comm layer counts. Pure Python: no torch, no torch.distributed.
 
 from __future__ import annotations
 
-import argparse
 import functools
 from dataclasses import dataclass
 
+from distattn.schedule.masks import MaskSpec, pair_work
+
 SCHEDULES = ("ring", "balanced")
+__all__ = ["SCHEDULES", "PHASES", "Task", "Transfer", "Plan", "make_plan", "MaskSpec", "pair_work", "Shapes",
+           "payload_bytes", "SimReport", "simulate", "format_table"]
 PHASES = ("forward", "backward")
 _FP32_BYTES = 4  # softmax statistics, partial outputs and gradient partials travel in fp32
 _MIB = 1 << 20
@@ -127,6 +130,10 @@ class Plan:
     causal: bool
     schedule: str
     steps: tuple[tuple[Task, ...], ...]
+    work: tuple[tuple[int, ...], ...] | None = None
+    """Visible (query, key) pairs of every (q chunk, kv chunk) pair, for plans built from a mask (else None)."""
+    chunk: int | None = None
+    """Tokens per chunk the work was computed for (mask plans only)."""
 
     def num_steps(self) -> int:
         return len(self.steps)
@@ -233,19 +240,28 @@ def _validate(world_size, causal, schedule) -> None:
         )
 
 
-def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced") -> Plan:
+def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", *, mask: MaskSpec | None = None,
+              chunk: int | None = None) -> Plan:
     """Build (and cache) the plan for ``world_size`` ranks.
 
     Args:
         world_size: P, the number of ranks in the sequence-parallel group (>= 1).
-        causal: whether only pairs ``kv_chunk <= q_chunk`` are needed.
-        schedule: one of :data:`SCHEDULES`. "balanced" equals "ring" for non-causal attention.
+        causal: whether only pairs ``kv_chunk <= q_chunk`` are needed (dense plans).
+        schedule: one of :data:`SCHEDULES`. "balanced" equals "ring" for non-causal dense attention.
+        mask: packed documents and/or a sliding window (``MaskSpec``); ``None`` or a dense spec gives the dense
+            plans. A masked plan drops every pair with no visible (query, key) pair and, balanced, assigns
+            each remaining pair to its query owner or its kv owner (helper) so that the work is balanced.
+        chunk: tokens per rank; needed with a non-dense ``mask``.
 
     Returns:
-        An immutable :class:`Plan`; causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P.
+        An immutable :class:`Plan`; dense causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P.
     """
     _validate(world_size, causal, schedule)
-    return _make_plan_cached(world_size, causal, schedule)
+    if mask is None or mask.dense:
+        return _make_plan_cached(world_size, mask.causal if mask is not None else causal, schedule)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
+    return _make_masked_plan(world_size, schedule, mask, chunk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,6 +273,64 @@ def _make_plan_cached(p: int, causal: bool, schedule: str) -> Plan:
     _check_steps(p, causal, steps)
     frozen = tuple(tuple(sorted(tasks, key=lambda t: t.rank)) for tasks in steps)
     return Plan(world_size=p, causal=causal, schedule=schedule, steps=frozen)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int) -> Plan:
+    work = pair_work(mask, p, n)
+    needed = {(i, j) for i in range(p) for j in range(p) if work[i][j] > 0}
+    if schedule == "ring":  # every pair computed by its query owner, in ring order, empty pairs dropped
+        per_rank = [[Task(r, r, (r - t) % p) for t in range(p) if ((r, (r - t) % p)) in needed] for r in range(p)]
+    else:
+        per_rank = _balance_by_work(p, work, needed)
+    steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
+    got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
+    assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
+    frozen = tuple(tuple(sorted(tasks, key=lambda t: t.rank)) for tasks in steps)
+    return Plan(world_size=p, causal=mask.causal, schedule=schedule, steps=frozen, work=work, chunk=n)
+
+
+def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
+    """Diagonals first; then each off-diagonal pair, largest first, to the owner that keeps the plan shortest.
+
+    A pair ``(i, j)`` can be computed by query owner ``i`` (fetching kv ``j``) or by kv owner ``j`` as a helper
+    (fetching q ``i``, returning a partial): DistFlashAttn's load balancing, generalized from "idle ranks help"
+    to "whichever owner makes the plan shorter" so that it works for any mask. Each rank runs its tasks
+    largest first, and the plan's length is the simulator's: the sum over steps of the step's largest task.
+    A pair goes to the helper only if that is strictly shorter (an owner step moves only k/v, a helper step q
+    and a partial back). Deterministic: every rank builds the same plan from the same work matrix.
+    """
+    import numpy as np
+
+    lists = [[work[r][r]] if (r, r) in needed else [] for r in range(p)]  # per rank: task work, largest first
+    tasks: list[list[Task]] = [[] for _ in range(p)]
+    off = sorted((pair for pair in needed if pair[0] != pair[1]), key=lambda ij: (-work[ij[0]][ij[1]], ij))
+    width = 1 + len(off)
+
+    def profile(rows) -> np.ndarray:
+        mat = np.zeros((p, width))
+        for r, row in enumerate(rows):
+            mat[r, :len(row)] = sorted(row, reverse=True)
+        return mat
+
+    mat = profile(lists)
+    for i, j in off:
+        w = work[i][j]
+        best = None
+        for rank in (i, j):  # the owner first: on a tie it keeps the pair
+            row = np.sort(np.append(mat[rank][mat[rank] > 0], w))[::-1]
+            trial = mat.copy()
+            trial[rank, :] = 0.0
+            trial[rank, :len(row)] = row
+            length = trial.max(axis=0).sum()
+            if best is None or length < best[0]:
+                best = (length, rank, trial)
+        _, rank, mat = best
+        tasks[rank].append(Task(rank, i, j))
+    per_rank = [[Task(r, r, r)] if (r, r) in needed else [] for r in range(p)]
+    for r in range(p):
+        per_rank[r] += sorted(tasks[r], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.q_chunk, t.kv_chunk))
+    return per_rank
 
 
 # -- simulator ----------------------------------------------------------------------------------------
@@ -325,6 +399,9 @@ class SimReport:
     bytes_recv_fwd: tuple[int, ...]
     bytes_sent_bwd: tuple[int, ...]
     bytes_recv_bwd: tuple[int, ...]
+    pairs: int = 0  # (q chunk, kv chunk) pairs computed
+    pairs_skipped: int = 0  # pairs of the dense causal plan that this plan does not compute
+    work_fraction: float = 1.0  # visible (query, key) pairs / those of dense causal attention on the stream
 
     def table_row(self) -> dict:
         """One row of :func:`format_table`; byte columns are the worst rank, in MiB."""
@@ -340,11 +417,16 @@ class SimReport:
             "fwd max recv MiB": f"{max(self.bytes_recv_fwd) / _MIB:.0f}",
             "bwd max send MiB": f"{max(self.bytes_sent_bwd) / _MIB:.0f}",
             "bwd max recv MiB": f"{max(self.bytes_recv_bwd) / _MIB:.0f}",
+            "pairs (skipped)": f"{self.pairs} ({self.pairs_skipped})",
+            "work vs causal": f"{self.work_fraction:.1%}",
         }
 
 
-def _task_cost(task: Task, causal: bool) -> float:
-    return 0.5 if causal and task.is_diagonal else 1.0
+def _task_cost(task: Task, plan: Plan) -> float:
+    """A task's compute in units of one full ``n x n`` pair."""
+    if plan.work is not None:
+        return plan.work[task.q_chunk][task.kv_chunk] / plan.chunk ** 2
+    return 0.5 if plan.causal and task.is_diagonal else 1.0
 
 
 def _bytes_per_rank(plan: Plan, phase: str, shapes: Shapes) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -358,25 +440,32 @@ def _bytes_per_rank(plan: Plan, phase: str, shapes: Shapes) -> tuple[tuple[int, 
     return tuple(sent), tuple(recv)
 
 
-def simulate(
-    world_size: int, causal: bool = True, schedule: str = "balanced", shapes: Shapes = Shapes()
-) -> SimReport:
-    """Walk :func:`make_plan`'s plan step by step and tally idle slots, work makespan and bytes."""
-    plan = make_plan(world_size, causal, schedule)
+def simulate(world_size: int, causal: bool = True, schedule: str = "balanced", shapes: Shapes = Shapes(), *,
+             mask: MaskSpec | None = None) -> SimReport:
+    """Walk :func:`make_plan`'s plan step by step and tally idle slots, work makespan and bytes.
+
+    With a ``mask`` (packed documents, window) the plan is built for ``shapes.seq_per_rank`` tokens per rank and
+    the report also counts the pairs and the pair work the mask lets the plan skip against the dense causal
+    plan of the same stream.
+    """
+    plan = make_plan(world_size, causal, schedule, mask=mask, chunk=shapes.seq_per_rank)
     p, n_steps = plan.world_size, plan.num_steps()
     busy = sum(len(tasks) for tasks in plan.steps)
-    work = sum(_task_cost(t, causal) for tasks in plan.steps for t in tasks)
-    makespan = sum(max(_task_cost(t, causal) for t in tasks) for tasks in plan.steps)
+    work = sum(_task_cost(t, plan) for tasks in plan.steps for t in tasks)
+    makespan = sum(max((_task_cost(t, plan) for t in tasks), default=0.0) for tasks in plan.steps)
     sent_f, recv_f = _bytes_per_rank(plan, "forward", shapes)
     sent_b, recv_b = _bytes_per_rank(plan, "backward", shapes)
+    dense_pairs = p * (p + 1) // 2
+    dense_work = p * (p - 1) / 2 + p * 0.5  # the dense causal plan, in units of full pairs
     return SimReport(
-        world_size=p, causal=causal, schedule=schedule, steps=n_steps,
-        idle_fraction=1.0 - busy / (n_steps * p),
+        world_size=p, causal=plan.causal, schedule=schedule, steps=n_steps,
+        idle_fraction=1.0 - busy / (n_steps * p) if n_steps else 0.0,
         work_makespan=makespan,
-        compute_idle_fraction=1.0 - work / (p * makespan),
+        compute_idle_fraction=1.0 - work / (p * makespan) if makespan else 0.0,
         bytes_sent=tuple(a + b for a, b in zip(sent_f, sent_b)),
         bytes_recv=tuple(a + b for a, b in zip(recv_f, recv_b)),
         bytes_sent_fwd=sent_f, bytes_recv_fwd=recv_f, bytes_sent_bwd=sent_b, bytes_recv_bwd=recv_b,
+        pairs=busy, pairs_skipped=max(dense_pairs - busy, 0), work_fraction=work / dense_work,
     )  # fmt: skip
 
 
@@ -392,25 +481,7 @@ def format_table(reports) -> str:
 
 
 def _main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Simulate ring vs balanced plans; print a markdown table.")
-    parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
-    parser.add_argument("--seq-per-rank", type=int, default=32768)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--heads-kv", type=int, default=None, help="kv heads (default: --heads)")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype-bytes", type=int, default=2)
-    parser.add_argument("--non-causal", action="store_true")
-    args = parser.parse_args(argv)
-    shapes = Shapes(
-        batch=args.batch, seq_per_rank=args.seq_per_rank, heads_q=args.heads,
-        heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim, dtype_bytes=args.dtype_bytes,
-    )  # fmt: skip
-    causal = not args.non_causal
-    reports = [simulate(p, causal, s, shapes) for p in args.world for s in SCHEDULES]
-    print(f"<!-- {shapes} -->")
-    print(format_table(reports))
+    """The command line (``python -m distattn.schedule``; see ``distattn.schedule.cli``)."""
+    from distattn.schedule.cli import main
 
-
-if __name__ == "__main__":
-    _main()
+    main(argv)

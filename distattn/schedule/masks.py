@@ -1,0 +1,80 @@
+"""The mask of a sequence-parallel call as plain data, and the work it leaves in every (query chunk, kv chunk) pair.
+
+A packed stream of ``T = P * n`` tokens is split into ``P`` contiguous chunks of ``n``. Every query at global
+position ``p`` sees the keys ``[lo(p), hi(p)]`` (the same contract as the kernels' ``KeyBounds``)::
+
+    causal                     [0, p]
+    packed documents, causal   [doc_start(p), p]            (not causal: [doc_start(p), doc_end(p) - 1])
+    + sliding window (l, r)    lo = max(doc_start(p), p - l),  hi = min(doc_end(p) - 1, p + r)  (r = 0 causal)
+
+If the documents end before ``T`` (the stream's tail was padded to a multiple of ``P``), the tail is one extra
+document of its own: nothing real sees it and its outputs are to be ignored.
+
+From this description alone (no tensors, no communication) every rank computes the same *work matrix*:
+``work[i][j]`` = number of visible (query, key) pairs between query chunk ``i`` and kv chunk ``j``. Pairs with
+no work are dropped from the plan (no compute, no communication), and the balanced schedule balances by work.
+Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MaskSpec", "pair_work"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaskSpec:
+    """What every query sees, on global positions of a stream of ``world_size * chunk`` tokens."""
+
+    causal: bool
+    """Keys after the query are invisible."""
+    window: tuple[int, int] = (-1, -1)
+    """flash-attn's ``(left, right)``; -1: unlimited."""
+    cu_seqlens: tuple[int, ...] | None = None
+    """Cumulative document lengths of the packed stream (``None``: one document, the whole stream)."""
+
+    @property
+    def dense(self) -> bool:
+        """Plain causal or full attention: the hand-made ring/balanced plans apply."""
+        return self.cu_seqlens is None and self.window == (-1, -1)
+
+    def documents(self, total: int) -> tuple[int, ...]:
+        """Document boundaries covering ``[0, total)``: ``cu_seqlens`` plus a padding document if short."""
+        cu = self.cu_seqlens if self.cu_seqlens is not None else (0, total)
+        assert cu[-1] <= total, f"cu_seqlens ends at {cu[-1]}, past the stream's {total} tokens"
+        return tuple(cu) if cu[-1] == total else tuple(cu) + (total,)
+
+    def bounds(self, total: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(lo, hi)`` int64 arrays for the queries at positions ``[start, stop)``; ``hi < lo``: sees nothing."""
+        cu = np.asarray(self.documents(total), dtype=np.int64)
+        p = np.arange(start, stop, dtype=np.int64)
+        doc = np.searchsorted(cu, p, side="right") - 1
+        first, last = cu[doc], cu[doc + 1] - 1
+        left, right = self.window
+        lo = first if left < 0 else np.maximum(first, p - left)
+        hi = np.minimum(last, p) if self.causal else (last if right < 0 else np.minimum(last, p + right))
+        return lo, np.maximum(hi, lo - 1)
+
+
+def pair_work(spec: MaskSpec, world_size: int, chunk: int) -> tuple[tuple[int, ...], ...]:
+    """``work[i][j]``: visible (query, key) pairs of query chunk ``i`` against kv chunk ``j`` (cached)."""
+    return _pair_work_cached(spec, world_size, chunk)
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_work_cached(spec: MaskSpec, p: int, n: int) -> tuple[tuple[int, ...], ...]:
+    total = p * n
+    work = np.zeros((p, p), dtype=np.int64)
+    for i in range(p):
+        lo, hi = spec.bounds(total, i * n, (i + 1) * n)
+        if not len(lo):
+            continue
+        # nondecreasing bounds: the chunk's rows touch kv chunks lo[0] // n .. hi[-1] // n only
+        for j in range(max(int(lo[0]), 0) // n, min(int(hi[-1]) // n, p - 1) + 1):
+            seen = np.minimum(hi, (j + 1) * n - 1) - np.maximum(lo, j * n) + 1
+            work[i, j] = int(np.clip(seen, 0, None).sum())
+    return tuple(tuple(int(x) for x in row) for row in work)
