@@ -279,15 +279,25 @@ def _make_plan_cached(p: int, causal: bool, schedule: str) -> Plan:
 def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int) -> Plan:
     work = pair_work(mask, p, n)
     needed = {(i, j) for i in range(p) for j in range(p) if work[i][j] > 0}
-    if schedule == "ring":  # every pair computed by its query owner, in ring order, empty pairs dropped
-        per_rank = [[Task(r, r, (r - t) % p) for t in range(p) if ((r, (r - t) % p)) in needed] for r in range(p)]
-    else:
-        per_rank = _balance_by_work(p, work, needed)
+    # ring: every pair computed by its query owner, in ring order, empty pairs dropped
+    ring = [[Task(r, r, (r - t) % p) for t in range(p) if ((r, (r - t) % p)) in needed] for r in range(p)]
+    per_rank = ring
+    if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
+        owners = [[ts[0]] + sorted(ts[1:], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.kv_chunk)) if ts else []
+                  for ts in ring]
+        balanced = _balance_by_work(p, work, needed)
+        per_rank = min((owners, balanced), key=lambda plan: _length(plan, work))
     steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
     got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
     assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
     frozen = tuple(tuple(sorted(tasks, key=lambda t: t.rank)) for tasks in steps)
     return Plan(world_size=p, causal=mask.causal, schedule=schedule, steps=frozen, work=work, chunk=n)
+
+
+def _length(per_rank: list[list[Task]], work) -> int:
+    """The simulator's length of a plan given as per-rank task lists: sum over steps of the largest task."""
+    steps = max(map(len, per_rank), default=0)
+    return sum(max(work[ts[t].q_chunk][ts[t].kv_chunk] for ts in per_rank if t < len(ts)) for t in range(steps))
 
 
 def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
