@@ -292,7 +292,6 @@ class _Module:
 @pytest.mark.parametrize("kwargs,match", [
     ({"attention_mask": torch.ones(1, 1, 4, 4)}, r"takes no prepared attention mask .*pass a packed batch"),
     ({"dropout": 0.1}, r"attention dropout \(0.1\) .*config.attention_dropout = 0.0"),
-    ({"softcap": 30.0}, "soft-capping"),
     ({"sliding_window": 3}, r"sliding_window \(3\) is shorter than the sequence \(4 tokens\)"),
     ({"cu_seq_lens_q": torch.tensor([0, 4])}, "packed sequences"),
 ])
@@ -418,3 +417,47 @@ def test_dropout_error_names_the_models_config_field():
     llama = transformers.LlamaForCausalLM(llama.config).train()
     with pytest.raises(ValueError, match=r"attention dropout \(0.2\) .*config.attention_dropout = 0.0"):
         hf.use_distattn(llama)(input_ids=ids)
+
+
+# -- Gemma-2: attention logit soft-capping goes through distattn's softcap ----------------------------------------
+SOFTCAP = 1.0  # small, so that capping changes the scores of this tiny random model (|scores| reach ~2)
+
+
+def make_gemma2(attn: str, dtype=torch.float32, softcap=SOFTCAP):
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=64, initializer_range=0.2,
+        attn_logit_softcapping=softcap, attn_implementation=attn, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config).to(dtype).train()
+
+
+def _gemma2_step(rank, world_size):
+    import torch.distributed as dist
+
+    model = hf.use_distattn(make_gemma2("eager"))
+    batch = hf.shard_batch(make_ids(), labels=make_ids())
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = hf.causal_lm_loss(logits, batch["shift_labels"])
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        grads[name] = p.grad
+    return loss.detach(), grads
+
+
+def test_gemma2_softcap_matches_single_process_eager():
+    runs = []
+    for dtype, softcap in ((torch.float64, SOFTCAP), (torch.float32, SOFTCAP), (torch.float32, None)):
+        model = make_gemma2("eager", dtype, softcap)
+        loss = model(input_ids=make_ids(), labels=make_ids()).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (base_loss, base_grads), (uncapped_loss, _) = runs
+    assert abs(ref_loss - uncapped_loss) > 1e-3, "soft-capping must matter in this test"
+    ours_loss, ours_grads = run_distributed(_gemma2_step, 2, timeout=120)[0]
+    assert_close_by_rule("gemma2 loss", ours_loss, base_loss, ref_loss, torch.float32)
+    mag = magnitude_of(*ref_grads.values())
+    for name, ref in ref_grads.items():
+        assert_close_by_rule(f"gemma2 {name}", ours_grads[name], base_grads[name], ref, torch.float32, magnitude=mag)

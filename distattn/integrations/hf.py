@@ -1,6 +1,7 @@
 """Hugging Face transformers (5.x) integration: sequence-parallel LLaMA-family training in a few lines.
 
-Tested with transformers 5.23 on ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM`` (GQA);
+Tested with transformers 5.23 on ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM`` (GQA) and
+``Gemma2ForCausalLM`` (attention logit soft-capping);
 any model whose attention goes through transformers' ``AttentionInterface`` with the same block shape
 works the same way. Every rank runs the same model on its own contiguous shard of the sequence
 (``torchrun --nproc-per-node N train.py``)::
@@ -43,8 +44,8 @@ ranks agree with one small all-reduce, only when a mask is passed). Remove the p
 packed batch (whole documents concatenated into full-length rows) or unpadded rows, and no mask.
 
 Not supported (each raises ``ValueError`` at the first forward): padding masks and prepared 4-D masks,
-packed sequences (``cu_seq_lens_*``), attention dropout in training, logit soft-capping, a sliding window
-shorter than the whole sequence, and generation with a KV cache (``use_distattn`` sets
+packed sequences (``cu_seq_lens_*``), attention dropout in training, a sliding window shorter than the
+whole sequence, and generation with a KV cache (``use_distattn`` sets
 ``config.use_cache = False``).
 """
 
@@ -122,9 +123,6 @@ def _check_call(module, attention_mask, dropout: float, kwargs: dict, seq_total:
         field = _dropout_field(module)
         raise ValueError(f"attention dropout ({dropout}) is not supported by distattn; build the model with "
                          f"config.{field} = 0.0 (e.g. from_pretrained(..., {field}=0.0)), or run it in eval mode")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"logit soft-capping (softcap={kwargs['softcap']}) is not supported by distattn; use a "
-                         f"model without attention softcapping")
     window = kwargs.get("sliding_window")
     if window is not None and window < seq_total:
         raise ValueError(f"sliding_window ({window}) is shorter than the sequence ({seq_total} tokens) and "
@@ -155,6 +153,7 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
         attention_mask: must be ``None``: ``_mask_interface`` turns an all-ones 2-D mask into ``None`` and
             refuses padding, so only a prepared 4-D mask can arrive here (refused by ``_check_call``).
         scaling: softmax scale (``None``: ``head_dim ** -0.5``).
+        kwargs: transformers' extras; ``softcap`` (Gemma-2's ``attn_logit_softcapping``) soft-caps the scores.
 
     Returns:
         ``(attn_output (batch, n, heads_q, head_dim), None)``: no attention weights are ever materialized.
@@ -166,8 +165,9 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
     query, key, value = _common_dtype(query, key, value)
     # (b, h, n, d) -> (b, n, h, d), the op's layout; transposed views, the op makes them contiguous once.
     out = dist_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                               softmax_scale=scaling, causal=bool(is_causal), group=group, schedule=options.schedule,
-                               backend=options.backend, overlap=options.overlap)
+                               softmax_scale=scaling, causal=bool(is_causal), softcap=kwargs.get("softcap") or 0.0,
+                               group=group, schedule=options.schedule, backend=options.backend,
+                               overlap=options.overlap)
     return out, None
 
 
