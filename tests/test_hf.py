@@ -335,6 +335,7 @@ def test_bf16_autocast_runs_and_matches_fp32_loss():
 
 # -- masks through a real model forward: padding raises on every rank, an all-ones mask is a no-op --------------
 MASK_SEQ = 16  # divides by 1 and 2
+PADDING_ERROR = r"cannot apply a padding attention_mask.*zeros on some rank.*pass a packed batch"
 
 
 def _forward_or_error(model, ids, group, **kwargs):
@@ -389,8 +390,7 @@ def test_padding_mask_raises_on_every_rank_through_model_forward(masked, size, f
         for case in ("padded_8", "padded_last"):
             logits, error = masked[rank][(size, family, case)]
             assert logits is None, f"rank {rank} {case}: a padding mask was silently ignored"
-            assert re.search(r"cannot apply a padding attention_mask.*zeros on some rank.*pass a packed batch", error), \
-                error
+            assert re.search(PADDING_ERROR, error), error
         logits, error = masked[rank][(size, family, "4d")]
         assert logits is None and re.search(r"takes no prepared attention mask", error), error
 
