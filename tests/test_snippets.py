@@ -94,5 +94,5 @@ def test_snippet_runs(snippet, tmp_path):
     script.write_text(snippet.code)
     result = _run_torchrun(script, snippet.ranks)
     assert result.returncode == 0, f"README.md:{snippet.line} failed (exit {result.returncode}):\n{result.stdout}"
-    for rank in range(snippet.ranks):  # every rank reached the snippet's last line
-        assert re.search(rf"^rank {rank}: ", result.stdout, re.M), f"rank {rank} printed nothing:\n{result.stdout}"
+    for rank in range(snippet.ranks):  # every rank reached the snippet's last line (ranks' lines may interleave)
+        assert f"rank {rank}: " in result.stdout, f"rank {rank} printed nothing:\n{result.stdout}"
