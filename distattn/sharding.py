@@ -52,7 +52,25 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def gather_sequence(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
-    """All ranks' shards concatenated along ``dim`` in rank order (differentiable)."""
+    """All ranks' shards concatenated along ``dim`` in rank order (differentiable).
+
+    Args:
+        x: this rank's shard, e.g. ``(b, n, h, d)`` with ``dim=1``; the same shape on every rank.
+        dim: the sequence dimension.
+        group: the sequence-parallel process group (``None``: the default group).
+
+    Returns:
+        The full tensor, ``(b, P*n, h, d)`` for ``dim=1``, on every rank.
+
+    Gradients: every rank may use the whole gathered tensor, so the backward *sums* the gradients of all ranks
+    for each shard (and every rank must run it). If every rank computes the same loss on the gathered tensor
+    and calls ``backward()``, the shards get ``P`` times the gradient of that loss. Either compute the loss on
+    this rank's shard (the sum over ranks is the full loss), or divide a loss computed on the gathered tensor
+    by ``P``::
+
+        loss = out.pow(2).sum()                                   # on the shard: right gradients
+        loss = gather_sequence(out).pow(2).sum() / P              # on the whole tensor, every rank: / P
+    """
     if _world(group)[1] == 1:
         return x
     return _GatherSequence.apply(x, dim, group)

@@ -9,6 +9,9 @@ them against the same model run on the full sequence in fp64 (the reference) and
 baseline of the accuracy rule) with ``attn_implementation="eager"``.
 """
 
+import functools
+import re
+
 import pytest
 import torch
 
@@ -287,9 +290,8 @@ class _Module:
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"attention_mask": torch.ones(1, 1, 4, 4)}, "takes no attention_mask"),
-    ({"dropout": 0.1}, r"attention dropout \(0.1\)"),
-    ({"softcap": 30.0}, "soft-capping"),
+    ({"attention_mask": torch.ones(1, 1, 4, 4)}, r"takes no prepared attention mask .*pass a packed batch"),
+    ({"dropout": 0.1}, r"attention dropout \(0.1\) .*config.attention_dropout = 0.0"),
     ({"sliding_window": 3}, r"sliding_window \(3\) is shorter than the sequence \(4 tokens\)"),
     ({"cu_seq_lens_q": torch.tensor([0, 4])}, "packed sequences"),
 ])
@@ -329,3 +331,133 @@ def _autocast_worker(rank, world):
 def test_bf16_autocast_runs_and_matches_fp32_loss():
     for fp32_loss, bf16_loss in run_distributed(_autocast_worker, 2, timeout=120):
         assert abs(bf16_loss - fp32_loss) <= AUTOCAST_LOSS_RTOL * abs(fp32_loss)
+
+
+# -- masks through a real model forward: padding raises on every rank, an all-ones mask is a no-op --------------
+MASK_SEQ = 16  # divides by 1 and 2
+PADDING_ERROR = r"cannot apply a padding attention_mask.*zeros on some rank.*pass a packed batch"
+
+
+def _forward_or_error(model, ids, group, **kwargs):
+    """``(logits, None)`` of a real forward on this rank's shard, or ``(None, message)`` if it raised ValueError."""
+    batch = hf.shard_batch(ids, group=group)
+    try:
+        with torch.no_grad():
+            return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **kwargs).logits, None
+    except ValueError as err:
+        return None, str(err)
+
+
+def _mask_cases(rank, world_size):
+    import torch.distributed as dist
+
+    from distattn.sharding import shard_sequence
+
+    groups = {1: dist.new_group([0]), 2: None}  # new_group: every rank calls it
+    ids = torch.randint(0, VOCAB, (BATCH, MASK_SEQ), generator=torch.Generator().manual_seed(2))
+    padded_8 = torch.ones(BATCH, MASK_SEQ, dtype=torch.long)
+    padded_8[0, :8] = 0  # left padding of row 0: on 2 ranks, all of it is in rank 0's shard
+    padded_last = torch.ones(BATCH, MASK_SEQ, dtype=torch.long)
+    padded_last[1, -1] = 0  # one right-padded token: on 2 ranks, in rank 1's shard only
+    results = {}
+    for size, group in groups.items():
+        if rank >= size:
+            continue
+        for family in ("llama", "mistral"):  # mistral: the sliding-window mask function (window > sequence)
+            model = hf.use_distattn(make_model(family, attn="sdpa"), group=group)
+            shard = functools.partial(shard_sequence, dim=1, group=group)
+            cases = {
+                "none": {},
+                "ones": {"attention_mask": shard(torch.ones(BATCH, MASK_SEQ, dtype=torch.long))},
+                "padded_8": {"attention_mask": shard(padded_8)},
+                "padded_last": {"attention_mask": shard(padded_last)},
+                "4d": {"attention_mask": torch.zeros(BATCH, 1, MASK_SEQ // size, MASK_SEQ // size)},
+            }
+            for case, kwargs in cases.items():  # every case on every rank, in lockstep: none may hang
+                results[(size, family, case)] = _forward_or_error(model, ids, group, **kwargs)
+    return results
+
+
+@pytest.fixture(scope="module")
+def masked():
+    return run_distributed(_mask_cases, 2, timeout=120)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("size", [1, 2])
+def test_padding_mask_raises_on_every_rank_through_model_forward(masked, size, family):
+    for rank in range(size):
+        for case in ("padded_8", "padded_last"):
+            logits, error = masked[rank][(size, family, case)]
+            assert logits is None, f"rank {rank} {case}: a padding mask was silently ignored"
+            assert re.search(PADDING_ERROR, error), error
+        logits, error = masked[rank][(size, family, "4d")]
+        assert logits is None and re.search(r"takes no prepared attention mask", error), error
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("size", [1, 2])
+def test_all_ones_mask_equals_no_mask_through_model_forward(masked, size, family):
+    for rank in range(size):
+        (no_mask, err_none), (ones, err_ones) = (masked[rank][(size, family, c)] for c in ("none", "ones"))
+        assert err_none is None and err_ones is None, (err_none, err_ones)
+        assert torch.equal(ones, no_mask), f"rank {rank}: an all-ones mask changed the logits"
+
+
+def test_dropout_error_names_the_models_config_field():
+    """Checked before any communication, so an in-process forward without a process group reaches it."""
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, attn_pdrop=0.1,
+        bos_token_id=0, eos_token_id=0))
+    ids = make_ids()
+    with pytest.raises(ValueError, match=r"attention dropout \(0.1\) .*config.attn_pdrop = 0.0"):
+        hf.use_distattn(gpt2).train()(input_ids=ids)
+    llama = make_model("llama")
+    llama.config.attention_dropout = 0.2  # the config field read at build time: rebuild with it
+    llama = transformers.LlamaForCausalLM(llama.config).train()
+    with pytest.raises(ValueError, match=r"attention dropout \(0.2\) .*config.attention_dropout = 0.0"):
+        hf.use_distattn(llama)(input_ids=ids)
+
+
+# -- Gemma-2: attention logit soft-capping goes through distattn's softcap ----------------------------------------
+SOFTCAP = 1.0  # small, so that capping changes the scores of this tiny random model (|scores| reach ~2)
+
+
+def make_gemma2(attn: str, dtype=torch.float32, softcap=SOFTCAP):
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=64, initializer_range=0.2,
+        attn_logit_softcapping=softcap, attn_implementation=attn, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config).to(dtype).train()
+
+
+def _gemma2_step(rank, world_size):
+    import torch.distributed as dist
+
+    model = hf.use_distattn(make_gemma2("eager"))
+    batch = hf.shard_batch(make_ids(), labels=make_ids())
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = hf.causal_lm_loss(logits, batch["shift_labels"])
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        grads[name] = p.grad
+    return loss.detach(), grads
+
+
+def test_gemma2_softcap_matches_single_process_eager():
+    runs = []
+    for dtype, softcap in ((torch.float64, SOFTCAP), (torch.float32, SOFTCAP), (torch.float32, None)):
+        model = make_gemma2("eager", dtype, softcap)
+        loss = model(input_ids=make_ids(), labels=make_ids()).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (base_loss, base_grads), (uncapped_loss, _) = runs
+    assert abs(ref_loss - uncapped_loss) > 1e-3, "soft-capping must matter in this test"
+    ours_loss, ours_grads = run_distributed(_gemma2_step, 2, timeout=120)[0]
+    assert_close_by_rule("gemma2 loss", ours_loss, base_loss, ref_loss, torch.float32)
+    mag = magnitude_of(*ref_grads.values())
+    for name, ref in ref_grads.items():
+        assert_close_by_rule(f"gemma2 {name}", ours_grads[name], base_grads[name], ref, torch.float32, magnitude=mag)

@@ -1,13 +1,15 @@
 """Hugging Face transformers (5.x) integration: sequence-parallel LLaMA-family training in a few lines.
 
-Tested with transformers 5.23 on ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM`` (GQA);
+Tested with transformers 5.23 on ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM`` (GQA) and
+``Gemma2ForCausalLM`` (attention logit soft-capping);
 any model whose attention goes through transformers' ``AttentionInterface`` with the same block shape
-works the same way. Every rank runs the same model on its own contiguous shard of the sequence::
+works the same way. Every rank runs the same model on its own contiguous shard of the sequence
+(``torchrun --nproc-per-node N train.py``)::
 
     import torch.distributed as dist
     from distattn.integrations.hf import causal_lm_loss, enable_remat_checkpointing, shard_batch, use_distattn
 
-    dist.init_process_group("nccl")
+    dist.init_process_group("nccl")        # "gloo" on CPU
     model = LlamaForCausalLM.from_pretrained(...).cuda()
     use_distattn(model)                    # attention = distattn over the default group, no 4-D mask
     enable_remat_checkpointing(model)      # optional: checkpoint at attention outputs (distattn.checkpoint)
@@ -17,8 +19,14 @@ works the same way. Every rank runs the same model on its own contiguous shard o
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     loss = causal_lm_loss(logits, batch["shift_labels"])   # global token mean, same value on every rank
     loss.backward()
-    # Parameter gradients are this rank's share: all-reduce (sum) them over the sequence-parallel group
-    # (DDP/FSDP over that group does it) before the optimizer step.
+    for p in model.parameters():           # each rank holds its share of every parameter gradient:
+        dist.all_reduce(p.grad)            # sum them over the sequence-parallel group before the step
+    optimizer.step()
+
+Gradients: after ``loss.backward()`` every parameter's ``.grad`` is only this rank's share of the
+full-sequence gradient (the part that flows through this rank's tokens). Sum it over the sequence-parallel
+group (``dist.all_reduce(p.grad, group=group)``), or wrap the model in DDP/FSDP over that group, which does
+the same sum, before the optimizer step; stepping on the unreduced gradients trains on a part of the batch.
 
 What the pieces guarantee:
     * RoPE sees global positions (``position_ids`` from ``shard_batch``), so every token is embedded as in the
@@ -28,9 +36,17 @@ What the pieces guarantee:
     * ``causal_lm_loss`` counts target tokens over all ranks, so the loss is the full-sequence mean and each
       rank's backward gives exactly its share of the full-sequence gradient.
 
-Not supported (each raises ``ValueError`` at the first forward): padding or any ``attention_mask``, packed
-sequences (``cu_seq_lens_*``), attention dropout, logit soft-capping, a sliding window shorter than the whole
-sequence, and generation with a KV cache (``use_distattn`` sets ``config.use_cache = False``).
+Masks: distattn attention is causal over the whole (sharded) sequence and applies no per-token mask, so it is
+never given one silently. ``use_distattn`` also registers distattn in transformers' mask interface
+(``AttentionMaskInterface``), which receives the model's 2-D ``attention_mask``: an all-ones mask is accepted
+(it masks nothing); a mask with any zero (padding) raises ``ValueError`` on every rank of the group (the
+ranks agree with one small all-reduce, only when a mask is passed). Remove the padding instead: pass a
+packed batch (whole documents concatenated into full-length rows) or unpadded rows, and no mask.
+
+Not supported (each raises ``ValueError`` at the first forward): padding masks and prepared 4-D masks,
+packed sequences (``cu_seq_lens_*``), attention dropout in training, a sliding window shorter than the
+whole sequence, and generation with a KV cache (``use_distattn`` sets
+``config.use_cache = False``).
 """
 
 from __future__ import annotations
@@ -79,18 +95,34 @@ _DEFAULT_OPTIONS = _Options(group_key=group_key(None), schedule="balanced", back
 
 
 # -- attention ----------------------------------------------------------------------------------------------
-def _check_call(attention_mask, dropout: float, kwargs: dict, seq_total: int) -> None:
+NO_PADDING_FIX = ("remove the padding instead: pass a packed batch (whole documents concatenated into "
+                  "full-length rows, labels -100 where no loss is wanted) or rows without padding, and call the "
+                  "model without attention_mask")
+
+# Names that transformers model configs use for the attention-probability dropout (LLaMA-style first).
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+def _dropout_field(module) -> str:
+    """The config field that sets this attention module's dropout (``attn_pdrop`` for GPT-2, ...)."""
+    config = getattr(module, "config", None)
+    fields = getattr(config, "__dict__", {})  # the config's own fields, not attribute_map aliases
+    present = [name for name in _DROPOUT_FIELDS if name in fields]
+    nonzero = [name for name in present if fields[name]]
+    return (nonzero or present or ["attention_dropout"])[0]
+
+
+def _check_call(module, attention_mask, dropout: float, kwargs: dict, seq_total: int) -> None:
     """Refuse what the sequence-parallel op cannot compute exactly (same decision on every rank)."""
     if attention_mask is not None:
-        raise ValueError("distattn attention takes no attention_mask (got one): every token attends causally to "
-                         "all earlier tokens of the sequence, so padding cannot be masked. Do not pass "
-                         "attention_mask (shard_batch does not produce one); pack or trim sequences instead")
+        # 2-D masks stop in _mask_interface; only a prepared (4-D) mask, passed as-is by transformers, gets here.
+        raise ValueError(f"distattn attention takes no prepared attention mask (got one of shape "
+                         f"{tuple(attention_mask.shape)}): every token attends causally to all earlier tokens of "
+                         f"the whole sequence, so a mask cannot be applied; {NO_PADDING_FIX}")
     if dropout:
-        raise ValueError(f"attention dropout ({dropout}) is not supported by distattn; set "
-                         f"config.attention_dropout = 0.0")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"logit soft-capping (softcap={kwargs['softcap']}) is not supported by distattn; use a "
-                         f"model without attention softcapping")
+        field = _dropout_field(module)
+        raise ValueError(f"attention dropout ({dropout}) is not supported by distattn; build the model with "
+                         f"config.{field} = 0.0 (e.g. from_pretrained(..., {field}=0.0)), or run it in eval mode")
     window = kwargs.get("sliding_window")
     if window is not None and window < seq_total:
         raise ValueError(f"sliding_window ({window}) is shorter than the sequence ({seq_total} tokens) and "
@@ -118,28 +150,66 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
     Args:
         query: ``(batch, heads_q, n, head_dim)``, this rank's tokens (RoPE already applied).
         key, value: ``(batch, heads_kv, n, head_dim)``; GQA is native (key/value heads are never repeated).
-        attention_mask: must be ``None`` (see ``_check_call``).
+        attention_mask: must be ``None``: ``_mask_interface`` turns an all-ones 2-D mask into ``None`` and
+            refuses padding, so only a prepared 4-D mask can arrive here (refused by ``_check_call``).
         scaling: softmax scale (``None``: ``head_dim ** -0.5``).
+        kwargs: transformers' extras; ``softcap`` (Gemma-2's ``attn_logit_softcapping``) soft-caps the scores.
 
     Returns:
         ``(attn_output (batch, n, heads_q, head_dim), None)``: no attention weights are ever materialized.
     """
     group = group_of(options.group_key)
-    _check_call(attention_mask, dropout, kwargs, query.shape[2] * _group_size(group))
+    _check_call(module, attention_mask, dropout, kwargs, query.shape[2] * _group_size(group))
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     query, key, value = _common_dtype(query, key, value)
     # (b, h, n, d) -> (b, n, h, d), the op's layout; transposed views, the op makes them contiguous once.
     out = dist_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                               softmax_scale=scaling, causal=bool(is_causal), group=group, schedule=options.schedule,
-                               backend=options.backend, overlap=options.overlap)
+                               softmax_scale=scaling, causal=bool(is_causal), softcap=kwargs.get("softcap") or 0.0,
+                               group=group, schedule=options.schedule, backend=options.backend,
+                               overlap=options.overlap)
     return out, None
 
 
+def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
+    """transformers' mask-interface contract (``AttentionMaskInterface``) for distattn: build no mask.
+
+    ``create_causal_mask`` (and the sliding-window/bidirectional variants) call this once per model forward
+    with the model's 2-D ``attention_mask`` as bool ``(batch, kv_length)`` (``None`` when the caller passed
+    none). distattn applies no per-token mask, so a mask with any padding (a zero) is refused on every rank of
+    the group: the ranks hold different shards of the mask, so they agree on "any rank has padding" with one
+    all-reduce of a single flag before any attention communication starts (no collective when no mask is
+    passed). An all-ones mask masks nothing and is accepted.
+
+    Returns:
+        ``None``: the model passes ``attention_mask=None`` to every attention layer.
+
+    Raises:
+        ValueError: some rank's ``attention_mask`` has a zero.
+    """
+    if attention_mask is None:
+        return None
+    group = group_of(options.group_key)
+    padded = torch.tensor([0 if bool(attention_mask.all()) else 1], device=attention_mask.device)
+    if _group_size(group) > 1:
+        dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=group)
+    if padded.item():
+        zeros = int((~attention_mask.bool()).sum())
+        raise ValueError(f"distattn cannot apply a padding attention_mask: the mask has zeros on some rank of the "
+                         f"group (this rank: {zeros} of {attention_mask.numel()}, shape "
+                         f"{tuple(attention_mask.shape)}), and distattn attention is causal over the whole "
+                         f"sequence with no per-token mask, so padded tokens would be attended to; "
+                         f"{NO_PADDING_FIX} (an all-ones mask is accepted)")
+    return None
+
+
 def _register(options: _Options) -> str:
-    from transformers import AttentionInterface
+    """Register distattn under ``options.name`` in transformers' attention and mask interfaces."""
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(options.name, functools.partial(distattn_attention_forward, options=options))
+    # Without a mask-interface entry transformers drops the 2-D mask before any distattn code sees it.
+    AttentionMaskInterface.register(options.name, functools.partial(_mask_interface, options=options))
     return options.name
 
 
@@ -149,9 +219,13 @@ def use_distattn(model, group=None, schedule: str = "balanced", *, backend: str 
 
     Registers the attention function in transformers' ``AttentionInterface`` (so every attention layer of
     the model calls ``torch.ops.distattn.attention``) and sets the model's attention implementation to it.
-    No attention mask is built: the implementation is not in transformers' mask interface, so the model
-    passes ``attention_mask=None`` and the op applies the causal mask on global positions itself.
+    No attention mask is built: distattn's entry in transformers' ``AttentionMaskInterface`` returns ``None``
+    (so the op applies the causal mask on global positions itself) and raises ``ValueError`` when the model
+    is called with an ``attention_mask`` that has padding (zeros) on any rank; an all-ones mask is accepted.
     Sets ``config.use_cache = False`` (a sequence-parallel KV cache for generation is out of scope).
+
+    After ``loss.backward()`` each rank holds its share of every parameter gradient: all-reduce (sum) the
+    gradients over ``group``, or wrap the model in DDP/FSDP over it, before the optimizer step.
 
     Args:
         model: a ``PreTrainedModel`` whose attention goes through ``AttentionInterface`` (LLaMA, Qwen2, Mistral...).
