@@ -226,6 +226,35 @@ def test_fold_and_backward_chunks_with_bounds(name, backend):
     assert_all_close_by_rule(NAMES, (out, lse, dq, dk, dv), base, ref, F32)
 
 
+# Small tiles for the torch backend: at the sizes above its default 128 x 128 tile holds a whole document, so
+# block skipping and the "every row sees this block whole" shortcut are exercised only with small tiles.
+SMALL_TILES = {
+    "docs-sq!=sk-causal-win": ([5, 0, 9, 20, 1], [3, 4, 9, 11, 2], True, (6, 0), 0.0),
+    "docs-full-win-softcap": ([11, 1, 0, 15, 7], [11, 1, 0, 15, 7], False, (3, 4), 2.0),
+    "docs-causal": ([6, 13, 2, 9, 1, 1], [6, 13, 2, 9, 1, 1], True, (-1, -1), 0.0),
+    "docs-full-q>k": ([9, 7, 3], [2, 7, 8], False, (1, 1), 0.0),
+}
+
+
+@pytest.mark.parametrize("blocks", [(1, 1), (4, 3), (16, 5)], ids=lambda b: f"bq{b[0]}-bk{b[1]}")
+@pytest.mark.parametrize("name", list(SMALL_TILES))
+def test_torch_backend_small_tiles_with_bounds(name, blocks):
+    from distattn.kernels._torch import TorchBackend
+
+    lens_q, lens_k, causal, window, softcap = SMALL_TILES[name]
+    cu = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)  # noqa: E731
+    bounds = kernels.varlen_bounds(cu(lens_q), cu(lens_k), (0, sum(lens_q)), causal=causal, window=window)
+    mask = varlen_mask(lens_q, lens_k, causal=causal, window=window)
+    q, k, v, dout = make_qkv(1, sum(lens_q), sum(lens_k), 4, 2, 16, F32, seed=sum(blocks))
+    kw = dict(softmax_scale=0.25, bounds=bounds, softcap=softcap, backend=TorchBackend(*blocks))
+    out, lse = kernels.forward(q, k, v, **kw)
+    grads = [torch.zeros(t.shape) for t in (q, k, v)]
+    kernels.backward_chunk_(dout, q, k, v, lse, kernels.attn_delta(dout, out), *grads, **kw)
+    ref = masked_reference_grads(q, k, v, dout, mask, torch.float64, scale=0.25, softcap=softcap)
+    base = masked_reference_grads(q, k, v, dout, mask, F32, scale=0.25, softcap=softcap)
+    assert_all_close_by_rule(NAMES, (out, lse, *grads), base, ref, F32)
+
+
 # -- flash-attn's signatures ---------------------------------------------------------------------------------
 _FA_TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
             ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]

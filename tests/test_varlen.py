@@ -51,7 +51,8 @@ CASES = {
     "sq!=sk-causal": ([5, 0, 9], [3, 4, 9], 2, 1, 16, True, (-1, -1), 0.0),
     "sq!=sk-full": ([5, 0, 9], [3, 4, 9], 2, 1, 16, False, (-1, -1), 0.0),
     "sq!=sk-win2-1-full": ([5, 0, 9, 20], [3, 4, 9, 11], 2, 1, 16, False, (2, 1), 0.0),
-    "sq<sk-win5-0-causal-softcap": ([3, 10, 1], [17, 12, 30], 6, 1, 80, True, (5, 0), 5.0),
+    "sq<sk-win5-0-causal-softcap": ([3, 10, 1], [17, 12, 30], 6, 1, 16, True, (5, 0), 5.0),
+    "block-aligned-docs-win16-causal": ([16, 16, 32, 15, 17], None, 2, 1, 16, True, (16, 0), 0.0),  # 16: triton tile
     "docs-with-queries-but-no-keys": ([3, 4, 2], [5, 0, 3], 2, 1, 16, False, (-1, -1), 0.0),
     "softcap0.3-win2-3-full": ([12, 1, 19], None, 2, 1, 16, False, (2, 3), 0.3),  # saturating tanh
     "softcap-causal-docs": ([1, 2, 17, 40], None, 2, 1, 16, True, (-1, -1), 5.0),
