@@ -27,6 +27,11 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 FOLD_TOL = 1e-5
 
 
+def _cu(lens):
+    """int32 cumulative lengths ``[0, l0, l0 + l1, ...]``."""
+    return torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+
+
 def _skip_unavailable(backend):
     if backend == "triton" and not TRITON_OK:
         pytest.skip(f"triton backend unavailable: {TRITON_WHY}")
@@ -81,12 +86,17 @@ DENSE = {
 
 
 # Bug found by this grid (left for the lead): kernels.window_bounds with left = -1 (unlimited) returns ``lo`` as a
-# 0-dim tensor instead of one entry per row; the torch backend then fails in _Visibility (``'int' object is not
-# subscriptable``) and triton in transpose_bounds (searchsorted on a 0-dim tensor), in the forward and backward.
-LEFT_UNLIMITED_BUG = pytest.mark.xfail(strict=True, reason=(
-    "distattn bug: flash_attn_func with window_size=(-1, right) (left unlimited) crashes: "
-    "kernels.window_bounds returns a 0-dim lo (torch: TypeError 'int' object is not subscriptable; "
-    "triton: RuntimeError searchsorted boundaries 0-dim)"))
+# 0-dim tensor instead of one entry per row. The torch backend then fails in _Visibility (``'int' object is not
+# subscriptable``); the triton forward reads ``lo[i]`` past the 0-dim tensor (measured: 8 tokens returned,
+# 40 tokens hung > 11 min in the interpreter) and its backward fails in transpose_bounds (searchsorted on a
+# 0-dim tensor). So the triton cases are not run at all until the fix (flip ``run`` back then).
+_LEFT_UNLIMITED = ("distattn bug: flash_attn_func with window_size=(-1, right) (left unlimited): kernels.window_bounds "
+                   "returns a 0-dim lo instead of (s_q,)")
+LEFT_UNLIMITED_BUG = pytest.mark.xfail(strict=True, reason=_LEFT_UNLIMITED + " (torch: TypeError 'int' object is "
+                                       "not subscriptable)")
+LEFT_UNLIMITED_BUG_TRITON = pytest.mark.xfail(strict=True, run=False, reason=_LEFT_UNLIMITED + " (triton: forward "
+                                              "reads lo out of bounds and may hang; backward: searchsorted "
+                                              "RuntimeError)")
 
 
 def _dense_params():
@@ -94,8 +104,10 @@ def _dense_params():
     for i, name in enumerate(DENSE):
         runs = [("torch", F32), ("torch", F16), ("torch", BF16), ("triton", (F32, F16)[i % 2])]
         window = DENSE[name][6]
-        marks = [LEFT_UNLIMITED_BUG] if window[0] == -1 and window != (-1, -1) else []
-        out += [pytest.param(name, be, dt, id=f"{name}-{be}-{str(dt)[6:]}", marks=marks) for be, dt in runs]
+        bug = window[0] == -1 and window != (-1, -1)
+        for be, dt in runs:
+            marks = [LEFT_UNLIMITED_BUG_TRITON if be == "triton" else LEFT_UNLIMITED_BUG] if bug else []
+            out.append(pytest.param(name, be, dt, id=f"{name}-{be}-{str(dt)[6:]}", marks=marks))
     return out
 
 
@@ -178,8 +190,7 @@ def _bounds_for(name, device="cpu"):
     if name.startswith("dense"):
         bounds = kernels.window_bounds(lens_q[0], lens_k[0], causal=causal, window=window, device=device)
     else:
-        cu = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)  # noqa: E731
-        bounds = kernels.varlen_bounds(cu(lens_q), cu(lens_k), rows, causal=causal, window=window)
+        bounds = kernels.varlen_bounds(_cu(lens_q), _cu(lens_k), rows, causal=causal, window=window)
     mask = varlen_mask(lens_q, lens_k, causal=causal, window=window)[rows[0]:rows[1]]
     total_k = sum(lens_k)
     chunks = list(zip([0] + cuts, cuts + [total_k]))
@@ -242,8 +253,7 @@ def test_torch_backend_small_tiles_with_bounds(name, blocks):
     from distattn.kernels._torch import TorchBackend
 
     lens_q, lens_k, causal, window, softcap = SMALL_TILES[name]
-    cu = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)  # noqa: E731
-    bounds = kernels.varlen_bounds(cu(lens_q), cu(lens_k), (0, sum(lens_q)), causal=causal, window=window)
+    bounds = kernels.varlen_bounds(_cu(lens_q), _cu(lens_k), (0, sum(lens_q)), causal=causal, window=window)
     mask = varlen_mask(lens_q, lens_k, causal=causal, window=window)
     q, k, v, dout = make_qkv(1, sum(lens_q), sum(lens_k), 4, 2, 16, F32, seed=sum(blocks))
     kw = dict(softmax_scale=0.25, bounds=bounds, softcap=softcap, backend=TorchBackend(*blocks))
