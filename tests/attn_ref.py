@@ -98,3 +98,66 @@ def make_qkv(b, s_q, s_k, h_q, h_kv, d, dtype, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
     return mk(b, s_q, h_q, d), mk(b, s_k, h_kv, d), mk(b, s_k, h_kv, d), mk(b, s_q, h_q, d)
+
+
+# -- explicit boolean masks (windows, packed documents), written from flash-attn's definitions ---------------
+def band_mask(s_q, s_k, *, causal=False, window=(-1, -1)):
+    """Bool ``(s_q, s_k)``: query ``i`` sees key ``j`` (flash-attn's semantics, bottom-right aligned).
+
+    Query ``i`` sits on key position ``p = i + s_k - s_q``; it sees ``j`` iff ``0 <= j < s_k``,
+    ``j <= p`` when causal, ``j >= p - left`` when ``left >= 0`` and ``j <= p + right`` when ``right >= 0``.
+    """
+    left, right = window
+    p = torch.arange(s_q)[:, None] + (s_k - s_q)
+    j = torch.arange(s_k)[None, :]
+    keep = torch.ones(s_q, s_k, dtype=torch.bool)
+    if causal:
+        keep &= j <= p
+    if left >= 0:
+        keep &= j >= p - left
+    if right >= 0:
+        keep &= j <= p + right
+    return keep
+
+
+def varlen_mask(lens_q, lens_k, *, causal=False, window=(-1, -1)):
+    """Bool ``(sum(lens_q), sum(lens_k))``: block diagonal, each document's block a :func:`band_mask`."""
+    mask = torch.zeros(sum(lens_q), sum(lens_k), dtype=torch.bool)
+    r0 = c0 = 0
+    for lq, lk in zip(lens_q, lens_k):
+        mask[r0:r0 + lq, c0:c0 + lk] = band_mask(lq, lk, causal=causal, window=window)
+        r0, c0 = r0 + lq, c0 + lk
+    return mask
+
+
+def masked_attention(q, k, v, mask, *, scale=None, softcap=0.0, dtype=torch.float64):
+    """softmax(logits masked by ``mask``) v computed in ``dtype``; ``mask`` bool ``(s_q, s_k)`` or ``(b, s_q, s_k)``.
+
+    Logits are ``scale * q.k``, soft-capped to ``softcap * tanh(scale * q.k / softcap)`` when ``softcap > 0``.
+    Rows with no visible key give out 0, lse -inf and zero gradients (never NaN).
+    Returns ``(out (b, s_q, h_q, d), lse (b, h_q, s_q))``; differentiable in q, k, v.
+    """
+    b, s_q, h_q, d = q.shape
+    h_kv = k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    keep = (mask if mask.dim() == 3 else mask[None]).to(q.device)[:, None]  # (b or 1, 1, s_q, s_k)
+    qd, kd, vd = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # (b, h, s, d)
+    kd = kd.repeat_interleave(h_q // h_kv, dim=1)
+    vd = vd.repeat_interleave(h_q // h_kv, dim=1)
+    s = (qd @ kd.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep, _NEG_INF)
+    lse = torch.logsumexp(s.detach().double() if dtype == torch.float64 else s.detach().float(), dim=-1)
+    empty = ~keep.any(dim=-1, keepdim=True)  # (b or 1, 1, s_q, 1)
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1)  # an all -inf row would give NaN (and NaN grads)
+    p = p.masked_fill(empty, 0.0)
+    return (p @ vd).transpose(1, 2), lse
+
+
+def masked_reference_grads(q, k, v, dout, mask, dtype, **kw):
+    """out, lse, dq, dk, dv of :func:`masked_attention` computed in ``dtype``."""
+    qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = masked_attention(qd, kd, vd, mask, dtype=dtype, **kw)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
