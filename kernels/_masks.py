@@ -45,6 +45,8 @@ def _window_edges(p: torch.Tensor, first: torch.Tensor, last: torch.Tensor, caus
         hi = torch.minimum(last, p + right)
     else:
         hi = last
+    # A side without limit is the document edge itself: a 0-dim tensor for dense bounds, broadcast per row.
+    lo, hi = torch.broadcast_to(lo, p.shape), torch.broadcast_to(hi, p.shape)
     # Empty rows pinned to (first, first - 1): keeps hi nondecreasing across documents (a bottom-right
     # aligned row far above its document's keys would otherwise have hi below the previous document's).
     hi = torch.maximum(hi, lo - 1)

@@ -85,29 +85,17 @@ DENSE = {
 }
 
 
-# Bug found by this grid (left for the lead): kernels.window_bounds with left = -1 (unlimited) returns ``lo`` as a
-# 0-dim tensor instead of one entry per row. The torch backend then fails in _Visibility (``'int' object is not
-# subscriptable``); the triton forward reads ``lo[i]`` past the 0-dim tensor (measured: 8 tokens returned,
-# 40 tokens hung > 11 min in the interpreter) and its backward fails in transpose_bounds (searchsorted on a
-# 0-dim tensor). So the triton cases are not run at all until the fix (flip ``run`` back then).
-_LEFT_UNLIMITED = ("distattn bug: flash_attn_func with window_size=(-1, right) (left unlimited): kernels.window_bounds "
-                   "returns a 0-dim lo instead of (s_q,)")
-LEFT_UNLIMITED_BUG = pytest.mark.xfail(strict=True, reason=_LEFT_UNLIMITED + " (torch: TypeError 'int' object is "
-                                       "not subscriptable)")
-LEFT_UNLIMITED_BUG_TRITON = pytest.mark.xfail(strict=True, run=False, reason=_LEFT_UNLIMITED + " (triton: forward "
-                                              "reads lo out of bounds and may hang; backward: searchsorted "
-                                              "RuntimeError)")
+# Regression (found by this grid): kernels.window_bounds with left = -1 (unlimited) returned ``lo`` as a 0-dim
+# tensor instead of one entry per row (torch backend: TypeError; triton: out-of-bounds reads, a hang in the
+# interpreter). The (-1, right) windows below keep it covered.
 
 
 def _dense_params():
     out = []
     for i, name in enumerate(DENSE):
         runs = [("torch", F32), ("torch", F16), ("torch", BF16), ("triton", (F32, F16)[i % 2])]
-        window = DENSE[name][6]
-        bug = window[0] == -1 and window != (-1, -1)
         for be, dt in runs:
-            marks = [LEFT_UNLIMITED_BUG_TRITON if be == "triton" else LEFT_UNLIMITED_BUG] if bug else []
-            out.append(pytest.param(name, be, dt, id=f"{name}-{be}-{str(dt)[6:]}", marks=marks))
+            out.append(pytest.param(name, be, dt, id=f"{name}-{be}-{str(dt)[6:]}"))
     return out
 
 
@@ -131,7 +119,6 @@ def test_flash_attn_func_window_softcap(name, backend, dtype):
     assert torch.all(kg.grad[:, dead_keys] == 0) and torch.all(vg.grad[:, dead_keys] == 0)
 
 
-@LEFT_UNLIMITED_BUG
 @pytest.mark.parametrize("causal,window", [(False, (-1, 1)), (True, (-1, 0)), (True, (-1, 5))])
 def test_window_bounds_have_one_entry_per_row(causal, window):
     """``KeyBounds`` are ``(s_q,)`` per the contract, whatever the window (kernel-level reproducer)."""
