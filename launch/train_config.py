@@ -51,7 +51,11 @@ EXIT_BAD_ARGS = 2
 
 
 class UsageError(Exception):
-    """A bad argument or environment; the message is the one line rank 0 prints."""
+    """A bad argument or environment; the message is the one line rank 0 prints (exit status 2)."""
+
+
+class JobFailed(Exception):
+    """A failure during training that every rank saw alike (a checkpoint save); one line, exit status 1."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +114,10 @@ class _Parser(argparse.ArgumentParser):
             print(f"train.py: error: {message} (see --help)", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_ARGS)
 
+    def print_help(self, file=None):
+        if Env.from_environ().rank == 0:  # once per job, not once per rank (every rank still exits 0)
+            super().print_help(file)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="train.py", description="Train a LLaMA model with distattn sequence parallelism "
@@ -151,9 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("checkpoints and logs")
     c.add_argument("--ckpt-dir", default=DEFAULT_CKPT_DIR, help=f"checkpoint directory (default {DEFAULT_CKPT_DIR})")
     c.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    c.add_argument("--keep", type=int, default=2, help="checkpoints to keep (oldest deleted first)")
-    c.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --ckpt-dir (start fresh if there is none)")
+    c.add_argument("--keep", type=int, default=2,
+                   help="intact checkpoints to keep (older ones and damaged ones deleted first)")
+    c.add_argument("--resume", nargs="?", const="auto", default=None, choices=("auto", "must"),
+                   help="continue from the newest intact checkpoint in --ckpt-dir; if there is none: start "
+                   "from step 0 with a warning (--resume, --resume auto) or refuse with exit code 2 "
+                   "(--resume must)")
     c.add_argument("--log-json", default=None, help="write one JSON record per step to this file")
     c.add_argument("--log-every", type=int, default=0,
                    help="progress line every N steps when stderr is not a terminal (default: ~20 lines)")
