@@ -302,8 +302,7 @@ def fail(message: str, code: int) -> int:
     Every rank reaches this together: errors after the process group exists are agreed on by all ranks
     (train_ckpt), so none is left waiting in a collective.
     """
-    if Env.from_environ().rank == 0:
-        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    train_config.report_error(message)
     if dist.is_initialized():
         dist.destroy_process_group()
     return code

@@ -439,7 +439,7 @@ def _load(state: TrainState, path: Path) -> None:
         raise UnsafeCheckpointError(f"checkpoint {path}: {error}")
     try:
         dcp.load(state_dict={"train": state}, storage_reader=reader, planner=SafePlanner())
-    except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's error, so all ranks are here alike
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's error, so all ranks are here alike
         inner = _unwrap(exc)
         if isinstance(inner, UnsafeCheckpointError):
             error = f"checkpoint {path}: {inner}"

@@ -9,8 +9,10 @@ the same one-line reason (printed by rank 0) before any collective could hang. H
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,12 +108,31 @@ class RunConfig:
         return self.args.batch_size * self.args.seq_len * self.dp_size
 
 
+def report_error(message: str) -> None:
+    """``train.py: error: <message>``: one line on rank 0's stderr, and the reason in torchrun's report.
+
+    A worker that exits non-zero always makes torchrun print its failure report (~40 lines; nothing a worker
+    can switch off). torchrun gives each worker an error file (``TORCHELASTIC_ERROR_FILE``, which its
+    ``@record`` decorator fills with a traceback); a message written there replaces the report's
+    "traceback: To enable traceback see: <docs link>" lines, so the report ends with the reason too.
+    """
+    line = f"train.py: error: {message}"
+    if Env.from_environ().rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # the report keeps torchrun's default text; the line above was printed anyway
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line on rank 0 only (every rank still exits)."""
 
     def error(self, message):
-        if Env.from_environ().rank == 0:
-            print(f"train.py: error: {message} (see --help)", file=sys.stderr, flush=True)
+        report_error(f"{message} (see --help)")
         sys.exit(EXIT_BAD_ARGS)
 
     def print_help(self, file=None):
