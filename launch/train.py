@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -184,7 +185,7 @@ def gather_stats(loss: torch.Tensor, device_type: str, device) -> tuple[float, l
 
 
 def crash_now(cfg: RunConfig, step: int) -> bool:
-    """``--crash-at-step``: simulate a failure, on torchrun's first attempt only (restarts then succeed)."""
+    """``--crash-at-step``: simulate a crash, on torchrun's first attempt only (restarts then succeed)."""
     return cfg.args.crash_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
@@ -258,8 +259,11 @@ def train(job: Job, dataset) -> dict:
                 train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep, job.damaged, log)
             if crash_now(cfg, step):
                 bar.close()
-                log(f"--crash-at-step {step}: exiting with status 1 (simulated failure)")
-                os._exit(1)  # like a killed process: no cleanup, no process-group shutdown
+                log(f"--crash-at-step {step}: rank {cfg.env.world_size - 1} kills itself (SIGKILL, simulated failure)")
+                if cfg.env.rank == cfg.env.world_size - 1:
+                    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no process-group shutdown
+                # The other ranks carry on into the next step's collectives and wait there, as after a real
+                # crash, until torchrun sees the dead worker and stops them.
     finally:
         bar.close()
         jlog.close()

@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="progress line every N steps when stderr is not a terminal (default: ~20 lines)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--crash-at-step", type=int, default=0,
-                   help="testing: every rank exits with code 1 right after step N (first torchrun attempt only)")
+                   help="testing: the last rank kills itself (SIGKILL) right after step N, the others are left waiting "
+                   "in the next step (first torchrun attempt only)")
     return p
 
 

@@ -105,6 +105,8 @@ class JsonLog:
     def __init__(self, path: str | None, append: bool):
         self.logged_up_to = _last_step(path) if path and append else 0
         self.f = open(path, "a" if append else "w", encoding="utf-8") if path else None
+        if self.f is not None and self.f.tell() > 0 and not _ends_with_newline(path):
+            self.f.write("\n")  # a record torn by a crash stays alone on its line
 
     def write(self, record: dict) -> None:
         if self.f is not None:
@@ -116,6 +118,12 @@ class JsonLog:
     def close(self) -> None:
         if self.f is not None:
             self.f.close()
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 def _last_step(path: str) -> int:

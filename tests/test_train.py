@@ -99,7 +99,7 @@ def test_world_one_gives_the_same_losses(reference, tmp_path):
 
 
 def test_crash_then_resume_reproduces_the_losses(reference, tmp_path):
-    """Killed after step 3 (last save: step 2), restarted with --resume: steps 3.. retrace the same losses."""
+    """Rank 1 SIGKILLed after step 3 (last save: step 2), restarted with --resume: steps 3.. retrace the losses."""
     ckpt = tmp_path / "ckpt"
     rc, _, err = _torchrun(2, *JOB, "--log-json", str(tmp_path / "a.jsonl"), "--ckpt-dir", str(ckpt),
                            "--crash-at-step", "3")
@@ -123,6 +123,7 @@ def test_torchrun_max_restarts_resumes(reference, tmp_path):
     assert rc == 0, err[-4000:]
     steps = [r["step"] for r in _records(log)]
     assert steps == [1, 2, 3, 3, 4, 5, 6]  # the log appends across restarts: step 3 twice
+    assert [r.get("redone", False) for r in _records(log)] == [False] * 3 + [True] + [False] * 3
     full = _losses(reference[3])
     for r in _records(log):
         assert r["loss"] == pytest.approx(full[r["step"]], rel=LOSS_RTOL_RESUMED)
