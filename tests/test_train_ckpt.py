@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from test_train import JOB, LOSS_RTOL_RESUMED, ROOT, _losses, _torchrun
-from test_train_cli import _root_cause_exit_2
+from test_train import JOB, JOB_TIMEOUT_S, LOSS_RTOL_RESUMED, ROOT, _losses, _torchrun
+from test_train_cli import assert_one_clean_error, run_side_by_side
 
 sys.path.insert(0, str(ROOT / "launch"))
 
@@ -33,9 +33,6 @@ from train_config import UsageError  # noqa: E402
 # The saved job: 2 ranks, 4 steps, a checkpoint every 2 (steps 2 and 4 kept).
 SAVED = list(JOB)
 SAVED[SAVED.index("--steps") + 1] = "4"
-# The ranks' report when they refuse: one reason line plus torchrun's own failure report (~40 lines
-# for 2 ranks: it lists every failed worker); 60 leaves room and still rejects any rank's traceback.
-MAX_ERROR_LINES = 60
 
 
 class _Payload:
@@ -225,16 +222,24 @@ def test_damaged_newest_is_skipped_and_resume_is_bit_identical(saved, tmp_path):
     train_ckpt.verify(ckpt / "step_00000003")
 
 
-def test_crafted_metadata_with_matching_manifest_is_refused_on_every_rank(saved, tmp_path):
-    """An attacker who rewrites the manifest too: the unpickler still refuses; one line, exit status 2."""
-    ckpt = _copy(saved, tmp_path)
-    path = ckpt / "step_00000004"
+def test_refusals_after_init_are_one_line_and_exit_2(saved, tmp_path):
+    """Two faults found only once the process group exists, side by side: a crafted ``.metadata`` whose
+    manifest the attacker rewrote too (the unpickler still refuses, nothing runs), and a checkpoint of
+    another model (DCP's size mismatch). Each: one line from rank 0, exit status 2, no rank's traceback."""
+    crafted = _copy(saved, tmp_path / "crafted")
     marker = tmp_path / "pwned"
-    (path / ".metadata").write_bytes(_crafted(marker))
-    train_ckpt.write_manifest(path, 4)
-    rc, out, err = _torchrun(2, *SAVED, "--ckpt-dir", str(ckpt), "--resume")
-    assert rc != 0 and not marker.exists()
-    reasons = [line for line in err.splitlines() if line.startswith("train.py: error:")]
-    assert len(reasons) == 1 and "refusing to unpickle it" in reasons[0], err[-3000:]
-    assert _root_cause_exit_2(err)
-    assert "[rank" not in err and len((out + err).splitlines()) <= MAX_ERROR_LINES, err
+    (crafted / "step_00000004" / ".metadata").write_bytes(_crafted(marker))
+    train_ckpt.write_manifest(crafted / "step_00000004", 4)
+    other = _copy(saved, tmp_path / "other")
+    results = run_side_by_side({
+        "crafted .metadata": ([*SAVED, "--ckpt-dir", str(crafted), "--resume"], {}),
+        "another model": ([*SAVED, "--ckpt-dir", str(other), "--resume", "--model", "tiny-gqa"], {}),
+    }, timeout=JOB_TIMEOUT_S)
+    assert_one_clean_error("crafted .metadata", *results["crafted .metadata"],
+                           f"checkpoint {crafted / 'step_00000004'}: its .metadata asks to load pathlib.Path.touch, "
+                           f"which is not a DCP metadata class: refusing to unpickle it", before_init=False)
+    assert not marker.exists()
+    assert_one_clean_error("another model", *results["another model"],
+                           f"checkpoint {other / 'step_00000004'} does not fit this model (ValueError: Size "
+                           f"mismatch", before_init=False)
+    assert "resume with the --model it was trained with" in results["another model"][2]

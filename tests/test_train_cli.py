@@ -40,7 +40,26 @@ def _start(args, env_extra=None):
                             start_new_session=True)
 
 
-def _assert_one_clean_error(name, rc, out, err, reason):
+def run_side_by_side(jobs: dict[str, tuple[list[str], dict]], timeout: float = PREFLIGHT_TIMEOUT_S) -> dict:
+    """Start every 2-rank job at once; ``{name: (returncode, stdout, stderr)}`` (all killed on timeout)."""
+    procs = {name: _start(args, env) for name, (args, env) in jobs.items()}
+    results = {}
+    try:
+        for name, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name}: torchrun did not finish in {timeout} s")
+            results[name] = (proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+                proc.communicate()
+    return results
+
+
+def assert_one_clean_error(name, rc, out, err, reason, before_init=True):
     lines = (out + err).splitlines()
     reasons = [line for line in lines if line.startswith("train.py: error:")]
     assert rc != 0, name
@@ -50,11 +69,13 @@ def _assert_one_clean_error(name, rc, out, err, reason):
     assert _root_cause_exit_2(err), f"{name}: root cause not exit status 2\n{err[-3000:]}"
     assert "[rank" not in err and err.count("Traceback") <= 1, f"{name}: a rank printed a traceback\n{err}"
     assert len(lines) <= MAX_ERROR_LINES, f"{name}: {len(lines)} lines\n{err}"
-    assert "[train] model" not in err, f"{name}: should fail before the model is built"
+    if before_init:
+        assert "[train] model" not in err, f"{name}: should fail before the model is built"
 
 
 def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
-    """Each fault fails before step 1 (before the process group even exists), side by side."""
+    """Each fault fails before step 1 (before the process group even exists); plain --resume with nothing
+    to resume warns and trains. All side by side."""
     afile = tmp_path / "afile"
     afile.write_text("x")
     save = ["--steps", "2", "--save-every", "1", "--seq-len", "256"]
@@ -71,17 +92,17 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
                                  f"--resume must: nothing to resume in --ckpt-dir {tmp_path / 'typo'} "
                                  f"(the directory does not exist)"),
     }
-    procs = {name: (_start(args, env), time.monotonic()) for name, (args, env, _) in cases.items()}
-    try:
-        for name, (proc, t0) in procs.items():
-            out, err = proc.communicate(timeout=PREFLIGHT_TIMEOUT_S)
-            _assert_one_clean_error(name, proc.returncode, out, err, cases[name][2])
-    finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-    assert not (tmp_path / "full").exists() or not any((tmp_path / "full").iterdir())  # no probe left behind
+    fresh = [*JOB, "--ckpt-dir", str(tmp_path / "empty"), "--resume"]
+    fresh[fresh.index("--steps") + 1] = "1"
+    jobs = {name: (args, env) for name, (args, env, _) in cases.items()}
+    results = run_side_by_side({**jobs, "resume, nothing": (fresh, {})})
+    for name, (_, _, reason) in cases.items():
+        assert_one_clean_error(name, *results[name], reason)
+    assert not any((tmp_path / "full").iterdir())  # the probe file is gone
+    rc, _, err = results["resume, nothing"]
+    assert rc == 0, err[-4000:]
+    assert (f"warning: --resume: no checkpoint to resume in --ckpt-dir {tmp_path / 'empty'} "
+            f"(it holds no finished checkpoint); starting from step 0") in err
 
 
 def test_help_prints_once():
@@ -91,29 +112,3 @@ def test_help_prints_once():
     assert out.count("usage: train.py") == 1 and "--resume [{auto,must}]" in out  # rank 0 only
     plain = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and plain.stdout.count("usage: train.py") == 1
-
-
-def test_resume_of_another_model_is_one_line_and_exit_2(tmp_path):
-    """After the process group exists: DCP's size mismatch becomes one line on rank 0, status 2 everywhere."""
-    ckpt = tmp_path / "ckpt"
-    args = list(JOB)
-    args[args.index("--steps") + 1] = "2"
-    rc, _, err = _torchrun(2, *args, "--ckpt-dir", str(ckpt))
-    assert rc == 0, err[-4000:]
-    rc, out, err = _torchrun(2, *args, "--ckpt-dir", str(ckpt), "--resume", "--model", "tiny-gqa")
-    lines = (out + err).splitlines()
-    reasons = [line for line in lines if line.startswith("train.py: error:")]
-    assert rc != 0 and len(reasons) == 1, err[-4000:]
-    assert f"checkpoint {ckpt / 'step_00000002'} does not fit this model" in reasons[0]
-    assert "Size mismatch" in reasons[0] and "resume with the --model it was trained with" in reasons[0]
-    assert _root_cause_exit_2(err) and "[rank" not in err and len(lines) <= MAX_ERROR_LINES, err
-
-
-def test_resume_with_nothing_warns_and_starts_fresh(tmp_path):
-    """Plain --resume on an empty directory: a warning naming it, then training from step 0."""
-    args = list(JOB)
-    args[args.index("--steps") + 1] = "1"
-    rc, out, err = _torchrun(2, *args, "--ckpt-dir", str(tmp_path / "empty"), "--resume")
-    assert rc == 0, err[-4000:]
-    assert (f"warning: --resume: no checkpoint to resume in --ckpt-dir {tmp_path / 'empty'} "
-            f"(it holds no finished checkpoint); starting from step 0") in err
