@@ -18,10 +18,16 @@ rematerialization-aware checkpointing, a checkpoint every 100 steps, resumable::
     torchrun --standalone --nproc-per-node 8 launch/train.py --model llama-7b --seq-len 32768 --batch-size 1 \\
         --steps 1000 --lr 3e-4 --remat --save-every 100 --ckpt-dir runs/7b --resume --log-json runs/7b.jsonl
 
-Survive crashes: torchrun restarts every rank, and ``--resume`` continues from the latest checkpoint with
-the same data position (at most the steps since the last save are lost)::
+Survive crashes: torchrun restarts every rank, and ``--resume`` continues from the newest intact checkpoint
+with the same data position (at most the steps since the last save are lost; the JSON log marks the steps
+done again with ``"redone": true``)::
 
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 launch/train.py --save-every 20 --resume
+
+``--resume`` with nothing to resume in ``--ckpt-dir`` warns (naming the directory) and starts from step 0;
+``--resume must`` refuses instead. Checkpoints (``train_ckpt``) carry a sha256 manifest written last and
+checked before loading: a damaged newest one is skipped with a warning and the previous one is used, and
+loading never runs code from the files. Each save logs ``saved checkpoint step N to DIR (X MB, Y s)``.
 
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint; its tokenizer is
@@ -31,7 +37,10 @@ used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local 
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
 on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument makes every rank exit with status 2 before any communication; rank 0 prints the reason.
+A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable or has no room
+for a checkpoint, a checkpoint of another model) makes every rank exit with status 2, rank 0 printing one
+``train.py: error:`` line; the checks that need no process group run before it exists (before step 1).
+torchrun then adds its own failure report, whose root cause quotes the same line.
 """
 
 from __future__ import annotations

@@ -315,12 +315,23 @@ def _rank0_do(fn) -> None:
 
 
 def remove_incomplete(ckpt_dir: Path, log) -> None:
-    """Rank 0 deletes ``step_N`` directories without a manifest: saves that never finished."""
+    """Rank 0 deletes ``step_N`` directories of saves that never finished; warns about manifest-less ones.
+
+    DCP writes ``.metadata`` after every shard, and the manifest comes after it: a directory with neither
+    is an interrupted save. One with ``.metadata`` but no manifest was written by a train.py older than the
+    manifests (or killed between the two writes): it is kept, never resumed from, and rotated away by
+    ``--keep`` like any older checkpoint.
+    """
     def remove():
         for _, path in step_dirs(ckpt_dir):
-            if not (path / MANIFEST).is_file():
-                log(f"removing {path}: an unfinished save (no {MANIFEST})")
-                shutil.rmtree(path)
+            if (path / MANIFEST).is_file():
+                continue
+            if (path / ".metadata").is_file():
+                log(f"warning: ignoring {path}: it has no {MANIFEST} (saved by an older train.py?), so it "
+                    f"cannot be verified and is never resumed from")
+                continue
+            log(f"removing {path}: an unfinished save (no .metadata, no {MANIFEST})")
+            shutil.rmtree(path)
 
     try:
         _rank0_do(remove)
@@ -439,7 +450,8 @@ def _load(state: TrainState, path: Path) -> None:
         raise UnsafeCheckpointError(f"checkpoint {path}: {error}")
     try:
         dcp.load(state_dict={"train": state}, storage_reader=reader, planner=SafePlanner())
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's error, so all ranks are here alike
+    # CheckpointException is a BaseException; DCP gathers every rank's error into it, so all ranks are here
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
         inner = _unwrap(exc)
         if isinstance(inner, UnsafeCheckpointError):
             error = f"checkpoint {path}: {inner}"

@@ -93,7 +93,8 @@ def test_real_metadata_needs_only_the_allow_list(saved):
     path = saved[0] / "step_00000004"
     Recorder(open(path / ".metadata", "rb")).load()
     assert used <= train_ckpt.METADATA_CLASSES
-    dtypes = {c for c in train_ckpt.METADATA_CLASSES if c[0] == "torch" and isinstance(getattr(torch, c[1]), torch.dtype)}
+    dtypes = {c for c in train_ckpt.METADATA_CLASSES
+              if c[0] == "torch" and isinstance(getattr(torch, c[1]), torch.dtype)}
     assert train_ckpt.METADATA_CLASSES - used <= dtypes  # unused entries: only dtypes a bf16/int run may need
     assert isinstance(train_ckpt.SafeReader(str(path)).read_metadata(), train_ckpt.Metadata)
 
@@ -200,13 +201,19 @@ def test_json_log_marks_redone_steps(tmp_path):
 
 
 def test_damaged_newest_is_skipped_and_resume_is_bit_identical(saved, tmp_path):
-    """4 KiB of step 4's shard overwritten: warn, resume from step 2, retrace steps 3-4 exactly; the damaged
-    checkpoint is not counted by --keep (step 2 and the new step 3 both stay)."""
+    """4 KiB of step 4's shard overwritten: warn, resume from step 2, retrace step 3 exactly; the damaged
+    checkpoint is not counted by --keep (step 2 and the new step 3 both stay); a partial save is removed."""
     ckpt = _copy(saved, tmp_path)
     shard = ckpt / "step_00000004" / "__0_0.distcp"
     with open(shard, "r+b") as f:
         f.seek(4096)
         f.write(b"\0" * 4096)
+    partial = ckpt / "step_00000006"  # a save killed before DCP's .metadata: removed
+    partial.mkdir()
+    shutil.copy(shard, partial / "__0_0.distcp")
+    legacy = ckpt / "step_00000001"  # .metadata but no manifest (an older train.py): kept, never resumed
+    shutil.copytree(ckpt / "step_00000002", legacy)
+    (legacy / "manifest.json").unlink()
     log = tmp_path / "steps.jsonl"
     args = [*SAVED, "--ckpt-dir", str(ckpt), "--log-json", str(log), "--resume", "must", "--keep", "2"]
     args[args.index("--steps") + 1], args[args.index("--save-every") + 1] = "3", "3"
@@ -217,8 +224,10 @@ def test_damaged_newest_is_skipped_and_resume_is_bit_identical(saved, tmp_path):
     got, want = _losses(log), saved[1]
     assert sorted(got) == [3]
     assert got[3] == pytest.approx(want[3], rel=LOSS_RTOL_RESUMED)
+    assert f"removing {partial}: an unfinished save" in err and f"warning: ignoring {legacy}: it has no" in err
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == ["step_00000002", "step_00000003", "step_00000004"], names  # keep 2 intact + the damaged
+    # --keep 2 counts intact checkpoints only: steps 2 and 3 (the damaged 4 and the unverifiable 1 are not)
+    assert names == ["step_00000001", "step_00000002", "step_00000003", "step_00000004"], names
     train_ckpt.verify(ckpt / "step_00000003")
 
 

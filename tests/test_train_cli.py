@@ -14,11 +14,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from test_train import JOB, ROOT, TRAIN, _torchrun
+from test_train import JOB, ROOT, TRAIN
 
 # One reason line + torchrun's report (~40 lines at 2 ranks); any rank's traceback would add 50+.
 MAX_ERROR_LINES = 60
@@ -81,6 +80,8 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
     save = ["--steps", "2", "--save-every", "1", "--seq-len", "256"]
     cases = {
         "bad flag": (["--bogus"], {}, "unrecognized arguments: --bogus (see --help)"),
+        "seq-len": (["--seq-len", "255"], {}, "--seq-len 255 is not divisible by the sequence-parallel size 2"),
+        "preset": (["--model", "llama-99b"], {}, "unknown --model 'llama-99b'"),
         "missing data": (["--data", str(tmp_path / "none.txt")], {}, f"--data {tmp_path / 'none.txt'}: no such file"),
         "unwritable ckpt dir": ([*save, "--ckpt-dir", str(afile / "ckpt")], {},
                                 f"--ckpt-dir {afile / 'ckpt'} is not writable (Not a directory)"),
