@@ -287,8 +287,11 @@ def check_checkpoint_dir(cfg: RunConfig, config) -> None:
     import train_ckpt  # torch.distributed.checkpoint: ~1 s of imports that a bad argument should not wait for
 
     ckpt_dir = Path(cfg.args.ckpt_dir)
-    if cfg.args.save_every:
-        train_ckpt.preflight(ckpt_dir, train_model.count_params(config), cfg.env.rank)
+    args = cfg.args
+    if args.save_every:
+        saves = args.steps // args.save_every + (args.steps % args.save_every > 0)  # the last step saves too
+        copies = train_ckpt.new_copies(ckpt_dir, args.keep, saves)
+        train_ckpt.preflight(ckpt_dir, train_model.count_params(config), cfg.env.rank, copies)
     if cfg.args.resume == "must" and not train_ckpt.complete_checkpoints(ckpt_dir):
         why = "the directory does not exist" if not ckpt_dir.is_dir() else "it holds no finished checkpoint"
         raise UsageError(f"--resume must: nothing to resume in --ckpt-dir {ckpt_dir} ({why})")

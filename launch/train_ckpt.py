@@ -267,12 +267,20 @@ def _free_bytes(path: Path) -> int:
     return int(fake) if fake else shutil.disk_usage(path).free
 
 
-def preflight(ckpt_dir: Path, num_params: int, rank: int) -> None:
-    """Before the first step: the checkpoint directory can be created, written, and holds one checkpoint.
+def new_copies(ckpt_dir: Path, keep: int, saves: int) -> int:
+    """Checkpoints this run adds to the disk at its peak: ``--keep`` plus the one being written (old ones
+    are deleted only after a save succeeds), less those already there, at most one per save."""
+    existing = min(len(complete_checkpoints(ckpt_dir)), keep)
+    return max(1, min(keep + 1 - existing, saves))
+
+
+def preflight(ckpt_dir: Path, num_params: int, rank: int, copies: int = 1) -> None:
+    """Before the first step: the checkpoint directory can be created and written, with room for ``copies``
+    more checkpoints (:func:`new_copies`).
 
     Every rank runs it (each writes its own probe file) and sees the same file system, so all raise the
     same ``UsageError`` together. Raises:
-        UsageError: not creatable, not writable, or less free space than one checkpoint needs.
+        UsageError: not creatable, not writable, or less free space than the checkpoints need.
     """
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -284,11 +292,12 @@ def preflight(ckpt_dir: Path, num_params: int, rank: int) -> None:
     except OSError as exc:
         raise UsageError(f"--ckpt-dir {ckpt_dir} is not writable ({exc.strerror or exc}); fix its permissions or "
                          f"pass a writable --ckpt-dir") from exc
-    need, free = estimated_bytes(num_params), _free_bytes(ckpt_dir)
-    if free < need:
-        raise UsageError(f"--ckpt-dir {ckpt_dir} has {free / 2**20:.1f} MB free but one checkpoint of this model "
-                         f"needs about {need / 2**20:.1f} MB (fp32 parameters + AdamW moments); free some space "
-                         f"or pass another --ckpt-dir")
+    one, free = estimated_bytes(num_params), _free_bytes(ckpt_dir)
+    if free < copies * one:
+        raise UsageError(f"--ckpt-dir {ckpt_dir} has {free / 2**20:.1f} MB free but this run's checkpoints need "
+                         f"about {copies * one / 2**20:.1f} MB ({copies} x {one / 2**20:.1f} MB of fp32 parameters "
+                         f"and AdamW moments: --keep, plus the one being written); free some space, lower "
+                         f"--keep or pass another --ckpt-dir")
 
 
 # ------------------------------------------------------------------------------------------- collectives
@@ -363,8 +372,9 @@ def save(state: TrainState, ckpt_dir: Path, step: int, keep: int, skip: set[Path
     except (OSError, CheckpointException) as exc:
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
-        raise SaveError(f"saving checkpoint step {step} to {path} failed: {_first_line(exc)}; the partial "
-                        f"directory was removed") from exc
+        free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.is_dir() else 0
+        raise SaveError(f"saving checkpoint step {step} to {path} failed ({_first_line(exc)}; "
+                        f"{free / 2**20:.1f} MB free there); the partial directory was removed") from exc
     skip.discard(path)
     log(f"saved checkpoint step {step} to {path} ({size[0] / 2**20:.1f} MB, {time.perf_counter() - t0:.1f} s)")
     _rank0_do(lambda: _rotate(ckpt_dir, keep, skip, log))

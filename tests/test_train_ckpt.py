@@ -172,12 +172,21 @@ def test_preflight_refuses_unusable_directories(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="is not writable .*Read-only file system"):
         train_ckpt.preflight(tmp_path / "ro", 1000, rank=0)
     monkeypatch.delenv(train_ckpt.READ_ONLY_ENV)
-    monkeypatch.setenv(train_ckpt.FREE_BYTES_ENV, str(11_999))
-    with pytest.raises(UsageError, match=r"has 0\.0 MB free but one checkpoint of this model needs about 0\.0 MB"):
-        train_ckpt.preflight(tmp_path / "full", 1000, rank=0)  # 1000 params: 12000 bytes needed
-    monkeypatch.setenv(train_ckpt.FREE_BYTES_ENV, str(12_000))
-    train_ckpt.preflight(tmp_path / "full", 1000, rank=0)
+    mb = 2**20 // train_ckpt.BYTES_PER_PARAM  # parameters of a 1 MB checkpoint
+    monkeypatch.setenv(train_ckpt.FREE_BYTES_ENV, str(3 * train_ckpt.estimated_bytes(mb) - 1))
+    with pytest.raises(UsageError, match=r"has 3\.0 MB free but this run's checkpoints need about 3\.0 MB "
+                                         r"\(3 x 1\.0 MB of fp32 parameters and AdamW moments"):
+        train_ckpt.preflight(tmp_path / "full", mb, rank=0, copies=3)
+    monkeypatch.setenv(train_ckpt.FREE_BYTES_ENV, str(3 * train_ckpt.estimated_bytes(mb)))
+    train_ckpt.preflight(tmp_path / "full", mb, rank=0, copies=3)
     assert list((tmp_path / "full").iterdir()) == []  # the probe file is gone
+
+
+def test_peak_copies_count_keep_plus_one_less_existing(saved, tmp_path):
+    assert train_ckpt.new_copies(tmp_path / "none", keep=2, saves=10) == 3  # 2 kept + the one being written
+    assert train_ckpt.new_copies(tmp_path / "none", keep=2, saves=1) == 1
+    assert train_ckpt.new_copies(saved[0], keep=2, saves=10) == 1  # two are there already
+    assert train_ckpt.new_copies(saved[0], keep=1, saves=10) == 1
 
 
 def test_json_log_marks_redone_steps(tmp_path):
