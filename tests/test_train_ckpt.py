@@ -172,7 +172,7 @@ def test_preflight_refuses_unusable_directories(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="is not writable .*Read-only file system"):
         train_ckpt.preflight(tmp_path / "ro", 1000, rank=0)
     monkeypatch.delenv(train_ckpt.READ_ONLY_ENV)
-    mb = 2**20 // train_ckpt.BYTES_PER_PARAM  # parameters of a 1 MB checkpoint
+    mb = int(2**20 / train_ckpt.BYTES_PER_PARAM / train_ckpt.FORMAT_OVERHEAD)  # parameters of a 1 MB checkpoint
     monkeypatch.setenv(train_ckpt.FREE_BYTES_ENV, str(3 * train_ckpt.estimated_bytes(mb) - 1))
     with pytest.raises(UsageError, match=r"has 3\.0 MB free but this run's checkpoints need about 3\.0 MB "
                                          r"\(3 x 1\.0 MB of fp32 parameters and AdamW moments"):

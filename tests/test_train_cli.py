@@ -88,7 +88,7 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
         "read-only ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "ro")], {"DISTATTN_CKPT_READ_ONLY": "1"},
                                "is not writable (Read-only file system)"),
         "full ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "full")], {"DISTATTN_CKPT_FREE_BYTES": "1000000"},
-                          "has 1.0 MB free but this run's checkpoints need about 21.6 MB (2 x 10.8 MB"),
+                          "has 1.0 MB free but this run's checkpoints need about 23.1 MB (2 x 11.6 MB"),
         "resume must, nothing": (["--resume=must", "--ckpt-dir", str(tmp_path / "typo")], {},
                                  f"--resume must: nothing to resume in --ckpt-dir {tmp_path / 'typo'} "
                                  f"(the directory does not exist)"),
