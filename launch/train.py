@@ -18,10 +18,16 @@ rematerialization-aware checkpointing, a checkpoint every 100 steps, resumable::
     torchrun --standalone --nproc-per-node 8 launch/train.py --model llama-7b --seq-len 32768 --batch-size 1 \\
         --steps 1000 --lr 3e-4 --remat --save-every 100 --ckpt-dir runs/7b --resume --log-json runs/7b.jsonl
 
-Survive crashes: torchrun restarts every rank, and ``--resume`` continues from the latest checkpoint with
-the same data position (at most the steps since the last save are lost)::
+Survive crashes: torchrun restarts every rank, and ``--resume`` continues from the newest intact checkpoint
+with the same data position (at most the steps since the last save are lost; the JSON log marks the steps
+done again with ``"redone": true``)::
 
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 launch/train.py --save-every 20 --resume
+
+``--resume`` with nothing to resume in ``--ckpt-dir`` warns (naming the directory) and starts from step 0;
+``--resume must`` refuses instead. Checkpoints (``train_ckpt``) carry a sha256 manifest written last and
+checked before loading: a damaged newest one is skipped with a warning and the previous one is used, and
+loading never runs code from the files. Each save logs ``saved checkpoint step N to DIR (X MB, Y s)``.
 
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint; its tokenizer is
@@ -31,13 +37,17 @@ used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local 
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
 on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument makes every rank exit with status 2 before any communication; rank 0 prints the reason.
+A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable or has no room
+for a checkpoint, a checkpoint of another model) makes every rank exit with status 2, rank 0 printing one
+``train.py: error:`` line; the checks that need no process group run before it exists (before step 1).
+torchrun then adds its own failure report, whose root cause quotes the same line.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -50,7 +60,7 @@ import train_config
 import train_data
 import train_log
 import train_model
-from train_config import EXIT_BAD_ARGS, Env, RunConfig, UsageError
+from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError
 
 
 def log(msg: str) -> None:
@@ -125,24 +135,33 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
             f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch)")
 
 
-def maybe_resume(cfg: RunConfig, state) -> None:
-    """``--resume``: load the latest finished checkpoint into ``state``, if there is one."""
+def maybe_resume(cfg: RunConfig, state) -> set[Path]:
+    """``--resume``: load the newest intact checkpoint into ``state``; returns the damaged ones it skipped.
+
+    Also removes the directories of saves that never finished (``--resume`` or ``--save-every``).
+    """
     import train_ckpt
 
-    if not cfg.args.resume:
-        return
     ckpt_dir = Path(cfg.args.ckpt_dir)
-    step = train_ckpt.latest_step(ckpt_dir)
-    if step is None:
-        log(f"--resume: no finished checkpoint in {ckpt_dir}; starting from step 0")
-        return
-    path = train_ckpt.load(state, ckpt_dir, step)
+    if cfg.args.resume or cfg.args.save_every:
+        train_ckpt.remove_incomplete(ckpt_dir, log)
+    if not cfg.args.resume:
+        return set()
+    path, damaged = train_ckpt.find_and_load(state, ckpt_dir, log)
+    if path is None:
+        why = ("the directory does not exist" if not ckpt_dir.is_dir() else
+               f"{len(damaged)} damaged, none intact" if damaged else "it holds no finished checkpoint")
+        if cfg.args.resume == "must":
+            raise UsageError(f"--resume must: nothing to resume in --ckpt-dir {ckpt_dir} ({why})")
+        log(f"warning: --resume: no checkpoint to resume in --ckpt-dir {ckpt_dir} ({why}); starting from step 0")
+        return damaged
     p = state.progress
     log(f"resumed from {path} (step {p['step']}, {p['samples']} samples consumed)")
     for key, now in (("seq_len", cfg.args.seq_len), ("seed", cfg.args.seed), ("data", str(cfg.data_path))):
         if p.get(key) != now:
             log(f"warning: the checkpoint was trained with {key}={p.get(key)!r}, this run uses {now!r}: the "
                 f"samples will not be the ones the original run would have read")
+    return damaged
 
 
 def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str) -> tuple[torch.Tensor, float]:
@@ -175,7 +194,7 @@ def gather_stats(loss: torch.Tensor, device_type: str, device) -> tuple[float, l
 
 
 def crash_now(cfg: RunConfig, step: int) -> bool:
-    """``--crash-at-step``: simulate a failure, on torchrun's first attempt only (restarts then succeed)."""
+    """``--crash-at-step``: simulate a crash, on torchrun's first attempt only (restarts then succeed)."""
     return cfg.args.crash_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
@@ -190,6 +209,7 @@ class Job:
     mode: str  # "fsdp2" / "ddp" / "none"
     optimizer: torch.optim.Optimizer
     state: object  # train_ckpt.TrainState; its .progress dict is the job's position
+    damaged: set  # checkpoints found damaged on resume: never counted by --keep
 
 
 def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
@@ -204,8 +224,9 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     progress = {"step": 0, "samples": 0, "loss": float("nan"), "seq_len": cfg.args.seq_len, "seed": cfg.args.seed,
                 "data": str(cfg.data_path)}
     state = train_ckpt.TrainState(model, optimizer, progress)
-    maybe_resume(cfg, state)
-    return Job(cfg=cfg, device=device, group=group, model=model, mode=mode, optimizer=optimizer, state=state)
+    damaged = maybe_resume(cfg, state)
+    return Job(cfg=cfg, device=device, group=group, model=model, mode=mode, optimizer=optimizer, state=state,
+               damaged=damaged)
 
 
 def run_step(job: Job, dataset, step: int) -> dict:
@@ -233,7 +254,7 @@ def train(job: Job, dataset) -> dict:
     first_step, rank0 = progress["step"], cfg.env.rank == 0
     bar = train_log.Progress(args.steps, first_step, enabled=rank0 and not args.no_progress, log_every=args.log_every,
                              mem_label="peak alloc" if cfg.device_type == "cuda" else "peak rss")
-    jlog = train_log.JsonLog(args.log_json if rank0 else None, append=args.resume)
+    jlog = train_log.JsonLog(args.log_json if rank0 else None, append=bool(args.resume))
     timed_tokens, timed_s, peak = 0, 0.0, []
     try:
         for step in range(first_step + 1, args.steps + 1):
@@ -244,11 +265,14 @@ def train(job: Job, dataset) -> dict:
             jlog.write(record)
             bar.update(step, record["loss"], timed_tokens / timed_s if timed_s else record["tokens_per_s"], peak)
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
-                train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep)
+                train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep, job.damaged, log)
             if crash_now(cfg, step):
                 bar.close()
-                log(f"--crash-at-step {step}: exiting with status 1 (simulated failure)")
-                os._exit(1)  # like a killed process: no cleanup, no process-group shutdown
+                log(f"--crash-at-step {step}: rank {cfg.env.world_size - 1} kills itself (SIGKILL, simulated failure)")
+                if cfg.env.rank == cfg.env.world_size - 1:
+                    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no process-group shutdown
+                # The other ranks carry on into the next step's collectives and wait there, as after a real
+                # crash, until torchrun sees the dead worker and stops them.
     finally:
         bar.close()
         jlog.close()
@@ -256,6 +280,21 @@ def train(job: Job, dataset) -> dict:
             "tokens_per_s": timed_tokens / timed_s if timed_s else None, "world_size": cfg.env.world_size,
             "seq_len": args.seq_len, "sp_size": cfg.sp_size, "model": args.model, "device": cfg.device_type,
             "params": job.mode, "peak_mem_bytes": peak}
+
+
+def check_checkpoint_dir(cfg: RunConfig, config) -> None:
+    """Before any step: ``--ckpt-dir`` is writable with room for a checkpoint; ``--resume must`` has one."""
+    import train_ckpt  # torch.distributed.checkpoint: ~1 s of imports that a bad argument should not wait for
+
+    ckpt_dir = Path(cfg.args.ckpt_dir)
+    args = cfg.args
+    if args.save_every:
+        saves = args.steps // args.save_every + (args.steps % args.save_every > 0)  # the last step saves too
+        copies = train_ckpt.new_copies(ckpt_dir, args.keep, saves)
+        train_ckpt.preflight(ckpt_dir, train_model.count_params(config), cfg.env.rank, copies)
+    if cfg.args.resume == "must" and not train_ckpt.complete_checkpoints(ckpt_dir):
+        why = "the directory does not exist" if not ckpt_dir.is_dir() else "it holds no finished checkpoint"
+        raise UsageError(f"--resume must: nothing to resume in --ckpt-dir {ckpt_dir} ({why})")
 
 
 def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
@@ -269,18 +308,30 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
     if int(dataset.tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
+    check_checkpoint_dir(cfg, config)
     return cfg, dataset, config, tokenizer.name
+
+
+def fail(message: str, code: int) -> int:
+    """One line from rank 0, the process group shut down, exit status ``code`` on every rank.
+
+    Every rank reaches this together: errors after the process group exists are agreed on by all ranks
+    (train_ckpt), so none is left waiting in a collective.
+    """
+    train_config.report_error(message)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
 
 
 def main(argv=None) -> int:
     try:
         cfg, dataset, config, tokenizer_name = prepare(argv)
-    except UsageError as exc:
-        if Env.from_environ().rank == 0:
-            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_ARGS
-    try:
         summary = train(start(cfg, config, dataset, tokenizer_name), dataset)
+    except UsageError as exc:
+        return fail(str(exc), EXIT_BAD_ARGS)
+    except JobFailed as exc:
+        return fail(str(exc), 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

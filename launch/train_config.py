@@ -9,8 +9,10 @@ the same one-line reason (printed by rank 0) before any collective could hang. H
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +53,11 @@ EXIT_BAD_ARGS = 2
 
 
 class UsageError(Exception):
-    """A bad argument or environment; the message is the one line rank 0 prints."""
+    """A bad argument or environment; the message is the one line rank 0 prints (exit status 2)."""
+
+
+class JobFailed(Exception):
+    """A failure during training that every rank saw alike (a checkpoint save); one line, exit status 1."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,13 +108,36 @@ class RunConfig:
         return self.args.batch_size * self.args.seq_len * self.dp_size
 
 
+def report_error(message: str) -> None:
+    """``train.py: error: <message>``: one line on rank 0's stderr, and the reason in torchrun's report.
+
+    A worker that exits non-zero always makes torchrun print its failure report (~40 lines; nothing a worker
+    can switch off). torchrun gives each worker an error file (``TORCHELASTIC_ERROR_FILE``, which its
+    ``@record`` decorator fills with a traceback); a message written there replaces the report's
+    "traceback: To enable traceback see: <docs link>" lines, so the report ends with the reason too.
+    """
+    line = f"train.py: error: {message}"
+    if Env.from_environ().rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # the report keeps torchrun's default text; the line above was printed anyway
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line on rank 0 only (every rank still exits)."""
 
     def error(self, message):
-        if Env.from_environ().rank == 0:
-            print(f"train.py: error: {message} (see --help)", file=sys.stderr, flush=True)
+        report_error(f"{message} (see --help)")
         sys.exit(EXIT_BAD_ARGS)
+
+    def print_help(self, file=None):
+        if Env.from_environ().rank == 0:  # once per job, not once per rank (every rank still exits 0)
+            super().print_help(file)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,15 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("checkpoints and logs")
     c.add_argument("--ckpt-dir", default=DEFAULT_CKPT_DIR, help=f"checkpoint directory (default {DEFAULT_CKPT_DIR})")
     c.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    c.add_argument("--keep", type=int, default=2, help="checkpoints to keep (oldest deleted first)")
-    c.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --ckpt-dir (start fresh if there is none)")
+    c.add_argument("--keep", type=int, default=2,
+                   help="intact checkpoints to keep (older ones and damaged ones deleted first)")
+    c.add_argument("--resume", nargs="?", const="auto", default=None, choices=("auto", "must"),
+                   help="continue from the newest intact checkpoint in --ckpt-dir; if there is none: start "
+                   "from step 0 with a warning (--resume, --resume auto) or refuse with exit code 2 "
+                   "(--resume must)")
     c.add_argument("--log-json", default=None, help="write one JSON record per step to this file")
     c.add_argument("--log-every", type=int, default=0,
                    help="progress line every N steps when stderr is not a terminal (default: ~20 lines)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--crash-at-step", type=int, default=0,
-                   help="testing: every rank exits with code 1 right after step N (first torchrun attempt only)")
+                   help="testing: the last rank kills itself (SIGKILL) right after step N, the others are left waiting "
+                   "in the next step (first torchrun attempt only)")
     return p
 
 

@@ -96,19 +96,49 @@ def _clock(seconds: float) -> str:
 
 
 class JsonLog:
-    """One JSON object per line per step (rank 0); appends when the job resumes."""
+    """One JSON object per line per step (rank 0); appends when the job resumes.
+
+    When appending, steps at or below the last step already in the file (logged by an attempt that crashed
+    after its last checkpoint) are written again with ``"redone": true``.
+    """
 
     def __init__(self, path: str | None, append: bool):
+        self.logged_up_to = _last_step(path) if path and append else 0
         self.f = open(path, "a" if append else "w", encoding="utf-8") if path else None
+        if self.f is not None and self.f.tell() > 0 and not _ends_with_newline(path):
+            self.f.write("\n")  # a record torn by a crash stays alone on its line
 
     def write(self, record: dict) -> None:
         if self.f is not None:
+            if record["step"] <= self.logged_up_to:
+                record = {**record, "redone": True}
             self.f.write(json.dumps(record) + "\n")
             self.f.flush()
 
     def close(self) -> None:
         if self.f is not None:
             self.f.close()
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
+
+
+def _last_step(path: str) -> int:
+    """The highest ``step`` in an existing JSON log (0 if none); a torn last line is ignored."""
+    last = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except FileNotFoundError:
+        pass
+    return last
 
 
 def print_summary(summary: dict) -> None:

@@ -99,7 +99,7 @@ def test_world_one_gives_the_same_losses(reference, tmp_path):
 
 
 def test_crash_then_resume_reproduces_the_losses(reference, tmp_path):
-    """Killed after step 3 (last save: step 2), restarted with --resume: steps 3.. retrace the same losses."""
+    """Rank 1 SIGKILLed after step 3 (last save: step 2), restarted with --resume: steps 3.. retrace the losses."""
     ckpt = tmp_path / "ckpt"
     rc, _, err = _torchrun(2, *JOB, "--log-json", str(tmp_path / "a.jsonl"), "--ckpt-dir", str(ckpt),
                            "--crash-at-step", "3")
@@ -123,40 +123,11 @@ def test_torchrun_max_restarts_resumes(reference, tmp_path):
     assert rc == 0, err[-4000:]
     steps = [r["step"] for r in _records(log)]
     assert steps == [1, 2, 3, 3, 4, 5, 6]  # the log appends across restarts: step 3 twice
+    assert [r.get("redone", False) for r in _records(log)] == [False] * 3 + [True] + [False] * 3
     full = _losses(reference[3])
     for r in _records(log):
         assert r["loss"] == pytest.approx(full[r["step"]], rel=LOSS_RTOL_RESUMED)
     assert json.loads(out.strip().splitlines()[-1])["final_loss"] == pytest.approx(full[STEPS], rel=LOSS_RTOL_RESUMED)
-
-
-BAD_ARGS = {
-    "seq-len": (["--seq-len", "255"], "--seq-len 255 is not divisible by the sequence-parallel size 2"),
-    "preset": (["--model", "llama-99b"], "unknown --model 'llama-99b'"),
-    "data": (["--data", "/nonexistent/corpus.txt"], "--data /nonexistent/corpus.txt: no such file"),
-}
-
-
-def test_bad_arguments_fail_fast_with_one_line():
-    """Each bad argument: non-zero exit, one reason line from rank 0 only, no hang (jobs run side by side)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = {}
-    for name, (args, _) in BAD_ARGS.items():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN),
-               "--device", "cpu", *args]
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, start_new_session=True)
-    try:
-        for name, proc in procs.items():
-            _, err = proc.communicate(timeout=90)
-            reasons = [line for line in err.splitlines() if line.startswith("train.py: error:")]
-            assert proc.returncode != 0, name
-            assert len(reasons) == 1, f"{name}: expected one reason line (rank 0's), got {reasons}\n{err[-3000:]}"
-            assert BAD_ARGS[name][1] in reasons[0], reasons[0]
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
 
 
 def test_packed_samples_depend_only_on_their_index():

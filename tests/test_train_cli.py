@@ -1,0 +1,115 @@
+"""launch/train.py's command line as a user meets it under torchrun: help once, errors in one line.
+
+Every failure a user can cause (a bad flag, a missing file, an unusable --ckpt-dir, --resume must with
+nothing to resume, a checkpoint of another model) ends every rank with exit status 2 and one
+``train.py: error:`` line from rank 0, and no rank prints a traceback. torchrun still prints its own
+failure report (~40 lines for 2 ranks; a worker cannot switch it off), whose root cause then names the
+reason too. Jobs that fail before the process group exists run side by side (a few seconds each).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from test_train import JOB, ROOT, TRAIN
+
+# One reason line + torchrun's report (~40 lines at 2 ranks); any rank's traceback would add 50+.
+MAX_ERROR_LINES = 60
+PREFLIGHT_TIMEOUT_S = 120  # ~5 s each when the machine is idle; six run at once on 2 cores
+
+
+def _root_cause_exit_2(err: str) -> bool:
+    """torchrun's report says the first worker to fail exited with status 2, and quotes our reason."""
+    parts = err.split("Root Cause (first observed failure):", 1)
+    return len(parts) == 2 and re.search(r"exitcode\s*: 2 ", parts[1]) is not None \
+        and "traceback : train.py: error:" in parts[1]
+
+
+def _start(args, env_extra=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN),
+           "--device", "cpu", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def run_side_by_side(jobs: dict[str, tuple[list[str], dict]], timeout: float = PREFLIGHT_TIMEOUT_S) -> dict:
+    """Start every 2-rank job at once; ``{name: (returncode, stdout, stderr)}`` (all killed on timeout)."""
+    procs = {name: _start(args, env) for name, (args, env) in jobs.items()}
+    results = {}
+    try:
+        for name, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name}: torchrun did not finish in {timeout} s")
+            results[name] = (proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+                proc.communicate()
+    return results
+
+
+def assert_one_clean_error(name, rc, out, err, reason, before_init=True):
+    lines = (out + err).splitlines()
+    reasons = [line for line in lines if line.startswith("train.py: error:")]
+    assert rc != 0, name
+    assert len(reasons) == 1, f"{name}: expected one reason line (rank 0's), got {reasons}\n{err[-3000:]}"
+    assert reason in reasons[0], f"{name}: {reasons[0]}"
+    # The first rank to exit had status 2; torchrun may stop the others (SIGTERM) before they exit alike.
+    assert _root_cause_exit_2(err), f"{name}: root cause not exit status 2\n{err[-3000:]}"
+    assert "[rank" not in err and err.count("Traceback") <= 1, f"{name}: a rank printed a traceback\n{err}"
+    assert len(lines) <= MAX_ERROR_LINES, f"{name}: {len(lines)} lines\n{err}"
+    if before_init:
+        assert "[train] model" not in err, f"{name}: should fail before the model is built"
+
+
+def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
+    """Each fault fails before step 1 (before the process group even exists); plain --resume with nothing
+    to resume warns and trains. All side by side."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    save = ["--steps", "2", "--save-every", "1", "--seq-len", "256"]
+    cases = {
+        "bad flag": (["--bogus"], {}, "unrecognized arguments: --bogus (see --help)"),
+        "seq-len": (["--seq-len", "255"], {}, "--seq-len 255 is not divisible by the sequence-parallel size 2"),
+        "preset": (["--model", "llama-99b"], {}, "unknown --model 'llama-99b'"),
+        "missing data": (["--data", str(tmp_path / "none.txt")], {}, f"--data {tmp_path / 'none.txt'}: no such file"),
+        "unwritable ckpt dir": ([*save, "--ckpt-dir", str(afile / "ckpt")], {},
+                                f"--ckpt-dir {afile / 'ckpt'} is not writable (Not a directory)"),
+        "read-only ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "ro")], {"DISTATTN_CKPT_READ_ONLY": "1"},
+                               "is not writable (Read-only file system)"),
+        "full ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "full")], {"DISTATTN_CKPT_FREE_BYTES": "1000000"},
+                          "has 1.0 MB free but this run's checkpoints need about 23.1 MB (2 x 11.6 MB"),
+        "resume must, nothing": (["--resume=must", "--ckpt-dir", str(tmp_path / "typo")], {},
+                                 f"--resume must: nothing to resume in --ckpt-dir {tmp_path / 'typo'} "
+                                 f"(the directory does not exist)"),
+    }
+    fresh = [*JOB, "--ckpt-dir", str(tmp_path / "empty"), "--resume"]
+    fresh[fresh.index("--steps") + 1] = "1"
+    jobs = {name: (args, env) for name, (args, env, _) in cases.items()}
+    results = run_side_by_side({**jobs, "resume, nothing": (fresh, {})})
+    for name, (_, _, reason) in cases.items():
+        assert_one_clean_error(name, *results[name], reason)
+    assert not any((tmp_path / "full").iterdir())  # the probe file is gone
+    rc, _, err = results["resume, nothing"]
+    assert rc == 0, err[-4000:]
+    assert (f"warning: --resume: no checkpoint to resume in --ckpt-dir {tmp_path / 'empty'} "
+            f"(it holds no finished checkpoint); starting from step 0") in err
+
+
+def test_help_prints_once():
+    proc = _start(["--help"])
+    out, err = proc.communicate(timeout=PREFLIGHT_TIMEOUT_S)
+    assert proc.returncode == 0, err
+    assert out.count("usage: train.py") == 1 and "--resume [{auto,must}]" in out  # rank 0 only
+    plain = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and plain.stdout.count("usage: train.py") == 1
