@@ -60,9 +60,12 @@ import torch.nn.functional as F
 
 from distattn import kernels
 from distattn._ops import group_key, group_of
-from distattn.api import dist_flash_attn_func
+from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
+from distattn.integrations._hf_packing import install_packing_hook, stream_documents
 from distattn.checkpoint import remat_context_fn
 from distattn.schedule import SCHEDULES
+from distattn.packing import (Packed, cu_seqlens_from_position_ids, pack_padded, pack_sequences,
+                              shift_labels_by_document)
 from distattn.sharding import group_size as _group_size, shard_sequence
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "ATTN_IMPLEMENTATION",
@@ -123,14 +126,7 @@ def _check_call(module, attention_mask, dropout: float, kwargs: dict, seq_total:
         field = _dropout_field(module)
         raise ValueError(f"attention dropout ({dropout}) is not supported by distattn; build the model with "
                          f"config.{field} = 0.0 (e.g. from_pretrained(..., {field}=0.0)), or run it in eval mode")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < seq_total:
-        raise ValueError(f"sliding_window ({window}) is shorter than the sequence ({seq_total} tokens) and "
-                         f"distattn computes full causal attention; set config.sliding_window = None or use "
-                         f"sequences of at most {window} tokens")
-    if any(kwargs.get(name) is not None for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")):
-        raise ValueError("packed sequences (cu_seq_lens_q/cu_seq_lens_k/seq_idx) are not supported by distattn; "
-                         "feed one sequence per batch row")
+
 
 
 def _common_dtype(query, key, value):
@@ -161,14 +157,28 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
     group = group_of(options.group_key)
     _check_call(module, attention_mask, dropout, kwargs, query.shape[2] * _group_size(group))
     is_causal = kwargs.get("is_causal")
-    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     query, key, value = _common_dtype(query, key, value)
-    # (b, h, n, d) -> (b, n, h, d), the op's layout; transposed views, the op makes them contiguous once.
-    out = dist_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                               softmax_scale=scaling, causal=bool(is_causal), softcap=kwargs.get("softcap") or 0.0,
-                               group=group, schedule=options.schedule, backend=options.backend,
-                               overlap=options.overlap)
-    return out, None
+    # (b, h, n, d) -> (b, n, h, d), the op's layout; transposed views (the kernels need unit stride in d only).
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    common = dict(softmax_scale=scaling, causal=is_causal, softcap=kwargs.get("softcap") or 0.0,
+                  window_size=_window(kwargs.get("sliding_window"), is_causal, q.shape[1] * _group_size(group)),
+                  group=group, schedule=options.schedule, backend=options.backend, overlap=options.overlap)
+    known, documents = stream_documents(kwargs.get("position_ids"))
+    if known and documents is not None:  # a packed stream: attention stays inside each document
+        cu = torch.tensor(documents, dtype=torch.int32)
+        out = dist_flash_attn_varlen_func(q[0], k[0], v[0], cu, max(b - a for a, b in zip(documents, documents[1:])),
+                                          **common)
+        return out.unsqueeze(0), None
+    return dist_flash_attn_func(q, k, v, **common), None
+
+
+def _window(sliding_window, causal: bool, total: int) -> tuple[int, int]:
+    """transformers' ``sliding_window`` (a token sees the ``W`` latest keys, itself included) as flash-attn's
+    ``window_size``; no window when it covers the whole stream anyway."""
+    if sliding_window is None or sliding_window >= total:
+        return (-1, -1)
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
 def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
@@ -252,42 +262,96 @@ def use_distattn(model, group=None, schedule: str = "balanced", *, backend: str 
                          f"AttentionInterface, so distattn cannot be switched on for it; call "
                          f"distattn.dist_flash_attn_func from its attention module instead")
     model.config.use_cache = False
+    install_packing_hook(model, group_key(group))  # packed streams: the documents of every forward
     return model
 
 
 # -- data and loss ------------------------------------------------------------------------------------------
-def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, group=None) -> dict:
-    """This rank's share of a full-sequence batch.
+def shard_batch(input_ids, labels=None, group=None, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, pad_id: int = 0) -> dict:
+    """This rank's share of a batch: one long sequence per row, or documents packed padding-free.
+
+    Four inputs, the same on every rank:
+
+    * ``input_ids (batch, seq)``: every row one sequence (``seq`` divisible by the group size);
+    * a list of 1-D token tensors (documents of any length): packed into one stream, no padding but the tail
+      up to a multiple of the group size;
+    * ``input_ids (batch, seq)`` with a padding ``attention_mask`` (0 = pad): the pad tokens are removed and the
+      rows packed as documents (``out["packed"].unpack(x, batch, seq)`` puts per-token results back);
+    * transformers' flattened format: ``input_ids (1, T)`` with ``position_ids (1, T)`` restarting at 0 at every
+      document (``DataCollatorWithFlattening``); ``T`` divisible by the group size.
+
+    Packed, a token attends only within its document (the model call is the same:
+    ``model(input_ids=out["input_ids"], position_ids=out["position_ids"])``; ``use_distattn``'s hook reads the
+    documents off the position ids), RoPE sees each token's position within its document, and
+    ``shift_labels`` never predicts across a document boundary.
 
     Args:
-        input_ids: ``(batch, seq)``, the *full* sequence (the same on every rank); ``seq`` must divide by the
-            group size.
-        labels: ``(batch, seq)`` targets, unshifted (as passed to a transformers causal LM: usually
-            ``input_ids`` with ``-100`` where no loss is wanted), or ``None``.
+        input_ids: ``(batch, seq)`` token ids, or a list of 1-D token tensors.
+        labels: unshifted targets shaped like ``input_ids`` (a list for a list), usually the ids themselves with
+            ``-100`` where no loss is wanted; ``None``: no ``shift_labels``.
         group: the sequence-parallel process group (``None``: the default group).
+        attention_mask: ``(batch, seq)``, 1 = token, 0 = padding.
+        position_ids: ``(1, T)`` of the flattened format.
+        pad_id: token id of the tail padding of packed streams.
 
     Returns:
-        ``{"input_ids": (batch, n), "position_ids": (batch, n) global positions}`` and, with ``labels``,
-        ``"shift_labels": (batch, n)``: targets already shifted on the full sequence (token ``i`` predicts
-        ``labels[i + 1]``; the last token of the sequence gets -100). The key is transformers' name for
-        pre-shifted labels: pass them to ``causal_lm_loss``, not as the model's ``labels=`` (its loss would
-        shift them again and average over this rank only)::
+        ``{"input_ids": (batch, n), "position_ids": (batch, n)}`` and, with ``labels``, ``"shift_labels"``: targets
+        shifted on the full sequence (token ``i`` predicts ``labels[i + 1]``; the last token of a sequence or
+        document gets -100). Pass them to ``causal_lm_loss``, not as the model's ``labels=`` (its loss would shift
+        them again and average over this rank only)::
 
             rank 0        rank 1
             t0 t1 t2 | t3 t4 t5        input_ids
             t1 t2 t3 | t4 t5 -100      shift_labels (t3: rank 0's last target lives on rank 1)
+
+        Packed batches add ``"cu_seq_lens"`` (the whole stream's cumulative document lengths, int32),
+        ``"max_length"`` (the longest document), ``"num_tokens"`` (real tokens, all ranks) and ``"packed"``
+        (the :class:`distattn.packing.Packed` stream).
     """
+    world = _group_size(group)
+    if isinstance(input_ids, (list, tuple)):
+        packed = pack_sequences(input_ids, multiple_of=world, pad_id=pad_id)
+        stream_labels = None if labels is None else pack_sequences(labels, multiple_of=world,
+                                                                   pad_id=IGNORE_INDEX).input_ids
+        return _shard_packed(packed, stream_labels, group)
     if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}; add a batch dim "
-                         f"with input_ids.unsqueeze(0)")
+        raise ValueError(f"input_ids must be (batch, seq) or a list of documents, got shape "
+                         f"{tuple(input_ids.shape)}; add a batch dim with input_ids.unsqueeze(0)")
     if labels is not None and labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        packed = pack_padded(input_ids, attention_mask, multiple_of=world, pad_id=pad_id)
+        stream_labels = None
+        if labels is not None:
+            stream_labels = torch.full_like(packed.input_ids, IGNORE_INDEX)
+            stream_labels[:packed.num_tokens] = labels.flatten()[packed.index]
+        return _shard_packed(packed, stream_labels, group)
+    if position_ids is not None:
+        if position_ids.shape != input_ids.shape or input_ids.shape[0] != 1:
+            raise ValueError(f"flattened position_ids must be (1, T) like input_ids, got {tuple(position_ids.shape)} "
+                             f"and input_ids {tuple(input_ids.shape)}")
+        cu = cu_seqlens_from_position_ids(position_ids)
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        packed = Packed(input_ids[0], cu, position_ids[0], max(lengths))
+        return _shard_packed(packed, None if labels is None else labels[0], group)
     batch, seq = input_ids.shape
     positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
     out = {"input_ids": shard_sequence(input_ids, 1, group), "position_ids": shard_sequence(positions, 1, group)}
     if labels is not None:
         shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # token i predicts labels[i + 1]
         out["shift_labels"] = shard_sequence(shifted, 1, group)
+    return out
+
+
+def _shard_packed(packed: Packed, stream_labels, group) -> dict:
+    """This rank's slice of a packed stream (one row), with document-aware shifted labels."""
+    row = lambda t: shard_sequence(t.unsqueeze(0), 1, group)  # noqa: E731  (T,) -> this rank's (1, n)
+    out = {"input_ids": row(packed.input_ids), "position_ids": row(packed.position_ids),
+           "cu_seq_lens": packed.cu_seqlens, "max_length": packed.max_seqlen, "num_tokens": packed.num_tokens,
+           "packed": packed}
+    if stream_labels is not None:
+        out["shift_labels"] = row(shift_labels_by_document(stream_labels, packed.cu_seqlens))
     return out
 
 
