@@ -10,9 +10,9 @@ step (forward + backward) at 8k..64k tokens per GPU, side by side in one run:
 Reported per (tokens, variant): median step time, speedup over ``hf``, peak GPU memory
 (``torch.cuda.max_memory_allocated``), activation bytes kept between forward and backward
 (``distattn.checkpoint.retained_bytes``, an untimed step), attention forward executions per step, and model
-TFLOP/s. FLOPs (STYLE.md 16) count useful work only, never recomputation: per layer
-``6 * tokens * matmul_params`` for the projections and MLP, plus attention ``4 * b * h * s * s * d * 0.5``
-(causal) forward and x2.5 backward (x3.5 both).
+TFLOP/s. FLOPs (the convention of every distattn benchmark) count useful work only, never recomputation:
+per layer ``6 * tokens * matmul_params`` for the projections and MLP, plus attention
+``4 * b * h * s * s * d * 0.5`` (causal) forward and x2.5 backward (x3.5 both).
 
 Usage:
     python bench/checkpoint.py                        # one GPU: 8k..64k tokens, 4 layers

@@ -10,7 +10,8 @@ and not, 16k tokens per batch: batch = 16384 // seqlen, seqlen 1k..32k), side by
 plus the carrying cost: one 32k causal sequence whose keys are folded into the carried state as 1, 2, 4, 8
 chunks (forward: fold_ per chunk; backward: backward_chunk_ per chunk).
 
-FLOPs (STYLE.md 16): 4 * b * h * s_q * s_k * d for the forward, x0.5 when causal, x2.5 for the backward.
+FLOPs (the convention of every distattn benchmark: useful work only): 4 * b * h * s_q * s_k * d for the
+forward, x0.5 when causal, x2.5 for the backward.
 Heads: h = 2048 // d (model width 2048). Timing: triton.testing.do_bench (median of its repetitions).
 
 Usage:
