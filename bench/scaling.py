@@ -15,7 +15,8 @@ bytes each rank sent (the methods' own counters; max over ranks, next to ``bench
 peak memory per rank (CUDA only), and with ``--find-max`` (CUDA only) the longest tokens per rank that
 ran, doubling from the largest given. Methods that cannot run a shape (Ulysses when heads do not divide
 by the world size) get a row saying why. No activation checkpointing (one layer, forward + backward).
-Without matplotlib the table and CSV are written and the plots are skipped (one line says so).
+Without matplotlib the table and CSV are written and the plots are skipped (one line says so). On a
+machine without CUDA the default models and sizes are the tiny ones (GPU-sized shapes would take hours).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from bench.model import MODELS, method_bytes  # noqa: E402
 
 FIELDS = ["model", "workload", "world", "tokens_per_rank", "method", "status", "time_ms", "tflops_per_rank",
           "bytes_sent_max", "bytes_sent_mean", "model_bytes_max", "bytes_match", "peak_mem_mib"]
+GPU_DEFAULTS = {"models": ["llama-7b", "llama-gqa", "llama-33h"], "tokens_per_rank": [4096, 8192]}
 SMOKE = {"models": ["tiny-mha", "tiny-gqa", "tiny-odd"], "tokens_per_rank": [32, 64], "iters": 2, "warmup": 1}
 CPU_BANNER = "**CPU smoke, not a performance number**: gloo on CPU, tiny shapes, fp32."
 _BYTES_REL_TOL = 0.01
@@ -57,9 +59,12 @@ def _parse(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (CPU CI); never writes into "
                     "bench/results/")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--models", nargs="+", default=["llama-7b", "llama-gqa", "llama-33h"], choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
+                    help=f"default {' '.join(GPU_DEFAULTS['models'])} on CUDA; the tiny ones on CPU")
     ap.add_argument("--workloads", nargs="+", default=["attn", "layer"], choices=["attn", "layer"])
-    ap.add_argument("--tokens-per-rank", nargs="+", type=int, default=[4096, 8192])
+    ap.add_argument("--tokens-per-rank", nargs="+", type=int, default=None,
+                    help=f"default {' '.join(map(str, GPU_DEFAULTS['tokens_per_rank']))} on CUDA; "
+                         f"{' '.join(map(str, SMOKE['tokens_per_rank']))} on CPU")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -74,12 +79,15 @@ def _parse(argv=None):
             args.out = str(smoke_out("scaling", args.out))
         except ValueError as exc:
             ap.error(str(exc))
+        args.models, args.tokens_per_rank = SMOKE["models"], SMOKE["tokens_per_rank"]
+        args.iters, args.warmup = SMOKE["iters"], SMOKE["warmup"]
     elif args.out is None:
         ap.error("--out is required (a results folder, e.g. bench/results/scaling-8xGPU); "
                  "or use --smoke for a CPU check of the script")
-    if args.smoke:
-        args.models, args.tokens_per_rank = SMOKE["models"], SMOKE["tokens_per_rank"]
-        args.iters, args.warmup = SMOKE["iters"], SMOKE["warmup"]
+    # GPU-sized shapes take hours on CPU: there the defaults are the tiny ones (explicit values are kept).
+    defaults = GPU_DEFAULTS if torch.cuda.is_available() else SMOKE
+    args.models = args.models or defaults["models"]
+    args.tokens_per_rank = args.tokens_per_rank or defaults["tokens_per_rank"]
     return args
 
 

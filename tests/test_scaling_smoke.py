@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -91,3 +92,6 @@ def test_smoke_output_never_in_committed_results():
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         scaling._parse([])  # a real run names its results folder
+    if not torch.cuda.is_available():  # CPU: tiny defaults, never the GPU-sized shapes
+        args = scaling._parse(["--out", "somewhere"])
+        assert args.models == scaling.SMOKE["models"] and args.tokens_per_rank == scaling.SMOKE["tokens_per_rank"]
