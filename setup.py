@@ -17,10 +17,13 @@ setup(
     package_dir={"distattn": "distattn", "distattn.kernels": "kernels"},
     install_requires=["torch>=2.4", "triton>=3.0", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.0,<6"],
+        # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
+        # matplotlib is deliberately absent: the tests and bench scripts write their tables without it.
+        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.0,<6", "numpy"],
         "hf": ["transformers>=5.0,<6"],
-        "bench": ["matplotlib>=3.5"],
+        "bench": ["matplotlib>=3.5", "transformers>=5.0,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],
     },
     license="Apache-2.0",
+    license_files=["LICENSE"],
 )

@@ -10,9 +10,9 @@ step (forward + backward) at 8k..64k tokens per GPU, side by side in one run:
 Reported per (tokens, variant): median step time, speedup over ``hf``, peak GPU memory
 (``torch.cuda.max_memory_allocated``), activation bytes kept between forward and backward
 (``distattn.checkpoint.retained_bytes``, an untimed step), attention forward executions per step, and model
-TFLOP/s. FLOPs (STYLE.md 16) count useful work only, never recomputation: per layer
-``6 * tokens * matmul_params`` for the projections and MLP, plus attention ``4 * b * h * s * s * d * 0.5``
-(causal) forward and x2.5 backward (x3.5 both).
+TFLOP/s. FLOPs (the convention of every distattn benchmark) count useful work only, never recomputation:
+per layer ``6 * tokens * matmul_params`` for the projections and MLP, plus attention
+``4 * b * h * s * s * d * 0.5`` (causal) forward and x2.5 backward (x3.5 both).
 
 Usage:
     python bench/checkpoint.py                        # one GPU: 8k..64k tokens, 4 layers
@@ -21,14 +21,15 @@ Usage:
     torchrun --nproc-per-node 8 bench/checkpoint.py   # 8 GPUs, the sequence split across them: --tokens is
                                                       #   per GPU (the paper's setting), rank 0 writes
     python bench/checkpoint.py --smoke                # CPU: a tiny model through the same code path; proves
-                                                      #   the script works, NOT a performance number
+                                                      #   the script works, NOT a performance number;
+                                                      #   writes runs/bench-smoke/checkpoint/ (ignored by git)
+Without matplotlib the table and CSV are written and checkpoint.png is skipped (one line says so).
 
 The paper reports 1.16x-1.31x (remat over HF checkpointing) at 8k-32k tokens per GPU on 8 A100s.
 """
 import argparse
 import csv
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from bench._util import cpu_name, pyplot_or_note, smoke_out  # noqa: E402
 from distattn import checkpoint as ck  # noqa: E402
 from distattn.integrations import hf  # noqa: E402
 
@@ -58,13 +60,19 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--schedule", default="balanced", choices=("balanced", "ring"))
     p.add_argument("--backend", default=None, help="attention kernel backend (default: best available)")
-    p.add_argument("--out", default="bench/results/checkpoint", help="folder for checkpoint.md/.csv/.png")
+    p.add_argument("--out", default=None, help="folder for checkpoint.md/.csv/.png (default bench/results/checkpoint, "
+                   "or runs/bench-smoke/checkpoint for --smoke: a smoke run never writes into bench/results/)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: checks the script, not performance")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         p.error(f"--variants: {bad} not in {VARIANTS}")
+    try:
+        out = smoke_out("checkpoint", args.out) if args.smoke else Path(args.out or "bench/results/checkpoint")
+        args.out = str(out)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.smoke:
         args.tokens, args.layers, args.steps, args.warmup = [64, 128], 2, 2, 1
         args.variants = list(VARIANTS)
@@ -195,12 +203,8 @@ def write(rows, args, machine: str, world: int):
     if args.smoke:
         lines += ["", f"**{SMOKE_LABEL}.** The GPU command is in the docstring of bench/checkpoint.py."]
     (out / "checkpoint.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot_or_note(str(out / "checkpoint.png"))
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in dict.fromkeys(r["variant"] for r in rows):
@@ -210,6 +214,7 @@ def write(rows, args, machine: str, world: int):
            title=SMOKE_LABEL if args.smoke else f"{args.layers} LLaMA-7B layers, {machine}")
     ax.legend()
     fig.savefig(out / "checkpoint.png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -221,14 +226,14 @@ def main(argv=None):
         torch.cuda.set_device(device)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     rank, world = init_group(device.type)
-    machine = f"{platform.processor() or platform.machine()} CPU" if args.smoke else torch.cuda.get_device_name(device)
+    machine = f"CPU ({cpu_name()})" if args.smoke else torch.cuda.get_device_name(device)
     model, config = build(args, device, dtype, max(args.tokens) * world)
     rows = []
     for tokens in args.tokens:
         for variant in args.variants:
             rows.append(measure(args, model, config, variant, tokens, device, dtype, rank, world))
             if rank == 0:
-                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+                print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     add_speedups(rows)
     if rank == 0:
         write(rows, args, machine, world)

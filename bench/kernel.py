@@ -10,19 +10,21 @@ and not, 16k tokens per batch: batch = 16384 // seqlen, seqlen 1k..32k), side by
 plus the carrying cost: one 32k causal sequence whose keys are folded into the carried state as 1, 2, 4, 8
 chunks (forward: fold_ per chunk; backward: backward_chunk_ per chunk).
 
-FLOPs (STYLE.md 16): 4 * b * h * s_q * s_k * d for the forward, x0.5 when causal, x2.5 for the backward.
+FLOPs (the convention of every distattn benchmark: useful work only): 4 * b * h * s_q * s_k * d for the
+forward, x0.5 when causal, x2.5 for the backward.
 Heads: h = 2048 // d (model width 2048). Timing: triton.testing.do_bench (median of its repetitions).
 
 Usage:
     python bench/kernel.py                       # GPU: full sweep -> bench/results/kernel/{kernel.md,csv,png}
     python bench/kernel.py --out DIR --seqlens 1024 4096 --head-dims 128
     python bench/kernel.py --smoke               # CPU (no CUDA): tiny size through TRITON_INTERPRET=1,
-                                                 # proves the script works; NOT a performance number
+                                                 # proves the script works; NOT a performance number;
+                                                 # writes runs/bench-smoke/kernel/ (ignored by git)
+Without matplotlib the tables are written and kernel.png is skipped (one line says so).
 """
 import argparse
 import csv
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import distattn  # noqa: E402
+from bench._util import cpu_name, pyplot_or_note, smoke_out  # noqa: E402
 from distattn import kernels  # noqa: E402
 
 MODEL_WIDTH = 2048
@@ -136,7 +139,7 @@ def bench_carry(s, h, d, n_chunks, dtype, device, smoke):
 def machine(smoke):
     import triton
 
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'unknown'})"
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({cpu_name()})"
     fa = "absent"
     try:
         import flash_attn
@@ -161,7 +164,6 @@ def write_outputs(out_dir: Path, rows, carry_rows, smoke, setup: str):
         w.writeheader()
         w.writerows(carry_rows)
 
-    fmt = lambda x: f"{x:.3g}" if isinstance(x, float) else str(x)  # noqa: E731
     lines = ["# Kernel benchmark (TFLOP/s)", "", machine(smoke), "",
              f"FLOPs: 4*b*h*s*s*d forward, x0.5 causal, x2.5 backward. {setup}", "",
              "| impl | d | causal | seqlen | batch | fwd | bwd | fwd+bwd | note |",
@@ -179,11 +181,15 @@ def write_outputs(out_dir: Path, rows, carry_rows, smoke, setup: str):
     plot(out_dir / "kernel.png", rows, smoke)
 
 
-def plot(path, rows, smoke):
-    import matplotlib
+def fmt(x) -> str:
+    """How a value appears everywhere (table and console): TFLOP/s to 3 significant digits."""
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot(path, rows, smoke):
+    plt = pyplot_or_note(str(path))
+    if plt is None:
+        return
 
     panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
@@ -209,7 +215,8 @@ def plot(path, rows, smoke):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None,
-                   help="output folder (md, csv, png); default bench/results/kernel (kernel-smoke for --smoke)")
+                   help="output folder (md, csv, png); default bench/results/kernel, or runs/bench-smoke/kernel "
+                        "for --smoke (a smoke run never writes into bench/results/)")
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--carry-seqlen", type=int, default=32768)
@@ -224,7 +231,10 @@ def main(argv=None):
         device, dtype, total = "cuda", torch.bfloat16, TOTAL_TOKENS
         seqlens, head_dims, carry_s, heads_for = args.seqlens, args.head_dims, args.carry_seqlen, \
             (lambda d: MODEL_WIDTH // d)
-    out_dir = Path(args.out or ("bench/results/kernel-smoke" if smoke else "bench/results/kernel"))
+    try:
+        out_dir = smoke_out("kernel", args.out) if smoke else Path(args.out or "bench/results/kernel")
+    except ValueError as exc:
+        p.error(str(exc))
     print(machine(smoke))
 
     rows = []
@@ -242,14 +252,14 @@ def main(argv=None):
                     if device == "cuda":
                         torch.cuda.empty_cache()
                     rows.append(row)
-                    print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                    print({k: fmt(v) for k, v in row.items()}, flush=True)
 
     carry_rows = []
     d = head_dims[-1]
     for n in (1, 2, 4, 8):
         r = bench_carry(carry_s, heads_for(d), d, n, dtype, device, smoke)
         carry_rows.append({"chunks": n, "seqlen": carry_s, "heads": heads_for(d), "head_dim": d, **r})
-        print(carry_rows[-1], flush=True)
+        print({k: fmt(v) for k, v in carry_rows[-1].items()}, flush=True)
 
     setup = (f"{str(dtype)[6:]}; {total} tokens per batch (batch = tokens // seqlen); "
              f"heads = {heads_for(head_dims[0]) if smoke else f'{MODEL_WIDTH} // d'}.")

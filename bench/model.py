@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,10 +126,26 @@ class Compute:
 
     @classmethod
     def from_json(cls, path) -> "Compute":
+        """Rates from ``bench/model.py measure``'s file; ``ValueError`` if one is missing, not finite or absurd."""
         data = json.loads(Path(path).read_text())
+        fix = f"re-measure on the GPU with `python bench/model.py measure --out {path}`"
+        missing = [k for k in ("name", *_RATES) if k not in data]
+        if missing:
+            raise ValueError(f"{path}: missing {missing}; {fix}")
+        for key in _RATES:
+            value = data[key]
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (ok and 0 < value <= MAX_PLAUSIBLE_RATE):
+                raise ValueError(f"{path}: {key}={value!r} FLOP/s is not a plausible rate (allowed: a finite "
+                                 f"number in (0, {MAX_PLAUSIBLE_RATE:.0e}]); {fix}")
         return cls(name=data["name"], attn_fwd=data["attn_fwd"], attn_bwd=data["attn_bwd"], matmul=data["matmul"],
                    measured=bool(data.get("measured", False)))
 
+
+_RATES = ("attn_fwd", "attn_bwd", "matmul")
+MAX_PLAUSIBLE_RATE = 1e16
+"""FLOP/s: 10 PFLOP/s, several times any single GPU's dense bf16 peak; a larger "measured" rate is a timing
+error (e.g. a backward derived by subtracting two noisy times)."""
 
 _A100_PEAK = 312e12  # bf16 dense tensor-core FLOP/s
 A100_ASSUMED = Compute(name="A100 bf16, assumed efficiencies (FA2 fwd 50%, bwd 40%, GEMM 60%)",

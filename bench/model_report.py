@@ -5,6 +5,7 @@
     python -m torch.distributed.run --nproc-per-node P --standalone bench/model.py validate \\
         --out bench/results/model-validation                            # CPU/gloo or GPU, any P
     python bench/model.py measure --out compute.json                    # kernel/GEMM rates of this device
+                                                                        #   (CPU: small sizes, a script check)
 
 ``claims`` and ``plots`` are pure model output (labelled *modelled*). ``validate`` runs every method once
 per phase and compares what the code did -- bytes each rank sent (counters), fetch rounds (steps) and
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench._util import pyplot_or_note
 from bench.model import (A100_ASSUMED, DISTATTN_METHODS, IB_100G, IB_400G, MODELS, NVLINK, Cluster, Compute,
                          Workload, balance_speedup, method_bytes, paper_comm_ratio, paper_units, predict,
                          wire_comm_ratio)
@@ -106,10 +108,10 @@ def paper_setups_markdown(compute: Compute) -> str:
 
 
 def write_plots(out: Path, compute: Compute) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """speedup-vs-P.png and paper-setups.png (skipped, with a note, when matplotlib is not installed)."""
+    plt = pyplot_or_note(f"{out / 'speedup-vs-P.png'} and paper-setups.png")
+    if plt is None:
+        return
 
     worlds = [8, 16, 32, 64, 128, 256, 512]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), squeeze=False)
@@ -234,38 +236,61 @@ def instrument_executor(kernels, dcomm) -> dict:
 
 
 # -- measure -------------------------------------------------------------------------------------------------
-def measure(out: Path, n: int, heads: int, head_dim: int) -> None:
-    """Time the attention kernel (fwd, bwd; one n x n non-causal chunk) and a GEMM on this device."""
+GPU_DEFAULTS = {"tokens": 8192, "heads": 32, "head_dim": 128}
+CPU_DEFAULTS = {"tokens": 512, "heads": 4, "head_dim": 64}
+"""CPU: a size that runs in seconds (the GPU size takes ~10 minutes there and says nothing about a GPU)."""
+
+
+def _timed(fn, reps: int, cuda: bool) -> float:
+    """Mean seconds of ``fn()`` over ``reps`` calls after one warm-up."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def measure(out: Path, n: int | None = None, heads: int | None = None, head_dim: int | None = None,
+            reps: int = 5) -> dict:
+    """Time the attention kernel (forward; backward alone, on a kept graph; one ``n x n`` non-causal chunk)
+    and a GEMM on this device; write the rates as JSON to ``out``. ``None`` sizes: GPU or CPU defaults."""
     import distattn
 
     cuda = torch.cuda.is_available()
+    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    n, heads, head_dim = (defaults[k] if v is None else v for k, v in
+                          (("tokens", n), ("heads", heads), ("head_dim", head_dim)))
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"measure on {name}: {n} tokens, {heads} heads x {head_dim}, {str(dtype).replace('torch.', '')}, "
+          f"{reps} repetitions" + ("" if cuda else " (CPU: small default sizes; not a GPU number)"), flush=True)
     q, k, v = (torch.randn(1, n, heads, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     flops = 4 * n * n * heads * head_dim
 
-    def timed(fn, reps=5):
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / reps
-
-    fwd = timed(lambda: distattn.flash_attn_func(q, k, v))
+    fwd = _timed(lambda: distattn.flash_attn_func(q, k, v), reps, cuda)
+    print(f"  attention forward  {fwd * 1e3:9.2f} ms  {flops / fwd:.3g} FLOP/s", flush=True)
+    # The backward alone, replayed on one kept graph: never derived as (fwd+bwd) - fwd, a difference of two
+    # noisy times that can be ~0 (it once gave 6.7e20 FLOP/s).
     out_t = distattn.flash_attn_func(q, k, v)
-    both = timed(lambda: torch.autograd.grad(distattn.flash_attn_func(q, k, v), (q, k, v), torch.ones_like(out_t)))
+    dout = torch.randn_like(out_t)
+    bwd = _timed(lambda: torch.autograd.grad(out_t, (q, k, v), dout, retain_graph=True), reps, cuda)
+    print(f"  attention backward {bwd * 1e3:9.2f} ms  {2.5 * flops / bwd:.3g} FLOP/s", flush=True)
     a = torch.randn(n, heads * head_dim, device=device, dtype=dtype)
     b = torch.randn(heads * head_dim, heads * head_dim, device=device, dtype=dtype)
-    gemm = timed(lambda: a @ b)
-    name = torch.cuda.get_device_name() if cuda else "CPU"
+    gemm = _timed(lambda: a @ b, reps, cuda)
+    print(f"  GEMM               {gemm * 1e3:9.2f} ms  {2 * n * (heads * head_dim) ** 2 / gemm:.3g} FLOP/s",
+          flush=True)
     data = {"name": f"{name}, measured ({n} tokens, {heads}x{head_dim}, {str(dtype).replace('torch.', '')})",
-            "attn_fwd": flops / fwd, "attn_bwd": 2.5 * flops / max(both - fwd, 1e-12),
+            "attn_fwd": flops / fwd, "attn_bwd": 2.5 * flops / bwd,
             "matmul": 2 * n * (heads * head_dim) ** 2 / gemm, "measured": True}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(data, indent=1) + "\n")
     print(json.dumps(data, indent=1))
+    return data
 
 
 def main(argv=None) -> None:
@@ -281,21 +306,32 @@ def main(argv=None) -> None:
             p.add_argument("--tokens-per-rank", type=int, default=16)
     p = sub.add_parser("measure")
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
+    for key in ("tokens", "heads", "head_dim"):
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                       help=f"default {GPU_DEFAULTS[key]} on a GPU, {CPU_DEFAULTS[key]} on CPU")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
     args = ap.parse_args(argv)
     if args.cmd == "claims":
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "claims.md").write_text(claims_markdown())
         print(claims_markdown())
     elif args.cmd == "plots":
-        compute = Compute.from_json(args.compute) if args.compute else A100_ASSUMED
+        try:
+            compute = Compute.from_json(args.compute) if args.compute else A100_ASSUMED
+        except (ValueError, OSError) as exc:  # json.JSONDecodeError is a ValueError
+            ap.error(f"--compute: {exc}")
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "paper-setups.md").write_text(paper_setups_markdown(compute))
         write_plots(args.out, compute)
-        print(f"wrote {args.out}/paper-setups.md, speedup-vs-P.png, paper-setups.png")
+        pngs = ", speedup-vs-P.png, paper-setups.png" if _has_matplotlib() else ""
+        print(f"wrote {args.out}/paper-setups.md{pngs}")
     elif args.cmd == "validate":
         validate(args.out, args.model, args.tokens_per_rank)
     else:
-        measure(args.out, args.tokens, args.heads, args.head_dim)
+        measure(args.out, args.tokens, args.heads, args.head_dim, args.reps)
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None

@@ -3,8 +3,9 @@
     python -m torch.distributed.run --nproc-per-node 8 --standalone bench/scaling.py \\
         --models llama-7b llama-gqa llama-33h --tokens-per-rank 4096 8192 16384 --find-max \\
         --out bench/results/scaling-8xGPU
-    python -m torch.distributed.run --nproc-per-node 2 --standalone bench/scaling.py --smoke \\
-        --out bench/results/scaling-cpu-smoke          # CPU, gloo, tiny shapes: a CI smoke run, not a timing
+    python -m torch.distributed.run --nproc-per-node 2 --standalone bench/scaling.py --smoke
+        # CPU, gloo, tiny shapes: a CI smoke run, not a timing; writes runs/bench-smoke/scaling/ (ignored by
+        # git; --out elsewhere is fine, never inside bench/results/)
 
 For each model shape, workload (``attn``: the attention layer with its projections; ``layer``: a full LLaMA
 decoder layer), tokens per rank and method (``bench/baselines``: megatron, ulysses, ring, balanced,
@@ -14,6 +15,8 @@ bytes each rank sent (the methods' own counters; max over ranks, next to ``bench
 peak memory per rank (CUDA only), and with ``--find-max`` (CUDA only) the longest tokens per rank that
 ran, doubling from the largest given. Methods that cannot run a shape (Ulysses when heads do not divide
 by the world size) get a row saying why. No activation checkpointing (one layer, forward + backward).
+Without matplotlib the table and CSV are written and the plots are skipped (one line says so). On a
+machine without CUDA the default models and sizes are the tiny ones (GPU-sized shapes would take hours).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import argparse
 import csv
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,8 +35,10 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record as _record_errors  # noqa: E402
 
 import distattn.comm as dcomm  # noqa: E402
+from bench._util import cpu_name, pyplot_or_note, smoke_out  # noqa: E402
 from bench.baselines import METHODS, init_weights  # noqa: E402
 from bench.baselines import collectives  # noqa: E402
 from bench.baselines.layers import flops_per_layer  # noqa: E402
@@ -42,6 +46,7 @@ from bench.model import MODELS, method_bytes  # noqa: E402
 
 FIELDS = ["model", "workload", "world", "tokens_per_rank", "method", "status", "time_ms", "tflops_per_rank",
           "bytes_sent_max", "bytes_sent_mean", "model_bytes_max", "bytes_match", "peak_mem_mib"]
+GPU_DEFAULTS = {"models": ["llama-7b", "llama-gqa", "llama-33h"], "tokens_per_rank": [4096, 8192]}
 SMOKE = {"models": ["tiny-mha", "tiny-gqa", "tiny-odd"], "tokens_per_rank": [32, 64], "iters": 2, "warmup": 1}
 CPU_BANNER = "**CPU smoke, not a performance number**: gloo on CPU, tiny shapes, fp32."
 _BYTES_REL_TOL = 0.01
@@ -49,12 +54,17 @@ _BYTES_REL_TOL = 0.01
 
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="results folder (CSV, markdown, PNGs)")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (CPU CI)")
+    ap.add_argument("--out", default=None, help="results folder (CSV, markdown, PNGs); required except with "
+                    "--smoke, whose default is runs/bench-smoke/scaling")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (CPU CI); never writes into "
+                    "bench/results/")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--models", nargs="+", default=["llama-7b", "llama-gqa", "llama-33h"], choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
+                    help=f"default {' '.join(GPU_DEFAULTS['models'])} on CUDA; the tiny ones on CPU")
     ap.add_argument("--workloads", nargs="+", default=["attn", "layer"], choices=["attn", "layer"])
-    ap.add_argument("--tokens-per-rank", nargs="+", type=int, default=[4096, 8192])
+    ap.add_argument("--tokens-per-rank", nargs="+", type=int, default=None,
+                    help=f"default {' '.join(map(str, GPU_DEFAULTS['tokens_per_rank']))} on CUDA; "
+                         f"{' '.join(map(str, SMOKE['tokens_per_rank']))} on CPU")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -65,8 +75,19 @@ def _parse(argv=None):
     ap.add_argument("--find-max", action="store_true", help="CUDA: double tokens per rank until a run fails")
     args = ap.parse_args(argv)
     if args.smoke:
+        try:
+            args.out = str(smoke_out("scaling", args.out))
+        except ValueError as exc:
+            ap.error(str(exc))
         args.models, args.tokens_per_rank = SMOKE["models"], SMOKE["tokens_per_rank"]
         args.iters, args.warmup = SMOKE["iters"], SMOKE["warmup"]
+    elif args.out is None:
+        ap.error("--out is required (a results folder, e.g. bench/results/scaling-8xGPU); "
+                 "or use --smoke for a CPU check of the script")
+    # GPU-sized shapes take hours on CPU: there the defaults are the tiny ones (explicit values are kept).
+    defaults = GPU_DEFAULTS if torch.cuda.is_available() else SMOKE
+    args.models = args.models or defaults["models"]
+    args.tokens_per_rank = args.tokens_per_rank or defaults["tokens_per_rank"]
     return args
 
 
@@ -160,7 +181,7 @@ def _machine(device, dtype, args) -> str:
     if device.type == "cuda":
         what = f"{world} x {torch.cuda.get_device_name(device)}, NCCL"
     else:
-        what = f"{world} CPU processes (gloo) on {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        what = f"{world} CPU processes (gloo) on {cpu_name()}, {os.cpu_count()} cores"
     return (f"{what}; torch {torch.__version__}; dtype {str(dtype).replace('torch.', '')}; batch {args.batch}; "
             f"{'non-causal' if args.non_causal else 'causal'}; backend {args.backend or 'default'}; "
             f"{args.iters} timed iterations after {args.warmup} warm-up; "
@@ -187,16 +208,15 @@ def write_table(rows, out: Path, header: str, cpu: bool) -> Path:
 
 
 def write_plots(rows, out: Path, cpu: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """time.png and bytes.png (skipped, with a note, when matplotlib is not installed)."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    models = sorted({r["model"] for r in ok})
-    workloads = sorted({r["workload"] for r in ok})
     if not ok:
         return
+    plt = pyplot_or_note(f"{out / 'time.png'} and bytes.png")
+    if plt is None:
+        return
+    models = sorted({r["model"] for r in ok})
+    workloads = sorted({r["workload"] for r in ok})
     ticks = sorted({r["tokens_per_rank"] for r in ok})
     for metric, label, fname in (("time_ms", "ms / iteration", "time.png"),
                                  ("bytes_sent_max", "bytes sent / rank / iteration", "bytes.png")):
@@ -228,6 +248,7 @@ def _runs(args):
                     yield model, workload, n, method
 
 
+@_record_errors  # a failing rank's traceback reaches torchrun's summary, not only its peers' hang-ups
 def main(argv=None) -> None:
     args = _parse(argv)
     device = _setup()

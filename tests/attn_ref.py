@@ -1,6 +1,6 @@
 """Naive attention reference and the accuracy rule shared by every test file.
 
-Accuracy rule (STYLE.md point 14, flash-attention's): the error of our result against an fp64 reference
+Accuracy rule (the project's, taken from flash-attention's tests): the error of our result against an fp64 reference
 is at most ``ACCURACY_FACTOR`` times the error of plain PyTorch at the same precision, plus a small absolute
 floor (when plain PyTorch happens to be exact on a tensor, e.g. an all-zero gradient).
 """

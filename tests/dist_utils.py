@@ -2,9 +2,10 @@
 
 ``run_distributed(fn, world_size, *args, timeout=120)`` starts ``world_size`` processes, each of which
 initializes a gloo process group (file-store rendezvous: no ports to collide), calls
-``fn(rank, world_size, *args)`` and sends back its return value. Any rank's exception is re-raised in the
-test with that rank's traceback; if the ranks do not all finish within ``timeout`` seconds every process is
-killed and ``TimeoutError`` is raised. ``fn`` must be a module-level function (it is pickled by name).
+``fn(rank, world_size, *args)`` and sends back its return value. If any rank fails, ``RuntimeError`` carries
+every failed rank's full traceback; if the ranks do not all finish within ``timeout`` seconds every process
+is killed and ``TimeoutError`` names the ranks that timed out (plus the tracebacks of those that failed).
+``fn`` must be a module-level function (it is pickled by name).
 
 Spawning costs about a second of torch import per rank on a small machine, so tests run many cases inside
 one ``fn`` per world size rather than one spawn per case.
@@ -76,7 +77,8 @@ def _collect(procs, results, world_size, timeout):
         left = deadline - time.monotonic()
         if left <= 0:
             missing = sorted(set(range(world_size)) - set(out) - set(errors))
-            raise TimeoutError(f"ranks {missing} did not finish within the timeout; errors so far: {errors}")
+            raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g} s (timed out)"
+                               + _format_errors(errors, world_size))
         try:
             rank, status, payload = results.get(timeout=min(left, 1.0))
         except queue.Empty:
@@ -90,6 +92,14 @@ def _collect(procs, results, world_size, timeout):
         else:
             errors[rank] = payload
     if errors:
-        first = min(errors)
-        raise RuntimeError(f"{len(errors)} of {world_size} ranks failed; rank {first}:\n{errors[first]}")
+        raise RuntimeError(f"{len(errors)} of {world_size} ranks failed (ranks {sorted(errors)})"
+                           + _format_errors(errors, world_size))
     return [out[r] for r in range(world_size)]
+
+
+def _format_errors(errors: dict[int, str], world_size: int) -> str:
+    """Every failed rank's full traceback, in rank order: the root cause is often not on the lowest rank
+    (its peers then fail with 'Connection closed by peer')."""
+    if not errors:
+        return ""
+    return "".join(f"\n\n----- rank {r} of {world_size} -----\n{errors[r].rstrip()}" for r in sorted(errors))

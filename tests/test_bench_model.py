@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines.layers import LayerShape  # noqa: E402
 from bench.model import (MODELS, Cluster, Compute, IB_100G, Workload, balance_speedup, megatron_bytes,  # noqa: E402
                          paper_comm_ratio, paper_units, predict, ulysses_bytes, wire_comm_ratio)
-from bench.model_report import claims_markdown  # noqa: E402
+from bench.model_report import CPU_DEFAULTS, claims_markdown, measure  # noqa: E402
+from bench.model_report import main as model_report_main  # noqa: E402
 from distattn.schedule import make_plan  # noqa: E402
 
 WORLDS = (2, 3, 4, 5, 8, 16, 33, 64)
@@ -113,3 +114,35 @@ def test_measured_compute_file(tmp_path):
     shape, layers = MODELS["llama-7b"]
     w = Workload(shape=shape, layers=layers, tokens_per_rank=4096)
     assert predict("balanced", 8, w, compute=compute)["total"] > 0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 6.7e20, 0.0, -1e12, "1e14", None])
+def test_compute_file_rejects_implausible_rates(tmp_path, bad):
+    """A measured file with a non-finite or absurd rate (a clamped time difference once gave 6.7e20 FLOP/s)
+    is refused with a message naming the field, the value, what is allowed and how to fix it."""
+    path = tmp_path / "compute.json"
+    path.write_text(json.dumps({"name": "X", "attn_fwd": 1e14, "attn_bwd": bad, "matmul": 2e14, "measured": True}))
+    with pytest.raises(ValueError, match=r"attn_bwd=.* FLOP/s is not a plausible rate .*bench/model.py measure"):
+        Compute.from_json(path)
+    with pytest.raises(SystemExit) as exc:  # the CLI: one clear line, exit code 2, before any plotting
+        model_report_main(["plots", "--out", str(tmp_path / "out"), "--compute", str(path)])
+    assert exc.value.code == 2 and not (tmp_path / "out").exists()
+
+
+def test_compute_file_missing_rate(tmp_path):
+    path = tmp_path / "compute.json"
+    path.write_text(json.dumps({"name": "X", "attn_fwd": 1e14, "matmul": 2e14}))
+    with pytest.raises(ValueError, match=r"missing \['attn_bwd'\]"):
+        Compute.from_json(path)
+
+
+def test_measure_on_cpu_is_small_and_plausible(tmp_path, capsys):
+    """`measure` on CPU uses small defaults, prints progress, times the backward on its own (finite, plausible
+    rates that plots --compute accepts)."""
+    out = tmp_path / "compute.json"
+    data = measure(out, n=64, heads=2, head_dim=16, reps=1)
+    assert Compute.from_json(out).measured
+    assert all(0 < data[k] < 1e16 for k in ("attn_fwd", "attn_bwd", "matmul"))
+    printed = capsys.readouterr().out
+    assert "attention backward" in printed and "not a GPU number" in printed
+    assert CPU_DEFAULTS["tokens"] <= 1024  # the GPU size (8192 x 32 heads x 128) took ~10 minutes on CPU

@@ -5,7 +5,7 @@ the kernels: Triton decides interpretation when it decorates them). Small shapes
 interpreter's tl.dot on bf16 operands is not exact (measured), so bf16 lives in the GPU tier.
 GPU tier (``@pytest.mark.gpu``, skipped without CUDA): bf16, 8k sequences, head dims 64/128/256.
 
-Accuracy rule (STYLE.md 14, tests/attn_ref.py): err(ours vs fp64) <= 2 x err(plain PyTorch, same dtype) + floor.
+Accuracy rule (tests/attn_ref.py): err(ours vs fp64) <= 2 x err(plain PyTorch, same dtype) + floor.
 """
 import os
 

@@ -147,7 +147,8 @@ def reference_llama_layer(x_bNH, w: dict, shape: LayerShape, attn_fn, causal: bo
 def flops_per_layer(shape: LayerShape, tokens: int, *, causal: bool = True, full_layer: bool = True) -> dict:
     """Forward FLOPs of one layer over ``tokens`` tokens: matmuls (projections, MLP) and attention core.
 
-    Attention core: ``4 * N^2 * h_q * d`` (QK^T and PV), halved for causal (STYLE.md point 16). Backward is
+    Attention core: ``4 * N^2 * h_q * d`` (QK^T and PV), halved for causal
+    (the project's FLOP convention for every benchmark: useful work only, never recomputation). Backward is
     2x the matmuls and 2.5x the attention core.
     """
     hid, qd, kvd = shape.hidden, shape.heads_q * shape.head_dim, shape.heads_kv * shape.head_dim
