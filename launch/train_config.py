@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, help="a UTF-8 text file, plain or .gz (default: the shipped "
                    "public-domain corpus launch/data/kjv.txt.gz)")
+    d.add_argument("--pack", action="store_true", help="padding-free training on documents of varied length: "
+                   "the text is split into documents (blank lines, 'Book chapter' headings), packed back to back "
+                   "into --seq-len streams, and attention stays inside each document")
     d.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (default: "
                    "bytes, vocab 256; for a checkpoint --model, its own tokenizer)")
     r = p.add_argument_group("runtime")

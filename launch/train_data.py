@@ -12,6 +12,7 @@ Every rank of a sequence-parallel group builds the same full-length batch and ke
 from __future__ import annotations
 
 import gzip
+import re
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,73 @@ class PackedSequences:
         return torch.from_numpy(np.stack([self.sample(first + j) for j in range(size)]).astype(np.int64))
 
 
-def load_dataset(data_path: Path, tokenizer, seq_len: int, seed: int) -> PackedSequences:
-    """Read, tokenize and pack the training text (the same on every rank)."""
-    return PackedSequences(tokenizer.encode(read_text(data_path)), seq_len, seed)
+# A line "Book chapter" (e.g. "Genesis 1", "1 Kings 3", "Song of Solomon 2") opens a chapter of the shipped corpus.
+_HEADING = re.compile(r"^(?:[1-3] )?[A-Z][A-Za-z]*(?: [A-Za-z]+)* \d+$")
+
+
+def split_documents(text: str) -> list[str]:
+    """Documents of a text: a blank line ends one, and a "Book chapter" heading line (the shipped corpus: one
+    document per chapter, 1,189 of 200 B to 20 KB) starts one."""
+    docs, current = [], []
+    for line in text.splitlines(keepends=True):
+        starts_new = not line.strip() or _HEADING.match(line.strip())
+        if starts_new and "".join(current).strip():
+            docs.append("".join(current))
+            current = []
+        if line.strip():
+            current.append(line)
+    if "".join(current).strip():
+        docs.append("".join(current))
+    return docs
+
+
+class DocumentStream:
+    """``--pack``: documents of varied length, in a seeded order per epoch, packed back to back into
+    fixed-length streams (no padding); a document that does not fit is cut, and each piece is a document of
+    its own. Sample ``g`` is a pure function of ``(seed, seq_len, g)``, as in :class:`PackedSequences`.
+    """
+
+    def __init__(self, documents: list[np.ndarray], seq_len: int, seed: int):
+        self.docs = [d for d in documents if len(d)]
+        self.tokens = np.concatenate(self.docs) if self.docs else np.zeros(0, dtype=np.int32)
+        if len(self.tokens) < seq_len:
+            raise UsageError(f"the data holds {len(self.tokens)} tokens, fewer than one sample of --seq-len "
+                             f"{seq_len}; use a shorter --seq-len or a longer --data file")
+        self.seq_len, self.seed = seq_len, seed
+        self.num_windows = len(self.tokens) // seq_len
+        self._epoch: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, tokens in order, doc starts)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def _order(self, epoch: int):
+        if self._epoch is None or self._epoch[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.docs))
+            ordered = [self.docs[i] for i in perm]
+            starts = np.cumsum([0] + [len(d) for d in ordered])
+            self._epoch = (epoch, np.concatenate(ordered), starts)
+        return self._epoch[1], self._epoch[2]
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens (seq_len,), positions (seq_len,))``: positions restart at 0 at every document (piece)."""
+        epoch, i = divmod(index, self.num_windows)
+        tokens, starts = self._order(epoch)
+        lo, hi = i * self.seq_len, (i + 1) * self.seq_len
+        inside = starts[(starts > lo) & (starts < hi)] - lo
+        cuts = np.concatenate([[0], inside, [self.seq_len]])
+        positions = np.concatenate([np.arange(b - a) for a, b in zip(cuts[:-1], cuts[1:])])
+        return tokens[lo:hi], positions
+
+    def batch(self, first: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``first .. first + size - 1`` as ONE stream: ``(ids (size*seq_len,), positions)`` int64."""
+        parts = [self.sample(first + j) for j in range(size)]
+        ids = np.concatenate([p[0] for p in parts]).astype(np.int64)
+        return torch.from_numpy(ids), torch.from_numpy(np.concatenate([p[1] for p in parts]).astype(np.int64))
+
+
+def load_dataset(data_path: Path, tokenizer, seq_len: int, seed: int, pack: bool = False):
+    """Read, tokenize and cut (or, ``pack``, split into documents and pack) the training text, alike on every rank."""
+    text = read_text(data_path)
+    if pack:
+        return DocumentStream([tokenizer.encode(doc) for doc in split_documents(text)], seq_len, seed)
+    return PackedSequences(tokenizer.encode(text), seq_len, seed)

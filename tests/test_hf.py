@@ -290,10 +290,9 @@ class _Module:
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"attention_mask": torch.ones(1, 1, 4, 4)}, r"takes no prepared attention mask .*pass a packed batch"),
+    ({"attention_mask": torch.ones(1, 1, 4, 4)}, r"takes no prepared attention mask .*shard_batch\(input_ids, labels, attention_mask=mask\) packs"),
     ({"dropout": 0.1}, r"attention dropout \(0.1\) .*config.attention_dropout = 0.0"),
-    ({"sliding_window": 3}, r"sliding_window \(3\) is shorter than the sequence \(4 tokens\)"),
-    ({"cu_seq_lens_q": torch.tensor([0, 4])}, "packed sequences"),
+    ({"cu_seq_lens_q": torch.tensor([0, 4])}, "pass cu_seq_lens_q and cu_seq_lens_k equal"),
 ])
 def test_attention_function_refuses_what_it_cannot_compute(kwargs, match):
     q = torch.randn(1, 4, 4, 8)  # (b, h, n, d) as transformers passes it
@@ -335,7 +334,7 @@ def test_bf16_autocast_runs_and_matches_fp32_loss():
 
 # -- masks through a real model forward: padding raises on every rank, an all-ones mask is a no-op --------------
 MASK_SEQ = 16  # divides by 1 and 2
-PADDING_ERROR = r"cannot apply a padding attention_mask.*zeros on some rank.*pass a packed batch"
+PADDING_ERROR = r"cannot apply a padding attention_mask.*zeros on some rank.*packs the rows padding-free"
 
 
 def _forward_or_error(model, ids, group, **kwargs):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distattn._ops import group_of
 from distattn.sharding import group_size
 
-__all__ = ["install_packing_hook", "stream_documents"]
+__all__ = ["install_packing_hook", "stream_documents", "cu_seq_lens_documents"]
 
 _ATTR = "_distattn_documents"  # on position_ids: tuple cu_seqlens of the whole stream, or None (one document)
 _HOOKED = "_distattn_packing_hook"
@@ -64,14 +64,19 @@ def _derive(kwargs: dict, group_key: str):
     return None
 
 
-def _from_cu_seq_lens(cu_q, cu_k, position_ids, total):
+def cu_seq_lens_documents(cu_q, cu_k) -> tuple[int, ...]:
+    """The documents of transformers' ``cu_seq_lens_q``/``cu_seq_lens_k`` (equal: one self-attention stream)."""
     if cu_q is None or cu_k is None or not torch.equal(cu_q.cpu(), cu_k.cpu()):
         raise ValueError("distattn computes self-attention over one packed stream: pass cu_seq_lens_q and "
                          "cu_seq_lens_k equal (the whole stream's cumulative document lengths), or neither")
+    return tuple(int(x) for x in cu_q.tolist())
+
+
+def _from_cu_seq_lens(cu_q, cu_k, position_ids, total):
+    cu = cu_seq_lens_documents(cu_q, cu_k)
     if position_ids.shape[0] != 1:
         raise ValueError(f"a packed stream is one row: got position_ids of shape {tuple(position_ids.shape)} "
                          f"with cu_seq_lens; pack the batch into one row (distattn.integrations.hf.shard_batch)")
-    cu = tuple(int(x) for x in cu_q.tolist())
     if cu[-1] > total:
         raise ValueError(f"cu_seq_lens_q[-1] = {cu[-1]} is more than the stream holds ({total} tokens over all "
                          f"ranks): pass the cumulative lengths of the WHOLE stream on every rank")

@@ -36,17 +36,20 @@ What the pieces guarantee:
     * ``causal_lm_loss`` counts target tokens over all ranks, so the loss is the full-sequence mean and each
       rank's backward gives exactly its share of the full-sequence gradient.
 
-Masks: distattn attention is causal over the whole (sharded) sequence and applies no per-token mask, so it is
-never given one silently. ``use_distattn`` also registers distattn in transformers' mask interface
-(``AttentionMaskInterface``), which receives the model's 2-D ``attention_mask``: an all-ones mask is accepted
-(it masks nothing); a mask with any zero (padding) raises ``ValueError`` on every rank of the group (the
-ranks agree with one small all-reduce, only when a mask is passed). Remove the padding instead: pass a
-packed batch (whole documents concatenated into full-length rows) or unpadded rows, and no mask.
+Masks: distattn never applies a per-token mask it was not told about. ``use_distattn`` registers distattn in
+transformers' mask interface (``AttentionMaskInterface``), which receives the model's 2-D ``attention_mask``: an
+all-ones mask is accepted (it masks nothing); a mask with any zero (padding) raises ``ValueError`` on every rank
+of the group (the ranks agree with one small all-reduce, only when a mask is passed). Remove the padding
+instead: ``shard_batch(input_ids, labels, attention_mask=mask)`` packs the rows padding-free.
 
-Not supported (each raises ``ValueError`` at the first forward): padding masks and prepared 4-D masks,
-packed sequences (``cu_seq_lens_*``), attention dropout in training, a sliding window shorter than the
-whole sequence, and generation with a KV cache (``use_distattn`` sets
-``config.use_cache = False``).
+Packed (padding-free) batches: ``shard_batch`` packs a list of documents, a padded batch with its mask, or
+transformers' flattened format (``position_ids`` restarting at 0) into one stream split over the ranks; a forward
+pre-hook (installed by ``use_distattn``, see ``_hf_packing``) derives the whole stream's documents on every
+forward, and attention stays inside each document (``distattn.dist_flash_attn_varlen_func``). Sliding-window
+models (Mistral) and attention logit soft-capping (Gemma-2) are computed.
+
+Not supported (each raises ``ValueError`` at the first forward): padding masks and prepared 4-D masks, attention
+dropout in training, and generation with a KV cache (``use_distattn`` sets ``config.use_cache = False``).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ import torch.nn.functional as F
 from distattn import kernels
 from distattn._ops import group_key, group_of
 from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
-from distattn.integrations._hf_packing import install_packing_hook, stream_documents
+from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
 from distattn.checkpoint import remat_context_fn
 from distattn.schedule import SCHEDULES
 from distattn.packing import (Packed, cu_seqlens_from_position_ids, pack_padded, pack_sequences,
@@ -98,9 +101,9 @@ _DEFAULT_OPTIONS = _Options(group_key=group_key(None), schedule="balanced", back
 
 
 # -- attention ----------------------------------------------------------------------------------------------
-NO_PADDING_FIX = ("remove the padding instead: pass a packed batch (whole documents concatenated into "
-                  "full-length rows, labels -100 where no loss is wanted) or rows without padding, and call the "
-                  "model without attention_mask")
+NO_PADDING_FIX = ("remove the padding instead: shard_batch(input_ids, labels, attention_mask=mask) packs the "
+                  "rows padding-free (documents attend only within themselves), then call the model with its "
+                  "input_ids and position_ids and no attention_mask")
 
 # Names that transformers model configs use for the attention-probability dropout (LLaMA-style first).
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
@@ -115,7 +118,7 @@ def _dropout_field(module) -> str:
     return (nonzero or present or ["attention_dropout"])[0]
 
 
-def _check_call(module, attention_mask, dropout: float, kwargs: dict, seq_total: int) -> None:
+def _check_call(module, attention_mask, dropout: float) -> None:
     """Refuse what the sequence-parallel op cannot compute exactly (same decision on every rank)."""
     if attention_mask is not None:
         # 2-D masks stop in _mask_interface; only a prepared (4-D) mask, passed as-is by transformers, gets here.
@@ -155,7 +158,7 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
         ``(attn_output (batch, n, heads_q, head_dim), None)``: no attention weights are ever materialized.
     """
     group = group_of(options.group_key)
-    _check_call(module, attention_mask, dropout, kwargs, query.shape[2] * _group_size(group))
+    _check_call(module, attention_mask, dropout)
     is_causal = kwargs.get("is_causal")
     is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     query, key, value = _common_dtype(query, key, value)
@@ -165,7 +168,9 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
                   window_size=_window(kwargs.get("sliding_window"), is_causal, q.shape[1] * _group_size(group)),
                   group=group, schedule=options.schedule, backend=options.backend, overlap=options.overlap)
     known, documents = stream_documents(kwargs.get("position_ids"))
-    if known and documents is not None:  # a packed stream: attention stays inside each document
+    if not known and (kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None):
+        documents = cu_seq_lens_documents(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    if documents is not None:  # a packed stream: attention stays inside each document
         cu = torch.tensor(documents, dtype=torch.int32)
         out = dist_flash_attn_varlen_func(q[0], k[0], v[0], cu, max(b - a for a, b in zip(documents, documents[1:])),
                                           **common)
