@@ -16,8 +16,10 @@ Three mechanisms keep tensors for backward, and each is seen:
   ``torch.ops.distattn.attention``): through ``torch.autograd.graph.saved_tensors_hooks``;
 * a non-reentrant ``torch.utils.checkpoint`` region: PyTorch pushes its own saved-tensor hooks inside the
   region, so tensors saved *inside* never reach ours (they are dropped and recomputed: correctly not counted).
-  What the region keeps is its inputs, which the checkpoint saves as saved tensors *before* pushing its hooks,
-  so ours sees them (a reentrant checkpoint saves them with ``save_for_backward``: also seen);
+  What the region keeps is its inputs: the positional ones the checkpoint saves as saved tensors *before*
+  pushing its hooks, so ours sees them (a reentrant checkpoint saves them with ``save_for_backward``: also
+  seen); keyword arguments it keeps in its recompute closure, so the wrapper below records those (module
+  label ``"<checkpoint kwargs>"``);
 * selective checkpointing (``context_fn=create_selective_checkpoint_contexts(...)``, distattn's
   ``remat_checkpoint``): the ops the policy saves are cached by a dispatch mode, outside autograd. While the
   context is active, ``torch.utils.checkpoint``'s non-reentrant generator is wrapped so that, when a
@@ -49,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["SavedStorage", "SavedActivations", "saved_activations", "AllocatorDelta", "allocator_delta"]
 
 CHECKPOINT_CACHE = "<checkpoint cache>"
+CHECKPOINT_KWARGS = "<checkpoint kwargs>"
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,10 @@ class SavedActivations:
 
         def generator(fn, preserve_rng_state=True, context_fn=_tuc.noop_context_fn, *rest, **kwargs):
             contexts = []
+            # Keyword arguments are not saved tensors: the checkpoint keeps them alive in its recompute closure.
+            for t in tree_leaves(kwargs):
+                if isinstance(t, torch.Tensor):
+                    acc._record(t, module=CHECKPOINT_KWARGS)
 
             def capturing_context_fn():
                 fwd, rec = context_fn()

@@ -1,0 +1,357 @@
+"""distattn.memory: measurement (saved_activations), the byte-exact model, published figures, the planner CLI.
+
+Agreement tests measure, on CPU, what a forward saves for backward and compare it with the model's explicit
+tensor list *allocation by allocation* (sorted ``(nbytes, dtype)``): tiny HF ``LlamaDecoderLayer``s (GQA and
+MHA, SwiGLU / GELU / ReLU gated MLPs, eager and sdpa attention, fp32 and bf16 autocast, no checkpointing,
+full checkpointing, checkpointing of the attention core only), whole ``LlamaForCausalLM`` forwards with the
+loss, distattn's registered op on one gloo rank (none / full / remat), and a GPT-style block (LayerNorm,
+GELU/ReLU, dropout; fp32, autocast, pure bf16).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from dist_utils import run_distributed
+from distattn.checkpoint import retained_bytes
+from distattn.memory import model as mm
+from distattn.memory import saved_activations
+
+transformers = pytest.importorskip("transformers")
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def _sig(tensors):
+    return sorted(((t.nbytes, t.dtype) for t in tensors), key=lambda x: (x[0], str(x[1])))
+
+
+def _amp(precision):
+    if precision == "amp-bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+# -- measurement primitives -----------------------------------------------------------------------------
+def test_one_count_per_storage_and_ignore():
+    lin = nn.Linear(8, 24, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved_activations(ignore=lin.parameters(), model=lin) as acc:
+        qkv = lin(x)                       # saves x (and the weight: ignored)
+        q, k, v = qkv.split(8, dim=-1)     # three views of one allocation
+        y = (q * k).sum() + (k * v.t().t()).sum()  # mul saves q, k, k, v: all views of qkv
+    assert acc.bytes == x.numel() * 4 + qkv.numel() * 4
+    assert acc.by_module() == {"Linear": x.numel() * 4, "": qkv.numel() * 4}  # root module: its class name
+    assert acc.by_producer() == {"leaf": x.numel() * 4, "SplitBackward0": qkv.numel() * 4}
+    del y
+
+
+def test_checkpoint_regions_keep_their_inputs_and_caches():
+    """Plain checkpoint: its inner saves are hidden (recomputed), its input is kept; reentrant: the same;
+    selective: the cached op outputs too. Cross-checked with distattn.checkpoint.retained_bytes."""
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def f(x):
+        return torch.tanh(x @ w) @ w
+
+    x = torch.randn(8, 16, requires_grad=True)
+    with saved_activations(ignore=[w]) as acc:
+        y_none = f(x)
+    assert acc.bytes == 2 * x.numel() * 4  # mm saves x; tanh saves its output, which the 2nd mm saves again
+    for reentrant in (False, True):
+        with saved_activations(ignore=[w]) as acc:
+            y = checkpoint(f, x, use_reentrant=reentrant)
+        assert acc.bytes == x.numel() * 4, reentrant
+        assert [r.shape for r in acc.records] == [(8, 16)]
+
+    policy = lambda ctx, op, *a, **k: (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.tanh.default  # noqa: E731
+                                       else CheckpointPolicy.PREFER_RECOMPUTE)
+    ctx_fn = lambda: create_selective_checkpoint_contexts(policy)  # noqa: E731
+    sac = lambda x: checkpoint(f, x, use_reentrant=False, context_fn=ctx_fn)  # noqa: E731
+    with saved_activations(ignore=[w]) as acc:
+        y = sac(x)
+    assert acc.bytes == 2 * x.numel() * 4
+    assert acc.by_producer() == {"leaf": x.numel() * 4, "aten.tanh.default": x.numel() * 4}
+    _, kept = retained_bytes(sac, x)  # counts what was born inside: the cached tanh output
+    assert kept == x.numel() * 4
+    # the patched checkpoint generator is restored
+    import torch.utils.checkpoint as tuc
+    assert tuc._checkpoint_without_reentrant_generator.__module__ == "torch.utils.checkpoint"
+    del y, y_none
+
+
+def test_dead_storages_are_not_counted():
+    x = torch.randn(32, requires_grad=True)
+    with saved_activations() as acc:
+        y = torch.sin(x * 2)
+    assert acc.bytes == 32 * 4  # a product with a Python number saves nothing; sin saves its input x * 2
+    del y
+    assert acc.bytes == 0
+
+
+def test_allocator_delta_needs_cuda():
+    from distattn.memory import allocator_delta
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by the GPU benchmark")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        with allocator_delta():
+            pass
+
+
+# -- HF LLaMA layers ------------------------------------------------------------------------------------
+def _selective(base):
+    """An attention function that checkpoints the attention core only (q, k, v in; output kept)."""
+    def fn(module, query, key, value, attention_mask, **kwargs):
+        core = lambda q, k, v: base(module, q, k, v, attention_mask, **kwargs)[0]  # noqa: E731
+        return checkpoint(core, query, key, value, use_reentrant=False), None
+    return fn
+
+
+AttentionInterface.register("eager_selective", _selective(eager_attention_forward))
+AttentionInterface.register("sdpa_selective", _selective(sdpa_attention_forward))
+
+LLAMA_SHAPES = [  # hidden, heads, kv_heads, ffn, batch, seq
+    dict(h=64, a=4, kv=2, f=96, b=2, n=24),
+    dict(h=48, a=3, kv=3, f=80, b=1, n=40),
+    dict(h=64, a=8, kv=1, f=160, b=3, n=10),
+]
+
+
+def _llama(shape, act="silu", impl="sdpa", layers=1, vocab=120):
+    cfg = LlamaConfig(hidden_size=shape["h"], intermediate_size=shape["f"], num_hidden_layers=layers,
+                      num_attention_heads=shape["a"], num_key_value_heads=shape["kv"], vocab_size=vocab,
+                      hidden_act=act, attn_implementation=impl)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).train()
+
+
+def _spec(shape, act="silu"):
+    return mm.LayerSpec(hidden=shape["h"], heads=shape["a"], kv_heads=shape["kv"], ffn=shape["f"], act=act)
+
+
+def _measure_layer(model, shape, precision, strategy):
+    b, n = shape["b"], shape["n"]
+    layer = model.model.layers[0]
+    x = torch.randn(b, n, shape["h"], requires_grad=True)
+    pos = torch.arange(n)[None].expand(b, n)
+    cos, sin = model.model.rotary_emb(x, pos)
+    fn = lambda x: layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)  # noqa: E731
+    if strategy == "full":
+        fn = (lambda f: (lambda x: checkpoint(f, x, use_reentrant=False)))(fn)
+    with _amp(precision), saved_activations(ignore=[*model.parameters(), cos, sin], model=model) as acc:
+        y = fn(x)
+    return acc, y
+
+
+@pytest.mark.parametrize("shape", LLAMA_SHAPES, ids=lambda s: f"h{s['h']}a{s['a']}kv{s['kv']}")
+def test_llama_layer_matches_model_exactly(shape):
+    spec_by_act = {}
+    for act in ("silu", "gelu", "relu"):
+        for impl in ("eager", "sdpa"):
+            for strategy in ("none", "full", "selective"):
+                name = f"{impl}_selective" if strategy == "selective" else impl
+                model = _llama(shape, act, name)
+                for precision in ("fp32", "amp-bf16"):
+                    acc, _ = _measure_layer(model, shape, precision, strategy)
+                    spec = spec_by_act.setdefault(act, _spec(shape, act))
+                    want = mm.layer_saved_tensors(spec, shape["b"], shape["n"], impl=impl, precision=precision,
+                                                  strategy=strategy, device="cpu")
+                    assert acc.signature() == _sig(want), (act, impl, strategy, precision, acc.records)
+                    assert acc.bytes == sum(t.nbytes for t in want)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_whole_llama_forward_with_loss_matches_model(impl, precision):
+    shape = LLAMA_SHAPES[0]
+    model = _llama(shape, impl=impl, layers=2)
+    ms = mm.ModelSpec(layer=_spec(shape), layers=2, vocab=120)
+    ids = torch.randint(0, 120, (shape["b"], shape["n"]))
+    with _amp(precision), saved_activations(ignore=model.parameters(), model=model) as acc:
+        out = model(input_ids=ids, labels=ids)
+    want = 2 * mm.layer_saved_tensors(ms.layer, shape["b"], shape["n"], impl=impl, precision=precision,
+                                      device="cpu") + mm.model_saved_tensors(ms, shape["b"], shape["n"],
+                                                                             precision=precision)
+    assert acc.signature() == _sig(want)
+    assert acc.bytes == mm.activation_bytes(ms, shape["b"], shape["n"], impl=impl, precision=precision) or \
+        impl == "eager"  # activation_bytes is the CUDA model; identical for these (no dropout) settings
+    assert sum(out.logits.shape) > 0
+
+
+# -- distattn's registered op (1 gloo rank) -------------------------------------------------------------
+def _distattn_ranks(rank, world_size):
+    from distattn.integrations import hf
+    from distattn.checkpoint import remat_checkpoint
+
+    results = []
+    for shape in LLAMA_SHAPES[:2]:
+        model = _llama(shape)
+        hf.use_distattn(model, backend="torch")
+        layer = model.model.layers[0]
+        b, n = shape["b"], shape["n"]
+        for precision in ("fp32", "amp-bf16"):
+            for strategy in ("none", "full", "remat"):
+                x = torch.randn(b, n, shape["h"], requires_grad=True)
+                pos = torch.arange(n)[None].expand(b, n)
+                cos, sin = model.model.rotary_emb(x, pos)
+                fn = lambda x: layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)  # noqa: E731,B023
+                run = {"none": fn, "full": lambda x: checkpoint(fn, x, use_reentrant=False),  # noqa: B023
+                       "remat": lambda x: remat_checkpoint(fn, x)}[strategy]  # noqa: B023
+                with _amp(precision), saved_activations(ignore=[*model.parameters(), cos, sin]) as acc:
+                    y = run(x)
+                with _amp(precision):
+                    _, kept = retained_bytes(run, x)
+                with torch.autocast("cpu", enabled=False):  # autocast's weight cache is gone: only what stays
+                    pass
+                want = mm.layer_saved_tensors(_spec(shape), b, n, impl="distattn", precision=precision,
+                                              strategy=strategy, device="cpu")
+                results.append((precision, strategy, acc.signature(), _sig(want), acc.bytes, kept,
+                                x.numel() * 4))
+                del y
+    return results
+
+
+def test_distattn_op_and_remat_keep_exactly_the_predicted_bytes():
+    (results,) = run_distributed(_distattn_ranks, 1, timeout=120)
+    for precision, strategy, got, want, got_bytes, kept, x_bytes in results:
+        assert got == want, (precision, strategy)
+        if precision == "fp32":  # retained_bytes (born inside, alive after) = saved minus the input x
+            assert kept == got_bytes - x_bytes, (strategy, kept, got_bytes)
+
+
+# -- the GPT-style layer of the published derivations ---------------------------------------------------
+class GPTBlock(nn.Module):
+    """Pre-LN GPT block: LayerNorm, fused qkv, (eager | sdpa) causal attention, dropout, GELU/ReLU MLP."""
+
+    def __init__(self, h, a, f, act, impl, p=0.0, selective=False):
+        super().__init__()
+        self.a, self.impl, self.p, self.selective = a, impl, p, selective
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, f), nn.Linear(f, h)
+        self.act = nn.GELU() if act == "gelu" else nn.ReLU()
+
+    def core(self, q, k, v, mask):
+        if self.impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        return F.dropout(att.masked_fill(mask, float("-inf")).softmax(-1), self.p, self.training) @ v
+
+    def forward(self, x, mask):
+        b, n, h = x.shape
+        q, k, v = (t.view(b, n, self.a, h // self.a).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(h, -1))
+        y = (checkpoint(self.core, q, k, v, mask, use_reentrant=False) if self.selective
+             else self.core(q, k, v, mask))
+        x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(b, n, h)), self.p, self.training)
+        return x + F.dropout(self.fc2(self.act(self.fc1(self.ln2(x)))), self.p, self.training)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "bf16"])
+def test_gpt_block_matches_model_exactly(precision):
+    h, a, f, b, n = 32, 4, 128, 2, 12
+    mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+    for act in ("gelu", "relu"):
+        for impl, p, selective in (("eager", 0.0, False), ("eager", 0.1, False), ("sdpa", 0.1, False),
+                                   ("eager", 0.1, True)):
+            blk = GPTBlock(h, a, f, act, impl, p, selective)
+            x = torch.randn(b, n, h, requires_grad=True)
+            if precision == "bf16":
+                blk, x = blk.bfloat16(), x.detach().bfloat16().requires_grad_()
+            with _amp(precision), saved_activations(ignore=[*blk.parameters(), mask]) as acc:
+                y = blk(x, mask)
+            spec = mm.LayerSpec(family="gpt", hidden=h, heads=a, ffn=f, act=act, attn_dropout=p > 0 and impl == "eager",
+                                resid_dropout=p > 0)
+            want = mm.layer_saved_tensors(spec, b, n, impl=impl, precision=precision, device="cpu",
+                                          strategy="selective" if selective else "none")
+            assert acc.signature() == _sig(want), (act, impl, p, selective, acc.records)
+            del y
+
+
+# -- published figures ----------------------------------------------------------------------------------
+def test_korthikanti_formula_is_the_model_on_cuda():
+    """Checkpointing notes / padding-free note: a 16-bit GPT layer with dropout keeps sbh(34 + 5as/h) bytes
+    (LayerNorm statistics aside): the model's CUDA tensor list minus the 4 fp32 (b, s) statistics."""
+    for s, b, h, a in ((2048, 1, 6144, 48), (1024, 4, 768, 12)):
+        spec = mm.LayerSpec(family="gpt", hidden=h, heads=a, ffn=4 * h, act="gelu", attn_dropout=True,
+                            resid_dropout=True)
+        tensors = mm.layer_saved_tensors(spec, b, s, impl="eager", precision="bf16", device="cuda")
+        stats = sum(t.nbytes for t in tensors if t.name.endswith((".mean", ".rstd")))
+        assert stats == 4 * 4 * b * s
+        assert sum(t.nbytes for t in tensors) - stats == mm.korthikanti_layer_bytes(s, b, h, a)
+        full = mm.layer_saved_tensors(spec, b, s, impl="eager", precision="bf16", strategy="full")
+        assert sum(t.nbytes for t in full) == mm.korthikanti_layer_bytes(s, b, h, a, mode="full")
+
+
+def test_padding_free_note_table_20b():
+    """The padding-free note's per-layer table (20B model: h=6144, a=48, f=24576; batch 8 of lengths uniform
+    in 1..N; "GB" there is GiB): naive / FlashAttention / padding-free per N."""
+    table = {512: (1.085, 0.721, 0.411), 1024: (2.919, 1.441, 0.821), 2048: (8.837, 2.882, 1.642),
+             4096: (29.674, 5.763, 3.283), 8192: (107.347, 11.524, 6.566), 16384: (406.693, 23.048, 13.132),
+             32768: (1581.386, 46.096, 26.263)}
+    for N, row in table.items():
+        got = [mm.expected_padding_bytes(N, 8, 6144, 48, impl) / GIB for impl in ("naive", "flash", "padding_free")]
+        assert got == pytest.approx(row, abs=1.5e-3), N
+
+
+def test_deep_dive_mlp_gelu_relu_bytes():
+    """The activation-memory deep dive: bf16 MLP (d=1024, 4d hidden) on batch 2 x 4096 tokens saves
+    150,994,944 bytes with GELU and 83,886,080 with ReLU (ratio 5/9). The model's MLP entries give the same;
+    measured on CPU at a small shape with the same formula (18 vs 10 bytes per b*s*d)."""
+    def mlp_bytes(act, b, s, d, device):
+        spec = mm.LayerSpec(family="gpt", hidden=d, heads=8, ffn=4 * d, act=act)
+        tensors = mm.layer_saved_tensors(spec, b, s, impl="sdpa", precision="bf16", device=device)
+        return sum(t.nbytes for t in tensors if t.name.startswith(("fc1", "fc2")))
+
+    assert mlp_bytes("gelu", 2, 4096, 1024, "cuda") == 150_994_944
+    assert mlp_bytes("relu", 2, 4096, 1024, "cuda") == 83_886_080
+    b, s, d = 2, 16, 32
+    for act in ("gelu", "relu"):
+        mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU() if act == "gelu" else nn.ReLU(),
+                            nn.Linear(4 * d, d)).bfloat16()
+        x = torch.randn(b, s, d, dtype=torch.bfloat16, requires_grad=True)
+        with saved_activations(ignore=mlp.parameters()) as acc:
+            y = mlp(x)
+        assert acc.bytes == mlp_bytes(act, b, s, d, "cpu") == (18 if act == "gelu" else 10) * b * s * d
+        del y
+
+
+def test_memory_arithmetic_gpt2_small():
+    """The memory-arithmetic post (nanoGPT GPT-2 small, batch 12 x 1024, fp16 autocast): N = 124,373,760;
+    steady state 547,826,688 (weights + mask buffers) + 497,495,040 (grads) + 994,990,080 (Adam) +
+    17,039,360 (cuBLAS) + 196,608 (inputs) = 2,057,547,776 bytes; activations 17.429 GB by its formula and
+    peak 21.648 GB. Its snapshot shows 17.673 GB of activations, ~250 MB it could not attribute: the model's
+    autocast half weight copies (and LayerNorm statistics) are that gap, to within 0.1% of the snapshot."""
+    m = mm.PRESETS["gpt2-small"]
+    assert m.params == 124_373_760
+    steady = mm.nanogpt_steady_state_bytes(m, 12, 1024)
+    assert (steady["model"], steady["grads"], steady["adam"], steady["cublas"], steady["inputs"]) == \
+        (547_826_688, 497_495_040, 994_990_080, 17_039_360, 196_608)
+    total = sum(v for k, v in steady.items() if k != "params")
+    assert total == 2_057_547_776
+    acts = mm.nanogpt_activation_bytes(m, 12, 1024)
+    assert round(acts / GIB, 3) == 17.429
+    nl = 12 * 1024 * m.vocab
+    assert round((total + acts + 4 * nl) / GIB, 3) == 21.648
+    # The per-layer part of the post's formula is the model's CUDA list (eager, amp-fp16, no dropout) less the
+    # LayerNorm statistics and the half weight copies, which the post leaves out.
+    layer = mm.layer_saved_tensors(m.layer, 12, 1024, impl="eager", precision="amp-fp16")
+    extra = [t for t in layer if "half copy" in t.name and "weight" in t.name or t.name.endswith((".mean", ".rstd"))]
+    ne, na = 12 * 1024 * 768, 12 * 12 * 1024 ** 2
+    # the model keeps q, k^T, v as three copies (6 Ne) where the post counts Q, K and V: the same bytes
+    assert sum(t.nbytes for t in layer) - sum(t.nbytes for t in extra) == 36 * ne + 6 * na
+    explained = acts + m.layers * sum(t.nbytes for t in extra) + m.vocab * 768 * 2 + 2 * 4 * 12 * 1024
+    assert abs(explained / GIB - 17.673) / 17.673 < 1e-3
+
+
+# -- planner --------------------------------------------------------------------------------------------
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "distattn.memory", *args], capture_output=True, text=True, timeout=60)
