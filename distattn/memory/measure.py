@@ -18,8 +18,9 @@ Three mechanisms keep tensors for backward, and each is seen:
   region, so tensors saved *inside* never reach ours (they are dropped and recomputed: correctly not counted).
   What the region keeps is its inputs: the positional ones the checkpoint saves as saved tensors *before*
   pushing its hooks, so ours sees them (a reentrant checkpoint saves them with ``save_for_backward``: also
-  seen); keyword arguments it keeps in its recompute closure, so the wrapper below records those (module
-  label ``"<checkpoint kwargs>"``);
+  seen); keyword arguments (and the arguments bound in a ``functools.partial`` function, which is how
+  transformers checkpoints a layer) it keeps in its recompute closure, so the wrapper below records those
+  (module label ``"<checkpoint kwargs>"``); tensors captured by any other closure stay invisible;
 * selective checkpointing (``context_fn=create_selective_checkpoint_contexts(...)``, distattn's
   ``remat_checkpoint``): the ops the policy saves are cached by a dispatch mode, outside autograd. While the
   context is active, ``torch.utils.checkpoint``'s non-reentrant generator is wrapped so that, when a
@@ -39,6 +40,7 @@ counted: the measure is what is alive for backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
@@ -137,7 +139,9 @@ class SavedActivations:
         def generator(fn, preserve_rng_state=True, context_fn=_tuc.noop_context_fn, *rest, **kwargs):
             contexts = []
             # Keyword arguments are not saved tensors: the checkpoint keeps them alive in its recompute closure.
-            for t in tree_leaves(kwargs):
+            # A functools.partial (how transformers passes a layer's keyword arguments) keeps its own.
+            bound = (fn.args, fn.keywords) if isinstance(fn, functools.partial) else ()
+            for t in tree_leaves((kwargs, bound)):
                 if isinstance(t, torch.Tensor):
                     acc._record(t, module=CHECKPOINT_KWARGS)
 

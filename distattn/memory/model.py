@@ -342,7 +342,7 @@ def layer_saved_tensors(spec: LayerSpec, batch: int, seq: int, *, impl: str = "s
 
 
 def model_saved_tensors(model: ModelSpec, batch: int, seq: int, *, precision: str = "amp-bf16",
-                        strategy: str = "none", sp: int = 1) -> list[Saved]:
+                        strategy: str = "none", sp: int = 1, impl: str = "sdpa") -> list[Saved]:
     """The allocations kept outside the decoder layers (HF ``LlamaForCausalLM`` with ``labels=``, per rank).
 
     Input ids, RoPE cos/sin (shared by every layer, counted once), the final norm, the head's input (and its
@@ -359,6 +359,10 @@ def model_saved_tensors(model: ModelSpec, batch: int, seq: int, *, precision: st
     if model.layer.family == "llama":
         # HF builds position_ids (1, n) when none are given, so cos/sin are (1, n, d), shared by the batch
         out += [Saved(f"rope.{fn}", (1, n, model.layer.head_dim), fp32) for fn in ("cos", "sin")]
+        if strategy in ("full", "remat"):  # HF's per-layer checkpoint keeps the layer's keyword arguments
+            out.append(Saved("position_ids (checkpoint kwargs)", (1, n), i64))
+            if impl == "eager":
+                out.append(Saved("causal mask (checkpoint kwargs)", (b, 1, n, n), fp32))
     out += [Saved("final_norm.input", (b, n, h), norm_dt), Saved("final_norm.rstd", (b, n, 1), fp32),
             Saved("final_norm.normed", (b, n, h), norm_dt)]
     if amp:
@@ -380,7 +384,8 @@ def activation_bytes(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdp
     """
     per_layer = sum(t.nbytes for t in layer_saved_tensors(model.layer, batch, seq, impl=impl, precision=precision,
                                                           strategy=strategy, sp=sp))
-    rest = sum(t.nbytes for t in model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp))
+    rest = sum(t.nbytes for t in model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp,
+                                                     impl=impl))
     return math.ceil((model.layers * per_layer + rest) / tp)
 
 
@@ -431,7 +436,7 @@ def step_peak(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdpa", pre
     act, _, _, amp = _dtypes(precision)
     kw = dict(impl=impl, precision=precision, sp=sp)
     layer_kept = sum(t.nbytes for t in layer_saved_tensors(model.layer, batch, seq, strategy=strategy, **kw)) // tp
-    rest_list = model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp)
+    rest_list = model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp, impl=impl)
     rest = sum(t.nbytes for t in rest_list) // tp
     logit_elems = batch * n * model.vocab // tp
     loss_saved = 4 * logit_elems
