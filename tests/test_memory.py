@@ -222,7 +222,8 @@ def _distattn_ranks(rank, world_size):
                 x = torch.randn(b, n, shape["h"], requires_grad=True)
                 pos = torch.arange(n)[None].expand(b, n)
                 cos, sin = model.model.rotary_emb(x, pos)
-                fn = lambda x: layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)  # noqa: E731,B023
+                fn = lambda x: layer(x, attention_mask=None,  # noqa: E731,B023
+                                     position_embeddings=(cos, sin), position_ids=pos)  # noqa: B023
                 run = {"none": fn, "full": lambda x: checkpoint(fn, x, use_reentrant=False),  # noqa: B023
                        "remat": lambda x: remat_checkpoint(fn, x)}[strategy]  # noqa: B023
                 with _amp(precision), saved_activations(ignore=[*model.parameters(), cos, sin]) as acc:
@@ -256,7 +257,9 @@ def test_distattn_op_and_remat_keep_exactly_the_predicted_bytes():
     (results,) = run_distributed(_distattn_ranks, 1, timeout=120)
     for precision, strategy, got, want, got_bytes, kept, x_bytes in results:
         assert got == want, (precision, strategy)
-        if precision == "fp32" and kept is not None:  # retained_bytes (born inside, alive after) = saved minus the input x
+        # retained_bytes (born inside, alive after) = saved minus the input x (under autocast it also sees
+        # autocast's weight cache, alive until the autocast region ends)
+        if precision == "fp32" and kept is not None:
             assert kept == got_bytes - x_bytes, (strategy, kept, got_bytes)
 
 
@@ -452,7 +455,7 @@ def test_predicted_peak_and_check_fits_for_launch():
     assert peak.total < predicted_peak_bytes(fields, batch=1, seq_len=65536, sp_size=8, shard_size=8).total
     assert check_fits(fields, device_bytes=80 * GIB, batch=1, seq_len=65536, sp_size=8, shard_size=8,
                       remat=True) == peak
-    with pytest.raises(ValueError, match=r"predicted peak .* GiB per rank .* exceeds the 40.00 GiB available; use more"):
+    with pytest.raises(ValueError, match=r"predicted peak .* GiB per rank .* exceeds the 40.00 GiB available; use"):
         check_fits(fields, device_bytes=40 * GIB, batch=1, seq_len=1 << 20, sp_size=8, shard_size=8)
 
 

@@ -28,7 +28,7 @@ op's ``(out, lse)`` stay; needs ``impl="distattn"``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -243,7 +243,8 @@ def _llama_layer(spec: LayerSpec, b: int, n: int, impl: str, precision: str, str
     if strategy == "selective":  # the core's inputs (RoPE outputs are fp32: cos/sin are fp32) and output
         rope_dt = fp32 if amp else act
         out += [Saved("core.q (rope out)", (b, a, n, d), rope_dt), Saved("core.k (rope out)", (b, akv, n, d), rope_dt),
-                Saved("core.v (v_proj out)", (b, n, akv * d), act), Saved("o_proj.input (core out)", (b, n, a * d), act)]
+                Saved("core.v (v_proj out)", (b, n, akv * d), act),
+                Saved("o_proj.input (core out)", (b, n, a * d), act)]
     elif impl == "eager":
         out += [Saved("attn.q", (b, a, n, d), act), Saved("attn.k (repeated to a heads)", (b, a, n, d), act),
                 Saved("attn.softmax", (b, a, n, n), soft_dt)]

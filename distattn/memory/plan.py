@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from distattn.memory.model import PRECISIONS, PRESETS, LayerSpec, ModelSpec, StepPeak, get_preset, spec_from_hf_config, \
-    step_peak, steady_state_bytes
+from distattn.memory.model import (PRECISIONS, PRESETS, ModelSpec, StepPeak, get_preset, spec_from_hf_config,
+                                   steady_state_bytes, step_peak)
 
 __all__ = ["Strategy", "STRATEGY_NAMES", "strategies_for", "longest_sequence", "predicted_peak_bytes", "check_fits",
            "main"]
@@ -61,7 +61,8 @@ STRATEGY_NAMES = ("none", "full", "remat", "megatron", "megatron-full", "single"
 
 def strategies_for(gpus: int, tp: int, names=STRATEGY_NAMES) -> list[Strategy]:
     out = {
-        "none": Strategy("none", f"distattn SP={gpus}, no checkpointing", gpus, "distattn", "none", sp=gpus, shard=gpus),
+        "none": Strategy("none", f"distattn SP={gpus}, no checkpointing", gpus, "distattn", "none", sp=gpus,
+                         shard=gpus),
         "full": Strategy("full", f"distattn SP={gpus}, full checkpointing", gpus, "distattn", "full", sp=gpus,
                          shard=gpus),
         "remat": Strategy("remat", f"distattn SP={gpus}, remat checkpointing", gpus, "distattn", "remat", sp=gpus,
@@ -100,7 +101,8 @@ def _as_spec(model) -> ModelSpec:
         return spec_from_hf_config(model)
     if hasattr(model, "to_dict"):  # a transformers PretrainedConfig
         return spec_from_hf_config(model.to_dict())
-    raise TypeError(f"model must be a ModelSpec, a preset name, a config dict or an HF config, not {type(model).__name__}")
+    raise TypeError(f"model must be a ModelSpec, a preset name, a config dict or an HF config, not "
+                    f"{type(model).__name__}")
 
 
 def predicted_peak_bytes(model, *, batch: int, seq_len: int, sp_size: int, shard_size: int = 1,
@@ -203,7 +205,8 @@ def _plan(args) -> str:
                      f"sharded over {args.gpus} GPUs, more than the {limit / GIB:.1f} GiB available; use more GPUs "
                      f"or GPUs with more memory")
     names = args.strategy or STRATEGY_NAMES
-    lines = [f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.layers} layers, hidden {model.layer.hidden}, "
+    lines = [f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.layers} layers, "
+             f"hidden {model.layer.hidden}, "
              f"heads {model.layer.heads}/{model.layer.kv_heads}, ffn {model.layer.ffn}, vocab {model.vocab}; "
              f"{args.gpus} GPU x {args.gpu_mem:g} GiB ({args.reserve:g} reserved), batch {args.batch}, {args.precision}"
              + (", chunked loss" if args.chunked_loss else ""),
