@@ -192,7 +192,7 @@ def test_whole_llama_with_hf_gradient_checkpointing_matches_model(impl, precisio
     (cos/sin, position_ids, eager's 4-D mask) are kept by the checkpoints and counted once."""
     shape = LLAMA_SHAPES[0]
     model = _llama(shape, impl=impl, layers=2)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     ms = mm.ModelSpec(layer=_spec(shape), layers=2, vocab=120)
     ids = torch.randint(0, 120, (shape["b"], shape["n"]))

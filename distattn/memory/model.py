@@ -391,16 +391,21 @@ def activation_bytes(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdp
 
 
 # -- steady state and peak ------------------------------------------------------------------------------
-def steady_state_bytes(model: ModelSpec, *, shard: int = 1, tp: int = 1, buffers: int = 0) -> dict[str, int]:
+def steady_state_bytes(model: ModelSpec, *, shard: int = 1, tp: int = 1, buffers: int = 0, opt_shard: int = 1,
+                       half_params: bool = False) -> dict[str, int]:
     """fp32 master weights, fp32 gradients and AdamW's two fp32 states, per rank.
 
     ``shard``: ranks that shard them (FSDP2 / ZeRO-3; 1: replicated). ``tp``: tensor-parallel degree (every
     weight split ``tp`` ways). With ``shard > 1`` FSDP also holds the unsharded fp32 parameters of the
     layer being computed and of the one prefetched (``gathered``). ``buffers``: non-parameter fp32 elements.
+    ``opt_shard``: ranks that additionally shard the AdamW states only (Megatron's distributed optimizer over
+    the data-parallel group, ZeRO-1). ``half_params``: the model's parameters are bf16/fp16 (Megatron-style
+    mixed precision) and the optimizer keeps an fp32 master copy (counted with the AdamW states).
     """
     n = model.params
     per = lambda nbytes: math.ceil(nbytes / (shard * tp))  # noqa: E731
-    out = {"weights": per(4 * n), "grads": per(4 * n), "adam": per(8 * n), "buffers": 4 * buffers}
+    out = {"weights": per((2 if half_params else 4) * n), "grads": per(4 * n),
+           "adam": math.ceil(per((12 if half_params else 8) * n) / opt_shard), "buffers": 4 * buffers}
     out["gathered"] = 2 * 4 * math.ceil(model.layer.params / tp) if shard > 1 else 0
     return out
 
@@ -421,8 +426,8 @@ class StepPeak:
 
 
 def step_peak(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdpa", precision: str = "amp-bf16",
-              strategy: str = "none", sp: int = 1, tp: int = 1, shard: int = 1, chunked_loss: bool = False
-              ) -> StepPeak:
+              strategy: str = "none", sp: int = 1, tp: int = 1, shard: int = 1, opt_shard: int = 1,
+              chunked_loss: bool = False) -> StepPeak:
     """Peak bytes of a step per rank: steady state + saved activations + the largest transient.
 
     Two candidate moments: (1) the start of backward, where the half logits (held by the caller) and the
@@ -432,7 +437,8 @@ def step_peak(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdpa", pre
     an input- and output-gradient. ``chunked_loss``: the head and loss run in sequence chunks, so their
     terms are those of one 1/8 chunk.
     """
-    steady = steady_state_bytes(model, shard=shard, tp=tp)
+    steady = steady_state_bytes(model, shard=shard, tp=tp, opt_shard=opt_shard,
+                                half_params=precision in ("bf16", "fp16"))
     n = seq // sp
     act, _, _, amp = _dtypes(precision)
     kw = dict(impl=impl, precision=precision, sp=sp)
@@ -447,14 +453,14 @@ def step_peak(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdpa", pre
     layers = model.layers * layer_kept
     begin = {"weights+grads+adam": sum(steady.values()), "layer activations": layers, "head/loss saved": rest,
              "logits + logit grads": logit_elems * (act.itemsize + 4 + 4)}
-    moments = [StepPeak(sum(begin.values()), begin, "start of backward (loss backward)")]
+    moments = [StepPeak(sum(begin.values()), begin, "at the loss backward")]
     if strategy != "none":
         full_layer = sum(t.nbytes for t in layer_saved_tensors(model.layer, batch, seq, strategy="none",
                                                                **{**kw, "impl": impl})) // tp
         grads = 2 * batch * n * model.layer.hidden * 4 // tp
         during = {"weights+grads+adam": sum(steady.values()), "layer activations": layers - layer_kept,
                   "head/loss saved": 0, "recomputed layer": full_layer + grads}
-        moments.append(StepPeak(sum(during.values()), during, "backward of a recomputed layer"))
+        moments.append(StepPeak(sum(during.values()), during, "in a recomputed layer's backward"))
     return max(moments, key=lambda p: p.total)
 
 

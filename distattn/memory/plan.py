@@ -6,7 +6,9 @@
 Strategies (rows): distattn sequence parallelism over all GPUs (FSDP-sharded weights, grads and AdamW states)
 without checkpointing, with full checkpointing at layer inputs, and with distattn's remat checkpointing; for
 comparison Megatron-style tensor + sequence parallelism of degree ``--tp`` (selective and full recomputation,
-FlashAttention, weights split ``tp`` ways, replicated over the data-parallel rest) and one GPU with
+FlashAttention, bf16 parameters and fp32 gradients split ``tp`` ways, fp32 master weights and AdamW states also
+sharded over the data-parallel rest by the distributed optimizer; extra data-parallel GPUs do not lengthen the
+sequence) and one GPU with
 FlashAttention and full checkpointing. The peak per GPU is ``distattn.memory.model.step_peak`` (training
 step peak: steady state + saved activations + the largest transient).
 
@@ -45,6 +47,9 @@ class Strategy:
     sp: int = 1
     tp: int = 1
     shard: int = 1
+    opt_shard: int = 1
+    precision: str | None = None
+    """Overrides the run's precision (Megatron: bf16 parameters, fp32 master weights in the optimizer)."""
 
     @property
     def seq_unit(self) -> int:
@@ -52,8 +57,9 @@ class Strategy:
         return 2 * self.sp * self.tp * 64
 
     def peak(self, model: ModelSpec, seq: int, batch: int, precision: str, chunked_loss: bool) -> StepPeak:
-        return step_peak(model, batch, seq, impl=self.impl, precision=precision, strategy=self.strategy, sp=self.sp,
-                         tp=self.tp, shard=self.shard, chunked_loss=chunked_loss)
+        return step_peak(model, batch, seq, impl=self.impl, precision=self.precision or precision,
+                         strategy=self.strategy, sp=self.sp, tp=self.tp, shard=self.shard, opt_shard=self.opt_shard,
+                         chunked_loss=chunked_loss)
 
 
 STRATEGY_NAMES = ("none", "full", "remat", "megatron", "megatron-full", "single")
@@ -67,8 +73,10 @@ def strategies_for(gpus: int, tp: int, names=STRATEGY_NAMES) -> list[Strategy]:
                          shard=gpus),
         "remat": Strategy("remat", f"distattn SP={gpus}, remat checkpointing", gpus, "distattn", "remat", sp=gpus,
                           shard=gpus),
-        "megatron": Strategy("megatron", f"Megatron TP+SP={tp}, selective recompute", gpus, "sdpa", "selective", tp=tp),
-        "megatron-full": Strategy("megatron-full", f"Megatron TP+SP={tp}, full recompute", gpus, "sdpa", "full", tp=tp),
+        "megatron": Strategy("megatron", f"Megatron TP+SP={tp}, selective recompute", gpus, "sdpa", "selective", tp=tp,
+                             opt_shard=gpus // tp, precision="bf16"),
+        "megatron-full": Strategy("megatron-full", f"Megatron TP+SP={tp}, full recompute", gpus, "sdpa", "full", tp=tp,
+                                  opt_shard=gpus // tp, precision="bf16"),
         "single": Strategy("single", "1 GPU FlashAttention, full checkpointing", 1, "sdpa", "full"),
     }
     return [out[n] for n in names]
@@ -188,6 +196,8 @@ def _model_from_args(args) -> ModelSpec:
 
 
 def _fmt_tokens(n: int) -> str:
+    if n < 1024:
+        return str(n)
     return f"{n / 1024:.0f}K" if n < 1 << 20 else f"{n / (1 << 20):.2f}M"
 
 
@@ -217,7 +227,8 @@ def _plan(args) -> str:
                                      chunked_loss=args.chunked_loss)
         results.append((strat, seq))
         if peak is None:
-            need = sum(steady_state_bytes(model, shard=strat.shard, tp=strat.tp).values())
+            need = sum(steady_state_bytes(model, shard=strat.shard, tp=strat.tp, opt_shard=strat.opt_shard,
+                                          half_params=strat.precision == "bf16").values())
             lines.append(f"{strat.label:44s} {strat.gpus:4d} {'-':>9s} {'-':>9s} {'-':>9s}  does not fit: weights+grads"
                          f"+adam alone {need / GIB:.1f} GiB")
             continue
