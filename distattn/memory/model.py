@@ -231,7 +231,17 @@ def _llama_layer(spec: LayerSpec, b: int, n: int, impl: str, precision: str, str
     x = Saved("input (ln1 input, residual)", (b, n, h), norm_dt)
     if strategy == "full":
         return [x]
-    out: list[Saved] = [x, Saved("ln1.rstd", (b, n, 1), fp32), Saved("ln1.normed", (b, n, h), norm_dt)]
+    # A half-precision model (FSDP2 mixed precision): RMSNorm's fp32 upcast of its input is what is saved (the
+    # half input itself is not), and its normalized output is cast back to half before the weight multiply.
+    pure = not amp and act != fp32
+
+    def norm(i, inp):
+        if pure:
+            return [Saved(f"ln{i}.input (fp32 copy)", (b, n, h), fp32), Saved(f"ln{i}.rstd", (b, n, 1), fp32),
+                    Saved(f"ln{i}.normed (half)", (b, n, h), act)]
+        return [inp, Saved(f"ln{i}.rstd", (b, n, 1), fp32), Saved(f"ln{i}.normed", (b, n, h), norm_dt)]
+
+    out: list[Saved] = norm(1, x)
     if amp:
         out += [Saved(f"{p}_proj.input (half copy)", (b, n, h), act) for p in "qkv"]
         out += [Saved(f"{p}_proj.weight (half copy)", shape, act) for p, shape in
@@ -246,20 +256,22 @@ def _llama_layer(spec: LayerSpec, b: int, n: int, impl: str, precision: str, str
                 Saved("core.v (v_proj out)", (b, n, akv * d), act),
                 Saved("o_proj.input (core out)", (b, n, a * d), act)]
     elif impl == "eager":
+        # HF: softmax in fp32, then cast to the query's dtype (fp32 under autocast: RoPE's output; half in a
+        # half model), dropout, then PV (autocast casts the probabilities to half once more)
+        p_dt = act if pure else fp32
         out += [Saved("attn.q", (b, a, n, d), act), Saved("attn.k (repeated to a heads)", (b, a, n, d), act),
-                Saved("attn.softmax", (b, a, n, n), soft_dt)]
+                Saved("attn.softmax", (b, a, n, n), fp32)]
         if spec.attn_dropout:
-            out += [Saved("attn.dropout.mask", (b, a, n, n), mask_dt(soft_dt)),
-                    Saved("attn.dropout.out", (b, a, n, n), soft_dt)]
-        if amp:
+            out += [Saved("attn.dropout.mask", (b, a, n, n), mask_dt(p_dt)),
+                    Saved("attn.dropout.out", (b, a, n, n), p_dt)]
+        if amp or (pure and not spec.attn_dropout):
             out.append(Saved("attn.probs (half copy for PV)", (b, a, n, n), act))
         out += [Saved("attn.v (repeated to a heads)", (b, a, n, d), act), Saved("o_proj.input", (b, n, a * d), act)]
     else:  # sdpa / distattn: a FlashAttention-style op saves q, k, v, out (= o_proj input) and lse
         out += [Saved("attn.q", (b, a, n, d), act), Saved("attn.k", (b, akv, n, d), act),
                 Saved("attn.v", (b, akv, n, d), act), Saved("attn.out (o_proj input)", (b, n, a, d), act),
                 Saved("attn.lse", (b, a, n), fp32)]
-    out += [Saved("ln2.input (residual)", (b, n, h), norm_dt), Saved("ln2.rstd", (b, n, 1), fp32),
-            Saved("ln2.normed", (b, n, h), norm_dt)]
+    out += norm(2, Saved("ln2.input (residual)", (b, n, h), norm_dt))
     if amp:
         out += [Saved(f"{p}_proj.input (half copy)", (b, n, h), act) for p in ("gate", "up")]
         out += [Saved(f"{p}_proj.weight (half copy)", shape, act) for p, shape in
@@ -359,13 +371,18 @@ def model_saved_tensors(model: ModelSpec, batch: int, seq: int, *, precision: st
     out = [Saved("input_ids", (b, n), i64)]
     if model.layer.family == "llama":
         # HF builds position_ids (1, n) when none are given, so cos/sin are (1, n, d), shared by the batch
-        out += [Saved(f"rope.{fn}", (1, n, model.layer.head_dim), fp32) for fn in ("cos", "sin")]
+        rope_dt = act if not amp else fp32  # cos/sin take the dtype of the embeddings
+        out += [Saved(f"rope.{fn}", (1, n, model.layer.head_dim), rope_dt) for fn in ("cos", "sin")]
         if strategy in ("full", "remat"):  # HF's per-layer checkpoint keeps the layer's keyword arguments
             out.append(Saved("position_ids (checkpoint kwargs)", (1, n), i64))
             if impl == "eager":
                 out.append(Saved("causal mask (checkpoint kwargs)", (b, 1, n, n), fp32))
-    out += [Saved("final_norm.input", (b, n, h), norm_dt), Saved("final_norm.rstd", (b, n, 1), fp32),
-            Saved("final_norm.normed", (b, n, h), norm_dt)]
+    if model.layer.family == "llama" and not amp and act != fp32:
+        out += [Saved("final_norm.input (fp32 copy)", (b, n, h), fp32), Saved("final_norm.rstd", (b, n, 1), fp32),
+                Saved("final_norm.normed (half)", (b, n, h), act)]
+    else:
+        out += [Saved("final_norm.input", (b, n, h), norm_dt), Saved("final_norm.rstd", (b, n, 1), fp32),
+                Saved("final_norm.normed", (b, n, h), norm_dt)]
     if amp:
         out += [Saved("lm_head.input (half copy)", (b, n, h), act), Saved("lm_head.weight (half copy)", (V, h), act)]
     else:
@@ -392,7 +409,7 @@ def activation_bytes(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdp
 
 # -- steady state and peak ------------------------------------------------------------------------------
 def steady_state_bytes(model: ModelSpec, *, shard: int = 1, tp: int = 1, buffers: int = 0, opt_shard: int = 1,
-                       half_params: bool = False) -> dict[str, int]:
+                       half_params: bool = False, gather_bytes: int = 4) -> dict[str, int]:
     """fp32 master weights, fp32 gradients and AdamW's two fp32 states, per rank.
 
     ``shard``: ranks that shard them (FSDP2 / ZeRO-3; 1: replicated). ``tp``: tensor-parallel degree (every
@@ -401,12 +418,13 @@ def steady_state_bytes(model: ModelSpec, *, shard: int = 1, tp: int = 1, buffers
     ``opt_shard``: ranks that additionally shard the AdamW states only (Megatron's distributed optimizer over
     the data-parallel group, ZeRO-1). ``half_params``: the model's parameters are bf16/fp16 (Megatron-style
     mixed precision) and the optimizer keeps an fp32 master copy (counted with the AdamW states).
+    ``gather_bytes``: bytes per element of FSDP's unsharded parameters (2 under FSDP2's bf16 ``param_dtype``).
     """
     n = model.params
     per = lambda nbytes: math.ceil(nbytes / (shard * tp))  # noqa: E731
     out = {"weights": per((2 if half_params else 4) * n), "grads": per(4 * n),
            "adam": math.ceil(per((12 if half_params else 8) * n) / opt_shard), "buffers": 4 * buffers}
-    out["gathered"] = 2 * 4 * math.ceil(model.layer.params / tp) if shard > 1 else 0
+    out["gathered"] = 2 * gather_bytes * math.ceil(model.layer.params / tp) if shard > 1 else 0
     return out
 
 
@@ -427,7 +445,7 @@ class StepPeak:
 
 def step_peak(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdpa", precision: str = "amp-bf16",
               strategy: str = "none", sp: int = 1, tp: int = 1, shard: int = 1, opt_shard: int = 1,
-              chunked_loss: bool = False) -> StepPeak:
+              half_params: bool = False, chunked_loss: bool = False) -> StepPeak:
     """Peak bytes of a step per rank: steady state + saved activations + the largest transient.
 
     Two candidate moments: (1) the start of backward, where the half logits (held by the caller) and the
@@ -435,12 +453,14 @@ def step_peak(model: ModelSpec, batch: int, seq: int, *, impl: str = "sdpa", pre
     memory-arithmetic post observes); (2) the backward of one checkpointed layer (``full``/``selective``/
     ``remat``), where that layer's recomputed activations exist next to every other layer's kept tensors plus
     an input- and output-gradient. ``chunked_loss``: the head and loss run in sequence chunks, so their
-    terms are those of one 1/8 chunk.
+    terms are those of one 1/8 chunk. Steady state: ``steady_state_bytes`` (``precision='bf16'`` with
+    ``shard > 1`` is FSDP2's mixed precision: fp32 sharded parameters, bf16 compute; ``half_params`` is
+    Megatron's: bf16 parameters, fp32 master weights in the optimizer).
     """
-    steady = steady_state_bytes(model, shard=shard, tp=tp, opt_shard=opt_shard,
-                                half_params=precision in ("bf16", "fp16"))
-    n = seq // sp
     act, _, _, amp = _dtypes(precision)
+    steady = steady_state_bytes(model, shard=shard, tp=tp, opt_shard=opt_shard, half_params=half_params,
+                                gather_bytes=act.itemsize)
+    n = seq // sp
     kw = dict(impl=impl, precision=precision, sp=sp)
     layer_kept = sum(t.nbytes for t in layer_saved_tensors(model.layer, batch, seq, strategy=strategy, **kw)) // tp
     rest_list = model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp, impl=impl)

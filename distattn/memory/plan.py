@@ -59,7 +59,7 @@ class Strategy:
     def peak(self, model: ModelSpec, seq: int, batch: int, precision: str, chunked_loss: bool) -> StepPeak:
         return step_peak(model, batch, seq, impl=self.impl, precision=self.precision or precision,
                          strategy=self.strategy, sp=self.sp, tp=self.tp, shard=self.shard, opt_shard=self.opt_shard,
-                         chunked_loss=chunked_loss)
+                         half_params=self.name.startswith("megatron"), chunked_loss=chunked_loss)
 
 
 STRATEGY_NAMES = ("none", "full", "remat", "megatron", "megatron-full", "single")
@@ -83,7 +83,7 @@ def strategies_for(gpus: int, tp: int, names=STRATEGY_NAMES) -> list[Strategy]:
 
 
 def longest_sequence(model: ModelSpec, strat: Strategy, limit_bytes: float, *, batch: int = 1,
-                     precision: str = "amp-bf16", chunked_loss: bool = False) -> tuple[int, StepPeak | None]:
+                     precision: str = "bf16", chunked_loss: bool = False) -> tuple[int, StepPeak | None]:
     """The longest total sequence (a multiple of ``strat.seq_unit``) whose step peak fits ``limit_bytes``
     per GPU, and that peak; ``(0, None)`` if not even one unit fits."""
     unit = strat.seq_unit
@@ -114,7 +114,7 @@ def _as_spec(model) -> ModelSpec:
 
 
 def predicted_peak_bytes(model, *, batch: int, seq_len: int, sp_size: int, shard_size: int = 1,
-                         precision: str = "amp-bf16", remat: bool = False, impl: str = "distattn",
+                         precision: str = "bf16", remat: bool = False, impl: str = "distattn",
                          chunked_loss: bool = False) -> StepPeak:
     """Predicted peak allocated bytes of one training step on one rank (``StepPeak.total``, ``.parts``).
 
@@ -122,7 +122,8 @@ def predicted_peak_bytes(model, *, batch: int, seq_len: int, sp_size: int, shard
         model: a ``ModelSpec``, a preset name, a LlamaConfig-field dict (with ``vocab_size``) or an HF config.
         batch: sequences per step per data-parallel replica; seq_len: tokens per sequence (global).
         sp_size: ranks that split one sequence; shard_size: ranks that shard weights/grads/AdamW (FSDP; 1: DDP).
-        precision: ``amp-bf16`` (fp32 parameters under bf16 autocast) or ``fp32``.
+        precision: ``bf16`` (FSDP2 mixed precision: bf16 compute, fp32 parameters), ``amp-bf16`` (fp32
+            parameters under bf16 autocast: DDP) or ``fp32``.
         remat: distattn's remat checkpointing (else no checkpointing).
     """
     spec = _as_spec(model)
@@ -165,7 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
     q.add_argument("--reserve", type=float, default=1.0, help="GiB per GPU kept free (allocator slack, NCCL)")
     q.add_argument("--batch", type=int, default=1, help="sequences per step")
-    q.add_argument("--precision", default="amp-bf16", choices=[x for x in PRECISIONS if x != "fp16"])
+    q.add_argument("--precision", default="bf16", choices=[x for x in PRECISIONS if x != "fp16"],
+                   help="bf16: FSDP2 mixed precision (bf16 compute, fp32 sharded parameters: launch/train.py on "
+                   "CUDA); amp-bf16: fp32 parameters under autocast (DDP); fp32")
     q.add_argument("--strategy", action="append", choices=STRATEGY_NAMES,
                    help="rows to print (repeatable; default: all)")
     q.add_argument("--tp", type=int, help="tensor-parallel degree of the Megatron baseline (default: min(gpus, 8, "
