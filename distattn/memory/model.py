@@ -19,6 +19,14 @@ query/key-value heads, ``d`` head dim, ``f`` MLP hidden, ``V`` vocabulary. ``A``
 * eager softmax is fp32 (HF passes ``dtype=float32``; autocast runs softmax in fp32), and the
   probabilities are cast again (half) for the PV matmul: both are saved.
 
+In a half-precision model (``precision="bf16"``: what FSDP2's mixed precision computes with, as
+``launch/train.py`` does on CUDA) there are no weight copies and one projection input; RMSNorm saves its fp32
+upcast of the input (not the input), the rstd, and its normalized output cast back to half.
+
+What is not modelled byte-exactly (the planner's peak, not the saved-activation lists): the transients of a
+backward (gradients of one layer, the loss's fp32 logit gradients: ``step_peak``), FSDP's gathered parameters,
+communication buffers, allocator rounding and fragmentation, CUDA-only extras (flash kernels' RNG state).
+
 Strategies (``strategy=``): ``none``; ``full`` (checkpoint every layer at its input: the input stays);
 ``selective`` (checkpoint only the attention core — QK^T, softmax, dropout, PV; its inputs q/k/v and its
 output stay, Megatron's selective recomputation); ``remat`` (distattn's: the layer input and the attention
