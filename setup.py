@@ -13,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["distattn", "distattn.integrations", "distattn.kernels", "distattn.schedule"],
+    packages=["distattn", "distattn.integrations", "distattn.kernels", "distattn.schedule", "distattn.memory"],
     package_dir={"distattn": "distattn", "distattn.kernels": "kernels"},
     install_requires=["torch>=2.4", "triton>=3.0", "numpy"],
     extras_require={

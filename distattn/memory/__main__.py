@@ -1,0 +1,5 @@
+import sys
+
+from distattn.memory.plan import main
+
+sys.exit(main())

@@ -1,0 +1,282 @@
+"""Plan a long-sequence training run: the longest sequence each strategy fits into N GPUs of M GiB.
+
+    python -m distattn.memory plan --model llama-7b --gpus 8 --gpu-mem 80
+    python -m distattn.memory plan --model path/to/config.json --gpus 16 --gpu-mem 40 --strategy remat --plot m.png
+
+Strategies (rows): distattn sequence parallelism over all GPUs (FSDP-sharded weights, grads and AdamW states)
+without checkpointing, with full checkpointing at layer inputs, and with distattn's remat checkpointing; for
+comparison Megatron-style tensor + sequence parallelism of degree ``--tp`` (selective and full recomputation,
+FlashAttention, bf16 parameters and fp32 gradients split ``tp`` ways, fp32 master weights and AdamW states also
+sharded over the data-parallel rest by the distributed optimizer; extra data-parallel GPUs do not lengthen the
+sequence) and one GPU with
+FlashAttention and full checkpointing. The peak per GPU is ``distattn.memory.model.step_peak`` (training
+step peak: steady state + saved activations + the largest transient).
+
+For ``launch/train.py``: :func:`predicted_peak_bytes` and :func:`check_fits`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from distattn.memory.model import (PRECISIONS, PRESETS, ModelSpec, StepPeak, get_preset, spec_from_hf_config,
+                                   steady_state_bytes, step_peak)
+
+__all__ = ["Strategy", "STRATEGY_NAMES", "strategies_for", "longest_sequence", "predicted_peak_bytes", "check_fits",
+           "main"]
+
+GIB = 2 ** 30
+EXIT_BAD_ARGS = 2
+MAX_SEQ = 1 << 27
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to lay a training step out on the GPUs."""
+
+    name: str
+    label: str
+    gpus: int
+    impl: str
+    strategy: str
+    sp: int = 1
+    tp: int = 1
+    shard: int = 1
+    opt_shard: int = 1
+    precision: str | None = None
+    """Overrides the run's precision (Megatron: bf16 parameters, fp32 master weights in the optimizer)."""
+
+    @property
+    def seq_unit(self) -> int:
+        """Sequence lengths are multiples of this (2 chunks per rank for the balanced causal schedule)."""
+        return 2 * self.sp * self.tp * 64
+
+    def peak(self, model: ModelSpec, seq: int, batch: int, precision: str, chunked_loss: bool) -> StepPeak:
+        return step_peak(model, batch, seq, impl=self.impl, precision=self.precision or precision,
+                         strategy=self.strategy, sp=self.sp, tp=self.tp, shard=self.shard, opt_shard=self.opt_shard,
+                         half_params=self.name.startswith("megatron"), chunked_loss=chunked_loss)
+
+
+STRATEGY_NAMES = ("none", "full", "remat", "megatron", "megatron-full", "single")
+
+
+def strategies_for(gpus: int, tp: int, names=STRATEGY_NAMES) -> list[Strategy]:
+    out = {
+        "none": Strategy("none", f"distattn SP={gpus}, no checkpointing", gpus, "distattn", "none", sp=gpus,
+                         shard=gpus),
+        "full": Strategy("full", f"distattn SP={gpus}, full checkpointing", gpus, "distattn", "full", sp=gpus,
+                         shard=gpus),
+        "remat": Strategy("remat", f"distattn SP={gpus}, remat checkpointing", gpus, "distattn", "remat", sp=gpus,
+                          shard=gpus),
+        "megatron": Strategy("megatron", f"Megatron TP+SP={tp}, selective recompute", gpus, "sdpa", "selective", tp=tp,
+                             opt_shard=gpus // tp, precision="bf16"),
+        "megatron-full": Strategy("megatron-full", f"Megatron TP+SP={tp}, full recompute", gpus, "sdpa", "full", tp=tp,
+                                  opt_shard=gpus // tp, precision="bf16"),
+        "single": Strategy("single", "1 GPU FlashAttention, full checkpointing", 1, "sdpa", "full"),
+    }
+    return [out[n] for n in names]
+
+
+def longest_sequence(model: ModelSpec, strat: Strategy, limit_bytes: float, *, batch: int = 1,
+                     precision: str = "bf16", chunked_loss: bool = False) -> tuple[int, StepPeak | None]:
+    """The longest total sequence (a multiple of ``strat.seq_unit``) whose step peak fits ``limit_bytes``
+    per GPU, and that peak; ``(0, None)`` if not even one unit fits."""
+    unit = strat.seq_unit
+    fits = lambda k: strat.peak(model, k * unit, batch, precision, chunked_loss).total <= limit_bytes  # noqa: E731
+    if not fits(1):
+        return 0, None
+    lo, hi = 1, 2
+    while hi * unit <= MAX_SEQ and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * unit, strat.peak(model, lo * unit, batch, precision, chunked_loss)
+
+
+# -- for launch/train.py --------------------------------------------------------------------------------
+def _as_spec(model) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        return get_preset(model)
+    if isinstance(model, dict):
+        return spec_from_hf_config(model)
+    if hasattr(model, "to_dict"):  # a transformers PretrainedConfig
+        return spec_from_hf_config(model.to_dict())
+    raise TypeError(f"model must be a ModelSpec, a preset name, a config dict or an HF config, not "
+                    f"{type(model).__name__}")
+
+
+def predicted_peak_bytes(model, *, batch: int, seq_len: int, sp_size: int, shard_size: int = 1,
+                         precision: str = "bf16", remat: bool = False, impl: str = "distattn",
+                         chunked_loss: bool = False) -> StepPeak:
+    """Predicted peak allocated bytes of one training step on one rank (``StepPeak.total``, ``.parts``).
+
+    Args:
+        model: a ``ModelSpec``, a preset name, a LlamaConfig-field dict (with ``vocab_size``) or an HF config.
+        batch: sequences per step per data-parallel replica; seq_len: tokens per sequence (global).
+        sp_size: ranks that split one sequence; shard_size: ranks that shard weights/grads/AdamW (FSDP; 1: DDP).
+        precision: ``bf16`` (FSDP2 mixed precision: bf16 compute, fp32 parameters), ``amp-bf16`` (fp32
+            parameters under bf16 autocast: DDP) or ``fp32``.
+        remat: distattn's remat checkpointing (else no checkpointing).
+    """
+    spec = _as_spec(model)
+    return step_peak(spec, batch, seq_len, impl=impl, precision=precision, strategy="remat" if remat else "none",
+                     sp=sp_size, shard=shard_size, chunked_loss=chunked_loss)
+
+
+def check_fits(model, *, device_bytes: int, reserve_bytes: int = 0, **kwargs) -> StepPeak:
+    """``predicted_peak_bytes(model, **kwargs)``; raises ``ValueError`` (one line, with the fix) if it exceeds
+    ``device_bytes - reserve_bytes``."""
+    peak = predicted_peak_bytes(model, **kwargs)
+    limit = device_bytes - reserve_bytes
+    if peak.total > limit:
+        raise ValueError(f"predicted peak {peak.total / GIB:.2f} GiB per rank (mostly {peak.dominant}: "
+                         f"{peak.parts[peak.dominant] / GIB:.2f} GiB) exceeds the {limit / GIB:.2f} GiB available; "
+                         f"use more sequence-parallel ranks, --remat, a shorter --seq-len or a smaller --batch-size")
+    return peak
+
+
+# -- command line ---------------------------------------------------------------------------------------
+class _Usage(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _Usage(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m distattn.memory", description="Memory planning for long-sequence training.")
+    sub = p.add_subparsers(dest="command")
+    q = sub.add_parser("plan", help="the longest sequence each strategy fits")
+    q.error = p.error
+    q.add_argument("--model", default="llama-7b", help=f"a preset ({', '.join(PRESETS)}) or an HF config.json path")
+    for flag in ("hidden", "layers", "heads", "ffn", "vocab"):
+        q.add_argument(f"--{flag}", type=int, help=f"override the preset's {flag}")
+    q.add_argument("--gqa", type=int, help="key/value heads (overrides the preset)")
+    q.add_argument("--gpus", type=int, default=8)
+    q.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    q.add_argument("--reserve", type=float, default=1.0, help="GiB per GPU kept free (allocator slack, NCCL)")
+    q.add_argument("--batch", type=int, default=1, help="sequences per step")
+    q.add_argument("--precision", default="bf16", choices=[x for x in PRECISIONS if x != "fp16"],
+                   help="bf16: FSDP2 mixed precision (bf16 compute, fp32 sharded parameters: launch/train.py on "
+                   "CUDA); amp-bf16: fp32 parameters under autocast (DDP); fp32")
+    q.add_argument("--strategy", action="append", choices=STRATEGY_NAMES,
+                   help="rows to print (repeatable; default: all)")
+    q.add_argument("--tp", type=int, help="tensor-parallel degree of the Megatron baseline (default: min(gpus, 8, "
+                   "kv heads))")
+    q.add_argument("--chunked-loss", action="store_true", help="the head and loss run in sequence chunks")
+    q.add_argument("--plot", help="write memory vs sequence length per strategy to this image (matplotlib)")
+    return p
+
+
+def _model_from_args(args) -> ModelSpec:
+    path = Path(args.model)
+    if args.model.endswith(".json") or path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise _Usage(f"cannot read HF config {args.model!r}: {e}") from None
+        spec = spec_from_hf_config(cfg, name=path.stem)
+    else:
+        spec = get_preset(args.model)
+    layer = spec.layer
+    changes = {k: v for k, v in (("hidden", args.hidden), ("heads", args.heads), ("ffn", args.ffn),
+                                 ("kv_heads", args.gqa)) if v is not None}
+    if args.heads is not None and args.gqa is None:
+        changes["kv_heads"] = args.heads
+    if changes:
+        layer = replace(layer, **changes)
+    return replace(spec, layer=layer, layers=args.layers or spec.layers, vocab=args.vocab or spec.vocab)
+
+
+def _fmt_tokens(n: int) -> str:
+    if n < 1024:
+        return str(n)
+    return f"{n / 1024:.0f}K" if n < 1 << 20 else f"{n / (1 << 20):.2f}M"
+
+
+def _plan(args) -> str:
+    if args.gpus < 1 or args.gpu_mem <= 0 or args.batch < 1:
+        raise _Usage(f"--gpus ({args.gpus}), --gpu-mem ({args.gpu_mem}) and --batch ({args.batch}) must be positive")
+    model = _model_from_args(args)
+    limit = (args.gpu_mem - args.reserve) * GIB
+    tp = args.tp or max(1, math.gcd(min(args.gpus, 8), model.layer.kv_heads))
+    if args.gpus % tp or model.layer.kv_heads % tp:
+        raise _Usage(f"--tp {tp} must divide --gpus ({args.gpus}) and the key/value heads ({model.layer.kv_heads})")
+    steady = sum(steady_state_bytes(model, shard=args.gpus).values())
+    if steady > limit:
+        raise _Usage(f"{model.name}: weights, gradients and AdamW states alone need {steady / GIB:.1f} GiB per GPU "
+                     f"sharded over {args.gpus} GPUs, more than the {limit / GIB:.1f} GiB available; use more GPUs "
+                     f"or GPUs with more memory")
+    names = args.strategy or STRATEGY_NAMES
+    lines = [f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.layers} layers, "
+             f"hidden {model.layer.hidden}, "
+             f"heads {model.layer.heads}/{model.layer.kv_heads}, ffn {model.layer.ffn}, vocab {model.vocab}; "
+             f"{args.gpus} GPU x {args.gpu_mem:g} GiB ({args.reserve:g} reserved), batch {args.batch}, {args.precision}"
+             + (", chunked loss" if args.chunked_loss else ""),
+             f"{'strategy':44s} {'GPUs':>4s} {'max seq':>9s} {'per GPU':>9s} {'peak/GPU':>9s}  dominant at the peak"]
+    results = []
+    for strat in strategies_for(args.gpus, tp, names):
+        seq, peak = longest_sequence(model, strat, limit, batch=args.batch, precision=args.precision,
+                                     chunked_loss=args.chunked_loss)
+        results.append((strat, seq))
+        if peak is None:
+            need = sum(steady_state_bytes(model, shard=strat.shard, tp=strat.tp, opt_shard=strat.opt_shard,
+                                          half_params=strat.precision == "bf16").values())
+            lines.append(f"{strat.label:44s} {strat.gpus:4d} {'-':>9s} {'-':>9s} {'-':>9s}  does not fit: weights+grads"
+                         f"+adam alone {need / GIB:.1f} GiB")
+            continue
+        per_gpu = seq // (strat.sp * strat.tp) if strat.name.startswith("megatron") else seq // strat.sp
+        dom = peak.dominant
+        lines.append(f"{strat.label:44s} {strat.gpus:4d} {_fmt_tokens(seq):>9s} {_fmt_tokens(per_gpu):>9s} "
+                     f"{peak.total / GIB:8.1f}G  {dom} {peak.parts[dom] / GIB:.1f} GiB ({peak.moment})")
+    if args.plot:
+        lines.append(_plot(args, model, results, limit, tp))
+    return "\n".join(lines)
+
+
+def _plot(args, model, results, limit, tp) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    top = max([seq for _, seq in results] + [8192]) * 4
+    for strat, _ in results:
+        seqs, peaks = [], []
+        seq = strat.seq_unit
+        while seq <= top:
+            seqs.append(seq)
+            peaks.append(strat.peak(model, seq, args.batch, args.precision, args.chunked_loss).total / GIB)
+            seq *= 2
+        ax.plot(seqs, peaks, marker="o", ms=3, label=strat.label)
+    ax.axhline(limit / GIB, color="k", ls="--", label=f"device limit ({limit / GIB:.0f} GiB)")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="peak GiB per GPU",
+           title=f"{model.name} on {args.gpus} x {args.gpu_mem:g} GiB")
+    ax.legend(fontsize=7)
+    fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return f"plot written to {args.plot}"
+
+
+def main(argv=None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.command != "plan":
+            raise _Usage("a command is required: plan (python -m distattn.memory plan --help)")
+        print(_plan(args))
+        return 0
+    except (_Usage, ValueError, TypeError) as e:
+        print(f"distattn.memory: error: {e}", file=sys.stderr)
+        return EXIT_BAD_ARGS
