@@ -53,6 +53,7 @@ torchrun then adds its own failure report, whose root cause quotes the same line
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -67,6 +68,7 @@ import torch.distributed as dist
 import train_config
 import train_data
 import train_log
+import train_memory
 import train_model
 from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError
 
@@ -173,20 +175,28 @@ def maybe_resume(cfg: RunConfig, state) -> set[Path]:
     return damaged
 
 
-def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str) -> tuple[torch.Tensor, float]:
-    """One optimizer step on this rank's shard of ``batch`` ``(b, seq)``; returns ``(loss, grad_norm)``."""
+def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
+               measure: dict | None = None) -> tuple[torch.Tensor, float]:
+    """One optimizer step on this rank's shard of ``batch`` ``(b, seq)``; returns ``(loss, grad_norm)``.
+
+    ``measure``: a dict that receives ``saved_activation_bytes``, what this step's forward saved for backward.
+    """
     from distattn.integrations.hf import causal_lm_loss, shard_batch
+    from distattn.memory import saved_activations
 
     if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
         ids, positions = batch
         inputs = shard_batch(ids[None], labels=ids[None], group=group, position_ids=positions[None])
     else:
         inputs = shard_batch(batch, labels=batch, group=group)
-    with train_model.autocast(cfg, mode):
+    counting = saved_activations(ignore=model.parameters()) if measure is not None else contextlib.nullcontext()
+    with counting as saved, train_model.autocast(cfg, mode):
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
-    # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
-    # FSDP2/DDP reduction (train_model's docstring).
-    loss = causal_lm_loss(logits, inputs["shift_labels"], group=group)
+        # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
+        # FSDP2/DDP reduction (train_model's docstring).
+        loss = causal_lm_loss(logits, inputs["shift_labels"], group=group)
+    if measure is not None:
+        measure["saved_activation_bytes"] = saved.bytes
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.args.grad_clip or float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2: a replicated DTensor
@@ -223,6 +233,9 @@ class Job:
     optimizer: torch.optim.Optimizer
     state: object  # train_ckpt.TrainState; its .progress dict is the job's position
     damaged: set  # checkpoints found damaged on resume: never counted by --keep
+    first_step: int = 0  # the step this run starts after (a resumed run: the checkpoint's)
+    predicted_activations: int = 0  # the memory model's saved-activation bytes of one forward per rank
+    predicted_peak: int = 0  # the memory model's peak bytes of one step per rank
 
 
 def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
@@ -238,8 +251,11 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
                 "data": str(cfg.data_path)}
     state = train_ckpt.TrainState(model, optimizer, progress)
     damaged = maybe_resume(cfg, state)
+    log(train_memory.describe(cfg, config))
     return Job(cfg=cfg, device=device, group=group, model=model, mode=mode, optimizer=optimizer, state=state,
-               damaged=damaged)
+               damaged=damaged, first_step=progress["step"],
+               predicted_activations=train_memory.predicted_activation_bytes(cfg, config),
+               predicted_peak=train_memory.predicted_peak(cfg, config).total)
 
 
 def run_step(job: Job, dataset, step: int) -> dict:
@@ -252,7 +268,8 @@ def run_step(job: Job, dataset, step: int) -> dict:
     dp_rank = cfg.env.rank // cfg.sp_size  # replicas read consecutive, disjoint samples
     batch = dataset.batch(progress["samples"] + dp_rank * cfg.args.batch_size, cfg.args.batch_size)
     batch = tuple(t.to(job.device) for t in batch) if cfg.args.pack else batch.to(job.device)
-    loss, grad_norm = train_step(job.model, job.optimizer, batch, cfg, job.group, job.mode)
+    measured = {} if step == job.first_step + 1 else None  # what the first step's forward saves, once
+    loss, grad_norm = train_step(job.model, job.optimizer, batch, cfg, job.group, job.mode, measured)
     loss_value, peak = gather_stats(loss, cfg.device_type, job.device)  # a collective: every rank is done
     dt = time.perf_counter() - t0
     progress.update(step=step, samples=progress["samples"] + cfg.args.batch_size * cfg.dp_size, loss=loss_value)
@@ -260,6 +277,8 @@ def run_step(job: Job, dataset, step: int) -> dict:
               "tokens_per_s": cfg.tokens_per_step / dt, "samples": progress["samples"], "peak_mem_bytes": peak}
     if cfg.args.pack:
         record.update(packing_stats(batch[1], cfg.sp_size))
+    if measured:
+        record.update(measured, predicted_activation_bytes=job.predicted_activations)
     return record
 
 
@@ -289,13 +308,14 @@ def train(job: Job, dataset) -> dict:
     bar = train_log.Progress(args.steps, first_step, enabled=rank0 and not args.no_progress, log_every=args.log_every,
                              mem_label="peak alloc" if cfg.device_type == "cuda" else "peak rss")
     jlog = train_log.JsonLog(args.log_json if rank0 else None, append=bool(args.resume))
-    timed_tokens, timed_s, peak, packed = 0, 0.0, [], []
+    timed_tokens, timed_s, peak, packed, saved_bytes = 0, 0.0, [], [], None
     try:
         for step in range(first_step + 1, args.steps + 1):
             record = run_step(job, dataset, step)
             peak = record["peak_mem_bytes"]
             if "documents" in record:
                 packed.append(record)
+            saved_bytes = record.get("saved_activation_bytes", saved_bytes)
             if step > first_step + 1 or step == args.steps:  # the first step warms up: not in the average
                 timed_tokens, timed_s = timed_tokens + cfg.tokens_per_step, timed_s + record["step_time_s"]
             jlog.write(record)
@@ -315,7 +335,9 @@ def train(job: Job, dataset) -> dict:
     summary = {"steps": progress["step"], "final_loss": progress["loss"],
                "tokens_per_s": timed_tokens / timed_s if timed_s else None, "world_size": cfg.env.world_size,
                "seq_len": args.seq_len, "sp_size": cfg.sp_size, "model": args.model, "device": cfg.device_type,
-               "params": job.mode, "peak_mem_bytes": peak, "pack": bool(args.pack)}
+               "params": job.mode, "peak_mem_bytes": peak, "pack": bool(args.pack),
+               "predicted_peak_bytes": job.predicted_peak, "predicted_activation_bytes": job.predicted_activations,
+               "saved_activation_bytes": saved_bytes}
     if args.pack and packed:  # real tokens only (no padding exists), and what document masking skipped
         summary.update(real_tokens_per_s=summary["tokens_per_s"],
                        documents_per_step=sum(r["documents"] for r in packed) / len(packed),
@@ -352,6 +374,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
         raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
     check_checkpoint_dir(cfg, config)
+    train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
     return cfg, dataset, config, tokenizer.name
 
 

@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
     a.add_argument("--remat", action="store_true",
                    help="distattn's rematerialization-aware checkpointing (saves activation memory)")
+    a.add_argument("--no-memory-check", action="store_true",
+                   help="start even if the memory model predicts the step will not fit the GPU")
     a.add_argument("--sp-size", type=int, default=0,
                    help="ranks per sequence-parallel group (default 0: all ranks); the rest is data parallel")
     t = p.add_argument_group("training")

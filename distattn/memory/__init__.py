@@ -10,8 +10,8 @@
 from distattn.memory.measure import AllocatorDelta, SavedActivations, SavedStorage, allocator_delta, saved_activations
 from distattn.memory.model import (LayerSpec, ModelSpec, Saved, StepPeak, activation_bytes, layer_saved_tensors,
                                    model_saved_tensors, steady_state_bytes, step_peak)
-from distattn.memory.plan import check_fits, predicted_peak_bytes
+from distattn.memory.plan import check_fits, model_spec, predicted_peak_bytes
 
 __all__ = ["saved_activations", "SavedActivations", "SavedStorage", "allocator_delta", "AllocatorDelta", "LayerSpec",
            "ModelSpec", "Saved", "StepPeak", "layer_saved_tensors", "model_saved_tensors", "activation_bytes",
-           "steady_state_bytes", "step_peak", "predicted_peak_bytes", "check_fits"]
+           "steady_state_bytes", "step_peak", "predicted_peak_bytes", "check_fits", "model_spec"]

@@ -101,11 +101,28 @@ class _ModuleStack:
         return self.stack[-1] if self.stack else ""
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Address of ``t``'s allocation (a DTensor's local shard's), or None when it has none to give."""
+    local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2 parameters): its shard on this rank
+    t = local if isinstance(local, torch.Tensor) else t
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # e.g. a storage freed by FSDP, a tensor subclass without one
+        return None
+
+
+def _alive_bytes(ref: StorageWeakRef) -> int:
+    try:
+        return torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+    except (RuntimeError, AttributeError):
+        return 1  # cannot look: count it as it was
+
+
 class SavedActivations:
     """What one ``saved_activations`` region saved for backward (see the module docstring)."""
 
     def __init__(self, ignore: Iterable[torch.Tensor] | None = None, model: torch.nn.Module | None = None):
-        self._ignored = {t.untyped_storage().data_ptr() for t in (ignore or ())}
+        self._ignored = {ptr for ptr in map(_storage_ptr, ignore or ()) if ptr is not None}
         names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()} if model is not None else {}
         self._modules = _ModuleStack(names)
         # storage address -> (weak reference, record); an address whose storage died may be reused.
@@ -116,8 +133,10 @@ class SavedActivations:
     def _record(self, t: torch.Tensor, module: str | None = None, producer: str | None = None) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
+        ptr = _storage_ptr(t)
+        if ptr is None:
+            return
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
         if ptr in self._ignored or storage.nbytes() == 0:
             return
         old = self._seen.get(ptr)
@@ -176,8 +195,12 @@ class SavedActivations:
     # -- queries ----------------------------------------------------------------------------------------
     @property
     def records(self) -> list[SavedStorage]:
-        """One record per counted allocation that is still alive, in the order first saved."""
-        return [rec for ref, rec in self._seen.values() if not ref.expired()]
+        """One record per counted allocation that still holds memory, in the order first saved.
+
+        An allocation freed since (expired), or resized to nothing (FSDP2 frees the all-gathered weights that
+        a forward saved and gathers them again for backward), keeps no memory between forward and backward.
+        """
+        return [rec for ref, rec in self._seen.values() if not ref.expired() and _alive_bytes(ref)]
 
     @property
     def bytes(self) -> int:

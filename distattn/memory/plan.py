@@ -100,6 +100,11 @@ def longest_sequence(model: ModelSpec, strat: Strategy, limit_bytes: float, *, b
 
 
 # -- for launch/train.py --------------------------------------------------------------------------------
+def model_spec(model) -> ModelSpec:
+    """A ``ModelSpec`` from a preset name, a LlamaConfig-field dict, an HF config or a ``ModelSpec``."""
+    return _as_spec(model)
+
+
 def _as_spec(model) -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
