@@ -78,27 +78,27 @@ def group_of(key: str):
 
 @functools.lru_cache(maxsize=256)
 def _config(causal: bool, scale: float, window_left: int, window_right: int, softcap: float, key: str,
-            schedule: str, backend: str | None, overlap: bool) -> DistAttnConfig:
+            schedule: str, backend: str | None, overlap: bool, timeout: float) -> DistAttnConfig:
     # Inputs were validated at the public boundary (distattn.api); here only the frozen config is rebuilt.
     return DistAttnConfig(causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
-                          schedule=schedule, backend=backend, group=group_of(key), overlap=overlap)
+                          schedule=schedule, backend=backend, group=group_of(key), overlap=overlap, timeout=timeout)
 
 
 def _op_args(cfg: DistAttnConfig) -> tuple:
     """The op's scalar arguments for ``cfg`` (ops take tensors, scalars and strings, not objects)."""
     return (cfg.causal, cfg.scale, cfg.window[0], cfg.window[1], cfg.softcap, group_key(cfg.group), cfg.schedule,
-            cfg.backend, cfg.overlap)
+            cfg.backend, cfg.overlap, cfg.timeout)
 
 
 # -- the op ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("distattn::attention", mutates_args=())
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, window_left: int,
                window_right: int, softcap: float, group_key: str, schedule: str, backend: str | None,
-               overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               overlap: bool, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (b, n, h_q, d)``, ``k, v (b, n, h_kv, d)`` -> ``out (b, n, h_q, d)``, ``lse (b, h_q, n)`` fp32."""
     COUNTERS.forward += 1
     return dist_attn_forward(q, k, v, _config(causal, scale, window_left, window_right, softcap, group_key, schedule,
-                                              backend, overlap))
+                                              backend, overlap, timeout))
 
 
 @_attention.register_fake
@@ -112,12 +112,12 @@ def _attention_fake(q, k, v, *options):
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, causal: bool, scale: float, window_left: int, window_right: int,
                            softcap: float, group_key: str, schedule: str, backend: str | None,
-                           overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           overlap: bool, timeout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``distattn::attention`` (an op of its own, so that tracers such as
     ``torch.compile`` see one opaque call instead of tracing into the communication)."""
     COUNTERS.backward += 1
     return dist_attn_backward(dout, q, k, v, out, lse, _config(causal, scale, window_left, window_right, softcap,
-                                                               group_key, schedule, backend, overlap))
+                                                               group_key, schedule, backend, overlap, timeout))
 
 
 @_attention_backward_op.register_fake
