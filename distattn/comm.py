@@ -89,13 +89,14 @@ class Communicator:
         backend = str(dist.get_backend(group))
         self.nccl = "nccl" in backend
         # sort_ranks=False: group rank r of the library's groups is group rank r of the user's group.
-        kw = dict(ranks=ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend, sort_ranks=False)
+        kw = dict(ranks=ranks, timeout=_group_timeout(timeout, self.nccl), backend=backend, sort_ranks=False)
         if group is not None and len(ranks) != dist.get_world_size():
             # A subgroup: only its members reach this point, so synchronize among them only.
             kw.update(use_local_synchronization=True)
         if self.nccl:
-            self.fetch = dist.new_group(**kw, pg_options=_nccl_options())
-            self.ret = dist.new_group(**kw, pg_options=_nccl_options())
+            options = _nccl_options() if backend == "nccl" else None  # a mixed backend takes no NCCL options
+            self.fetch = dist.new_group(**kw, pg_options=options)
+            self.ret = dist.new_group(**kw, pg_options=_nccl_options() if options is not None else None)
         else:
             self.fetch = self.ret = dist.new_group(**kw)
         self.seq = 0
@@ -107,7 +108,7 @@ class Communicator:
         not ``Work.wait``'s)."""
         if timeout != self.timeout:
             for g in {id(self.fetch): self.fetch, id(self.ret): self.ret}.values():
-                g.set_timeout(datetime.timedelta(seconds=timeout))
+                g.set_timeout(_group_timeout(timeout, self.nccl))
             self.timeout = timeout
 
     def next_call(self) -> int:
@@ -130,6 +131,13 @@ class Communicator:
         groups = group = None  # noqa: F841
         if any(ref() is not None for ref in alive):
             gc.collect()  # the last reference to a gloo group closes its sockets, which is what wakes the peers
+
+
+def _group_timeout(timeout: float, nccl: bool) -> datetime.timedelta:
+    """The groups' own timeout. gloo: ``timeout`` (gloo collectives are bounded by it, not by ``Work.wait``).
+    NCCL: a later backstop, so that distattn's host-side bound fires first and aborts cleanly; the NCCL
+    watchdog, on its own timeout, tears the whole process down by default."""
+    return datetime.timedelta(seconds=2 * timeout + 30 if nccl else timeout)
 
 
 def _quietly(fn, *args) -> None:
@@ -282,17 +290,28 @@ class PeerExchange:
             self._rounds[slot] = _Round([], copy_back, peers)
             return
         if self._stream is None:
-            self._rounds[slot] = _Round(dist.batch_isend_irecv(ops), copy_back, peers)
+            self._rounds[slot] = _Round(self._launch(ops, slot, peers), copy_back, peers)
             return
         # NCCL hangs if the current device is not the tensors' device: pin it for the launch.
         with torch.cuda.device(self.device):
             ready = torch.cuda.current_stream(self.device).record_event()
             self._stream.wait_event(ready)  # send buffers were written on the compute stream
             with torch.cuda.stream(self._stream):
-                reqs = dist.batch_isend_irecv(ops)
+                reqs = self._launch(ops, slot, peers)
             for op in ops:
                 op.tensor.record_stream(self._stream)  # allocator: no reuse before the side stream passes here
         self._rounds[slot] = _Round(reqs, copy_back, peers)
+
+    def _launch(self, ops, slot, peers) -> list:
+        """``batch_isend_irecv(ops)``; a failure to post (a peer closed the connection) is a ``DistAttnError``."""
+        error = None
+        try:
+            return dist.batch_isend_irecv(ops)
+        except Exception as exc:  # noqa: BLE001
+            error = str(exc)
+        ops.clear()  # the raised error's frames must not keep the group (and its sockets) alive
+        raise DistAttnError(f"distattn: rank {self.rank}, {self.where}: posting the {_kind(slot)} round with rank(s) "
+                            f"{list(peers)}: {_reason(RuntimeError(error), self.timeout)}") from None
 
     def wait(self, slot) -> None:
         """Complete the round in ``slot``; afterwards its receive tensors hold the data (on the current stream)."""

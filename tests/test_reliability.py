@@ -142,9 +142,17 @@ def _outsider(rank, world):
 
 
 def _worker(rank, world):
+    marks = [time.monotonic()]
     clean = _fwd_bwd(world)
-    return {"disagree": _disagreements(rank, world, clean), "faults": _faults(rank, world, clean),
-            "outsider": _outsider(rank, world)}
+    marks.append(time.monotonic())
+    found = {"disagree": _disagreements(rank, world, clean)}
+    marks.append(time.monotonic())
+    found["faults"] = _faults(rank, world, clean)
+    marks.append(time.monotonic())
+    found["outsider"] = _outsider(rank, world)
+    marks.append(time.monotonic())
+    found["seconds"] = [b - a for a, b in zip(marks, marks[1:])]  # clean, disagreements, faults, outsider
+    return found
 
 
 @pytest.mark.parametrize("world", [2, 4])
