@@ -249,3 +249,23 @@ def test_timeout_env_default(monkeypatch):
 
 def test_dist_attn_error_is_exported_runtime_error():
     assert issubclass(distattn.DistAttnError, RuntimeError) and "DistAttnError" in distattn.__all__
+
+
+def test_every_config_field_is_checked_or_explicitly_local():
+    """A new ``DistAttnConfig`` field (e.g. packed-sequence metadata) must be added to ``fingerprint_fields``
+    (checked on every call) or listed here as rank-local: forgetting it would let ranks disagree silently."""
+    import dataclasses
+
+    from distattn.attention import DistAttnConfig
+
+    local = {"group": "the group itself (the communicator)", "timeout": "each rank's own bound on its waits"}
+    cfg = DistAttnConfig(causal=True, scale=0.5)
+    names = {f.name for f in dataclasses.fields(cfg)}
+    assert set(cfg.fingerprint_fields()) == names - set(local)
+
+
+def test_mismatch_message_lists_every_rank_for_differing_fields_only():
+    from distattn.agreement import describe_mismatch
+
+    msg = describe_mismatch([{"call": 3, "scale": 0.25, "causal": True}, {"call": 3, "scale": 0.3, "causal": True}])
+    assert msg.splitlines()[1:] == ["  scale: rank 0: 0.25, rank 1: 0.3"]
