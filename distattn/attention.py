@@ -121,7 +121,7 @@ class _Executor:
                 return
             except DistAttnError as exc:
                 self._abort()
-                if attempt or "timed out" in str(exc) or "within the timeout" in str(exc):
+                if attempt or exc.timed_out:
                     raise
                 self._connect(self.device)
 

@@ -50,7 +50,13 @@ DEFAULT_TIMEOUT_S = 300.0
 
 class DistAttnError(RuntimeError):
     """A distributed attention call failed on this rank because of another rank (a timeout, or a peer that
-    failed and aborted the library's communicators). The next call rebuilds the communicators."""
+    failed and aborted the library's communicators). The next call rebuilds the communicators.
+
+    ``timed_out``: no message came within the timeout (rather than a closed connection)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def default_timeout() -> float:
@@ -201,12 +207,16 @@ def bounded_wait(works, timeout: float, what: str, *, poll: bool = False) -> Non
         # caller's list is emptied too.
         works.clear()
         work = None  # noqa: F841
-        raise DistAttnError(f"{what}: {_reason(error, timeout)}") from None
+        raise DistAttnError(f"{what}: {_reason(error, timeout)}", timed_out=_timed_out(error)) from None
+
+
+def _timed_out(error: Exception) -> bool:
+    return isinstance(error, TimeoutError) or "timed out" in str(error).lower()
 
 
 def _reason(error: Exception, timeout: float) -> str:
     text = str(error)
-    if "Timed out" in text or "timed out" in text:
+    if _timed_out(error):
         return f"no message within the timeout ({timeout:g} s; set timeout= or {TIMEOUT_ENV})"
     return (f"a peer failed and aborted the library's communicators, or died (gloo: "
             f"{text.strip().splitlines()[-1][:160]})")
