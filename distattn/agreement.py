@@ -68,7 +68,10 @@ def agree(comm: Communicator, fields: dict, device: torch.device, timeout: float
         return
     everyone = [json.loads(t) for t in _all_gather_text(comm, text, device, timeout, where)]
     if any(fields.get("call") != everyone[0].get("call") for fields in everyone):
-        comm.abort()  # ranks out of step: every rank sees this, so all rebuild (and renumber) at the next call
+        # Ranks out of step (one skipped a call): every rank sees this; all continue from the highest number
+        # (and an owned communicator is rebuilt at the next call), so the next call agrees again.
+        comm.seq = max(fields["call"] for fields in everyone)
+        comm.abort()
     raise ValueError(describe_mismatch(everyone))
 
 

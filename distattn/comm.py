@@ -94,17 +94,23 @@ class Communicator:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         backend = str(dist.get_backend(group))
         self.nccl = "nccl" in backend
-        # sort_ranks=False: group rank r of the library's groups is group rank r of the user's group.
-        kw = dict(ranks=ranks, timeout=_group_timeout(timeout, self.nccl), backend=backend, sort_ranks=False)
-        if group is not None and len(ranks) != dist.get_world_size():
-            # A subgroup: only its members reach this point, so synchronize among them only.
-            kw.update(use_local_synchronization=True)
-        if self.nccl:
+        # Own groups only for a group spanning the whole job: dist.new_group names a group after a counter that
+        # every process of the job advances (so all must call it), or, with use_local_synchronization, after a
+        # hash that includes how many groups the calling process has, which differs between the members of a
+        # subgroup as soon as they made different groups (a stale or mismatched name: the rendezvous hangs).
+        # A subgroup's traffic therefore stays on the subgroup itself: bounded, tagged, never aborted.
+        self.owned = len(ranks) == dist.get_world_size()
+        if not self.owned:
+            self.fetch = self.ret = group
+        elif self.nccl:
+            # sort_ranks=False: group rank r of the library's groups is group rank r of the user's group.
+            kw = dict(ranks=ranks, timeout=_group_timeout(timeout, True), backend=backend, sort_ranks=False)
             options = _nccl_options() if backend == "nccl" else None  # a mixed backend takes no NCCL options
             self.fetch = dist.new_group(**kw, pg_options=options)
             self.ret = dist.new_group(**kw, pg_options=_nccl_options() if options is not None else None)
         else:
-            self.fetch = self.ret = dist.new_group(**kw)
+            self.fetch = self.ret = dist.new_group(ranks=ranks, timeout=_group_timeout(timeout, False),
+                                                   backend=backend, sort_ranks=False)
         self.seq = 0
         self.aborted = False
         self.timeout = timeout
@@ -112,7 +118,7 @@ class Communicator:
     def set_timeout(self, timeout: float) -> None:
         """Bound the groups' own operations by ``timeout`` too (gloo collectives honour the group's timeout,
         not ``Work.wait``'s)."""
-        if timeout != self.timeout:
+        if timeout != self.timeout and self.owned:
             for g in {id(self.fetch): self.fetch, id(self.ret): self.ret}.values():
                 g.set_timeout(_group_timeout(timeout, self.nccl))
             self.timeout = timeout
@@ -128,6 +134,8 @@ class Communicator:
         if self.aborted:
             return
         self.aborted = True
+        if not self.owned:
+            return  # the user's group: never aborted (its peers fail at their own timeout)
         groups = [g for g in {id(self.fetch): self.fetch, id(self.ret): self.ret}.values() if g is not None]
         self.fetch = self.ret = None
         for group in groups:
@@ -172,9 +180,11 @@ def communicator(group, timeout: float) -> Communicator:
     key = "default" if group is None else group
     comm = _COMMUNICATORS.get(key)
     if comm is None or comm.aborted:
-        _COMMUNICATORS.pop(key, None)
+        old = _COMMUNICATORS.pop(key, None)
         try:
             comm = Communicator(group, timeout)
+            if old is not None and not comm.owned:
+                comm.seq = old.seq  # the same group again: tags keep growing, no stale message can match
         except Exception as exc:  # noqa: BLE001 - a peer that never arrives: a bounded, named failure
             raise DistAttnError(f"distattn: rank {dist.get_rank(group)} could not build the library's "
                                 f"communicators within {timeout:g} s (every rank of the group must make the "
