@@ -122,7 +122,7 @@ def _opcheck(group, world):
     k, v = (torch.randn(BATCH, N_PER_RANK, HEADS_KV, HEAD_DIM, generator=g, requires_grad=True) for _ in range(2))
     from distattn._ops import group_key
 
-    args = (q, k, v, True, HEAD_DIM ** -0.5, group_key(group), "balanced", None, True)
+    args = (q, k, v, True, HEAD_DIM ** -0.5, -1, -1, 0.0, group_key(group), "balanced", None, True)
     # Every rank runs the same sequence of checks, so the op's communication stays matched across ranks.
     torch.library.opcheck(torch.ops.distattn.attention.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
