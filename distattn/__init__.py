@@ -9,7 +9,9 @@ The public functions take flash-attn's arguments in flash-attn's order (``distat
 
 from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func, flash_attn_func, flash_attn_varlen_func
 from distattn.checkpoint import remat_checkpoint
+from distattn.comm import DistAttnError
 from distattn.sharding import gather_sequence, shard_sequence
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func", "shard_sequence", "gather_sequence", "remat_checkpoint"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func",
+           "shard_sequence", "gather_sequence", "remat_checkpoint", "DistAttnError"]
 __version__ = "0.1.0"

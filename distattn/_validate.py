@@ -6,6 +6,9 @@ before any communication (see ``distattn.attention``).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,6 +41,11 @@ def check_qkv(q, k, v, *, same_seq: bool = False, allow_empty: bool = False) -> 
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
     b, s_q, h_q, d = q.shape
+    if b < 1:
+        raise ValueError(f"batch size must be >= 1, got q of shape {tuple(q.shape)}; skip the call for an empty "
+                         f"batch (every rank of a group must then skip it)")
+    if h_q < 1:
+        raise ValueError(f"q must have >= 1 head, got q of shape {tuple(q.shape)} (batch, seq, heads, head_dim)")
     if k.shape[0] != b:
         raise ValueError(f"batch size of q ({b}) and k/v ({k.shape[0]}) must match")
     if k.shape[3] != d:
@@ -60,8 +68,13 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
     """``softmax_scale`` or the default ``head_dim ** -0.5``."""
     if softmax_scale is None:
         return head_dim ** -0.5
+    if isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1:
+        softmax_scale = softmax_scale.item()
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a number or None (head_dim ** -0.5), got {softmax_scale!r} of "
+                        f"type {type(softmax_scale).__name__}")
     scale = float(softmax_scale)
-    if not scale > 0 or scale != scale or scale == float("inf"):
+    if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"softmax_scale ({softmax_scale}) must be a finite positive number, or None for "
                          f"head_dim ** -0.5")
     return scale

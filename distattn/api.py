@@ -213,7 +213,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # -- across ranks -----------------------------------------------------------------------------------------
 def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                          softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                         group=None, schedule="balanced", backend=None, return_lse=False, overlap=True):
+                         group=None, schedule="balanced", backend=None, return_lse=False, overlap=True, timeout=None):
     """Exact attention over a sequence split across the ranks of ``group``; differentiable.
 
     flash-attn's arguments, for this rank's contiguous shards: rank ``r`` of ``P`` holds tokens
@@ -230,9 +230,29 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         backend: (distattn) kernel backend, ``"triton"``/``"torch"``/``None``.
         return_lse: (distattn) also return this rank's ``lse (b, h_q, n)`` fp32.
         overlap: (distattn) prefetch the next step's chunks while computing (``False`` only for ablations).
+        timeout: (distattn) seconds any one wait inside the call (and inside its backward) may take, > 0;
+            ``None``: the ``DISTATTN_TIMEOUT`` environment variable, else 300.
 
     Returns:
         This rank's ``out (b, n, h_q, d)`` in the input dtype; or the tuples of :func:`flash_attn_func`.
+
+    Raises:
+        ValueError: the ranks of ``group`` disagree on the call (shard shapes, dtype, device type, causal,
+            window, softcap, schedule, overlap, scale, backend, forward vs backward, call count). Checked on
+            every call, forward and backward, before any transfer, with one all-reduce of a 63-bit hash (well
+            under 1% of a call, ``bench/agreement.py``); every rank raises the same message listing each rank's
+            values. ``DISTATTN_CHECK=0`` turns the check off (then a disagreement is undefined behaviour:
+            a crash, a hang until the timeout, or wrong numbers).
+        distattn.DistAttnError: another rank failed or stopped responding: no message within ``timeout``,
+            or a peer that raised inside its call aborted the library's communicators (then this rank fails
+            within milliseconds on gloo). The message names this rank, the phase, the step and the peers
+            waited for. A rank whose call raises (any exception) aborts them itself and re-raises its own
+            error. The next call on every rank rebuilds the communicators, so a training loop that catches
+            the error and skips the batch on every rank goes on.
+
+    Communication never uses ``group`` itself: distattn creates its own groups with the same ranks at the
+    first call (``dist.new_group``, a collective, so every rank of ``group`` must make that first call) and
+    rebuilds them after a failure; user collectives on ``group`` can never interleave with attention traffic.
 
     Gradients: ``out.backward(...)`` gives this rank's ``q, k, v`` the gradient of the *whole* sequence's loss
     with respect to this rank's shards, provided every rank runs the backward (each rank's loss term
@@ -244,7 +264,7 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     check_unsupported(dropout_p, alibi_slopes, deterministic)
     cfg = make_config(q, k, v, causal=check_causal(causal), softmax_scale=softmax_scale,
                       window=check_window(window_size), softcap=check_softcap(softcap), group=group,
-                      schedule=schedule, backend=backend, overlap=overlap)
+                      schedule=schedule, backend=backend, overlap=overlap, timeout=timeout)
     out, lse = dist_attention(q, k, v, cfg)
     return _returns(out, lse, return_attn_probs, return_lse)
 
@@ -252,7 +272,7 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
 def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                 return_attn_probs=False, *, group=None, schedule="balanced", backend=None,
-                                return_lse=False, overlap=True):
+                                return_lse=False, overlap=True, timeout=None):
     """Exact attention over a stream of packed documents split across the ranks of ``group``; differentiable.
 
     The padding-free layout of long-context training: the documents of a batch are concatenated into one
@@ -275,7 +295,8 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
         max_seqlen: the longest document (as flash-attn; checked, not otherwise needed).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
             as in :func:`flash_attn_func`.
-        group, schedule, backend, return_lse, overlap: as in :func:`dist_flash_attn_func`; ``lse`` is ``(h_q, n)``.
+        group, schedule, backend, return_lse, overlap, timeout: as in :func:`dist_flash_attn_func`; ``lse`` is
+            ``(h_q, n)``.
 
     Returns:
         This rank's ``out (n, h_q, d)``; or ``(out, lse)`` / ``(out, lse, None)``.
@@ -292,7 +313,7 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     q4, k4, v4 = (t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     cfg = make_config(q4, k4, v4, causal=check_causal(causal), softmax_scale=softmax_scale,
                       window=check_window(window_size), softcap=check_softcap(softcap), group=group,
-                      schedule=schedule, backend=backend, overlap=overlap)
+                      schedule=schedule, backend=backend, overlap=overlap, timeout=timeout)
     total = q.shape[0] * dist.get_world_size(group)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
@@ -311,17 +332,35 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     return _returns(out[0], lse[0], return_attn_probs, return_lse)
 
 
-def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, schedule, backend, overlap):
-    """Validate this rank's shards and options; the frozen ``DistAttnConfig``. Raises before any communication."""
-    import os
+def check_timeout(timeout) -> float:
+    """``timeout`` in seconds (a finite number > 0), or ``None`` for ``DISTATTN_TIMEOUT`` / 300 s."""
+    from distattn.comm import default_timeout
 
+    if timeout is None:
+        return default_timeout()
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds or None (DISTATTN_TIMEOUT, else 300), got "
+                        f"{timeout!r}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}; a wait without a bound "
+                         f"is what the timeout prevents (use a large value, e.g. 3600, for very slow steps)")
+    return float(timeout)
+
+
+def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, schedule, backend, overlap,
+                timeout=None):
+    """Validate this rank's shards and options; the frozen ``DistAttnConfig``. Raises before any communication."""
     import torch.distributed as dist
 
-    from distattn.attention import DistAttnConfig, check_ranks_agree
+    from distattn.attention import DistAttnConfig
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("dist_flash_attn_func needs an initialized process group: call "
                            "torch.distributed.init_process_group(...) first, or use flash_attn_func on one device")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
+                         f"group=; call dist_flash_attn_func only on the ranks of that group (the group's ranks: "
+                         f"torch.distributed.get_process_group_ranks(group))")
     check_qkv(q, k, v, same_seq=True)
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
@@ -333,8 +372,6 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
     kernels.get_backend(backend, q.device)  # unknown/unavailable backend: same error on every rank
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be a bool, got {overlap!r}")
-    cfg = DistAttnConfig(causal=causal, scale=resolve_scale(softmax_scale, q.shape[-1]), window=window,
-                         softcap=softcap, schedule=schedule, backend=backend, group=group, overlap=overlap)
-    if os.environ.get("DISTATTN_DEBUG", "0") == "1":
-        check_ranks_agree(q, k, cfg)
-    return cfg
+    return DistAttnConfig(causal=causal, scale=resolve_scale(softmax_scale, q.shape[-1]), window=window,
+                          softcap=softcap, schedule=schedule, backend=backend, group=group, overlap=overlap,
+                          timeout=check_timeout(timeout))

@@ -14,6 +14,11 @@ merged. Backward mirrors the forward with the final ``out``/``lse``: owner tasks
 ``dq`` and send ``dk, dv`` partials (fp32) back to the kv owner; helper tasks add into this rank's
 ``dk, dv`` and send a ``dq`` partial (fp32) back. Every accumulator is fp32 and is cast once at the end.
 
+Reliability: every call runs on the library's own communicators (``distattn.comm.communicator``), first
+checks that all ranks make the same call (``distattn.agreement``, one all-reduce), bounds every wait by
+``cfg.timeout``, and on any exception aborts the library's communicators so that the peers fail at once with
+``DistAttnError`` instead of waiting (the next call rebuilds them).
+
 Layering: the public ``distattn.dist_flash_attn_func`` (``distattn.api``) validates and calls the registered op
 ``torch.ops.distattn.attention`` (``distattn._ops``), whose forward calls ``dist_attn_forward`` and whose registered
 backward calls ``dist_attn_backward``. Nothing here imports upward.
@@ -29,11 +34,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distattn import kernels
-from distattn.comm import PeerExchange
+from distattn import agreement, kernels
+from distattn.comm import DEFAULT_TIMEOUT_S, DistAttnError, PeerExchange, communicator
 from distattn.schedule import SCHEDULES, MaskSpec, Plan, Task, Transfer, make_plan
 
-__all__ = ["DistAttnConfig", "check_ranks_agree", "dist_attn_forward", "dist_attn_backward"]
+__all__ = ["DistAttnConfig", "dist_attn_forward", "dist_attn_backward"]
+
+_TAGS_PER_CALL = 4096  # message tags of call ``seq`` are ``seq * 4096 + round`` (a call posts 2 rounds a step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,10 +65,20 @@ class DistAttnConfig:
     """Post step ``t + 1``'s fetches before computing step ``t``; ``False`` waits first (ablation)."""
     cu_seqlens: tuple[int, ...] | None = None
     """Packed documents: cumulative lengths over the whole stream (identical on every rank), or None."""
+    timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds any one wait inside a call may take before the call fails with ``DistAttnError``."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}; use schedule='balanced'")
+
+    def fingerprint_fields(self) -> dict:
+        """Everything in the config that shapes the communication, as readable JSON-friendly values: all
+        ranks must agree on these (``distattn.agreement``). A new option or mask metadata is checked on every
+        call by adding it here; packed documents are checked by a hash of ``cu_seqlens`` and its length."""
+        return {"causal": self.causal, "window": list(self.window), "softcap": self.softcap,
+                "schedule": self.schedule, "overlap": self.overlap, "scale": self.scale, "backend": self.backend,
+                "cu_seqlens": _documents_fingerprint(self.cu_seqlens)}
 
     def mask_spec(self) -> MaskSpec:
         """The call's mask as data: what the plan (pairs, work) and the kernels (per-row bounds) both read."""
@@ -72,33 +89,67 @@ class DistAttnConfig:
         return make_plan(dist.get_world_size(self.group), self.causal, self.schedule, mask=self.mask_spec(), chunk=n)
 
 
-def check_ranks_agree(q, k, cfg: DistAttnConfig) -> None:
-    """``DISTATTN_DEBUG=1``: all-gather every rank's shapes and options and raise if they differ."""
-    mine = (tuple(q.shape), tuple(k.shape), str(q.dtype), cfg.causal, cfg.schedule, round(cfg.scale, 12))
-    world = dist.get_world_size(cfg.group)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine, group=cfg.group)
-    if any(x != everyone[0] for x in everyone):
-        lines = "; ".join(f"rank {r}: q{x[0]} k{x[1]} {x[2]} causal={x[3]} schedule={x[4]}"
-                          for r, x in enumerate(everyone))
-        raise ValueError(f"ranks disagree on the attention call ({lines}); every rank must pass equal shard "
-                         f"shapes and the same options")
+def _documents_fingerprint(cu_seqlens) -> str | None:
+    """A short, readable digest of the packed documents (None: no packing), for the agreement check."""
+    if cu_seqlens is None:
+        return None
+    import hashlib
+
+    digest = hashlib.blake2b(repr(tuple(cu_seqlens)).encode(), digest_size=8).hexdigest()
+    return f"{len(cu_seqlens) - 1} documents, ends at {cu_seqlens[-1]}, #{digest}"
 
 
 # -- shared step machinery ----------------------------------------------------------------------------------
 class _Executor:
     """What the forward and backward interpreters share: plan, exchange, chunk positions, message buffers."""
 
-    def __init__(self, cfg: DistAttnConfig, like: torch.Tensor, phase: str):
-        self.cfg, self.phase = cfg, phase
+    def __init__(self, cfg: DistAttnConfig, like: torch.Tensor, phase: str, checked: dict[str, torch.Tensor]):
+        """``checked``: the call's input tensors by name, whose shapes and dtype all ranks must agree on."""
+        self.cfg, self.phase, self.checked = cfg, phase, checked
         self.n = like.shape[1]
         self.plan = cfg.plan(self.n)
         self.spec = cfg.mask_spec()
-        self.comm = PeerExchange(cfg.group, like.device)
+        self.step = None  # the plan step being executed, for error messages
+        self._connect(like.device)
         self.rank = self.comm.rank
         self.device = like.device
         self.backend = kernels.get_backend(cfg.backend, like.device)
         self._bounds: dict[int, kernels.KeyBounds] = {}
+
+    def _connect(self, device) -> None:
+        """This call's exchange on the library's communicator for the group (built on first use)."""
+        self.lib = communicator(self.cfg.group, self.cfg.timeout)
+        self.seq = self.lib.next_call()
+        self.comm = PeerExchange(self.lib.fetch, device, timeout=self.cfg.timeout,
+                                 tag_base=self.seq * _TAGS_PER_CALL, return_group=self.lib.ret)
+
+    def _agree(self) -> None:
+        """All ranks make the same call, or all raise the same ``ValueError`` (before any transfer).
+
+        A communicator that the peers aborted in a call this rank never made (it skipped one) fails the check
+        at once ("connection closed"): rebuild it and check again, once, so this call meets the peers' rebuilt
+        one (every rank that made the failed call failed it too: ``agreement.confirm``). A timeout is raised.
+        """
+        if not agreement.enabled():
+            return
+        for attempt in range(2):
+            where = f"{self.phase} call {self.seq}, before step 0"
+            fields = agreement.call_fields(self.phase, self.seq, self.checked, self.cfg.fingerprint_fields())
+            try:
+                agreement.agree(self.lib, fields, self._collective_device(), self.cfg.timeout, where)
+                return
+            except DistAttnError as exc:
+                self._abort()
+                if attempt or exc.timed_out:
+                    raise
+                self._connect(self.device)
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.lib.nccl else torch.device("cpu")
+
+    def _abort(self) -> None:
+        self.comm.abort()
+        self.lib.abort()
 
     def start(self, chunk: int) -> int:
         """Global position of the first token of ``chunk``."""
@@ -128,7 +179,24 @@ class _Executor:
         self.comm.post(slot, sends, [(tr.src, bufs) for tr, bufs in inbox.items()])
         return inbox
 
-    def run(self, compute, fetch_payload, fetch_buffers, return_payload, return_buffers, absorb) -> None:
+    def run(self, *handlers, **named) -> None:
+        """Check agreement, then interpret the plan (``_run``); on any failure abort the library's communicators
+        so that the peers fail at once instead of waiting, and re-raise (the next call rebuilds them)."""
+        self._agree()
+        try:
+            self._run(*handlers, **named)
+            if agreement.enabled():
+                agreement.confirm(self.lib, self._collective_device(), self.cfg.timeout,
+                                  f"{self.phase} call {self.seq}, after the last step")
+        except BaseException as exc:
+            self._abort()
+            if not isinstance(exc, DistAttnError):
+                exc.add_note(f"distattn: rank {self.rank} failed in the {self.phase} at step {self.step} of "
+                             f"{self.plan.num_steps()}; it aborted the library's communicators so that its peers "
+                             f"fail with DistAttnError; the next call rebuilds them")
+            raise
+
+    def _run(self, compute, fetch_payload, fetch_buffers, return_payload, return_buffers, absorb) -> None:
         """Interpret the plan: for each step, fetch, compute, send partials back, absorb received partials.
 
         ``compute(task, inbox)`` returns the partial produced by a task (or ``None``); ``absorb(transfer,
@@ -142,6 +210,7 @@ class _Executor:
         fetched = {0: fetch(0)} if self.cfg.overlap else {}
         returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
         for t in range(steps):
+            self.step, self.comm.where = t, f"{phase} call {self.seq}, step {t} of {steps}"
             if not self.cfg.overlap:
                 fetched[t] = fetch(t)
             elif t + 1 < steps:  # prefetch: the next step's inputs travel while this step computes
@@ -183,7 +252,7 @@ def _stats(like: torch.Tensor) -> torch.Tensor:
 # -- forward ------------------------------------------------------------------------------------------------
 def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
     """Execute the plan forward on this rank's shards; returns ``(out (b, n, h_q, d) in q.dtype, lse fp32)``."""
-    ex = _Executor(cfg, q, "forward")
+    ex = _Executor(cfg, q, "forward", {"q": q, "k": k, "v": v})
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     state = kernels.new_state(q)
 
@@ -216,7 +285,7 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
 # -- backward -----------------------------------------------------------------------------------------------
 def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig):
     """Execute the plan backward; returns this rank's ``(dq, dk, dv)`` in the input dtypes."""
-    ex = _Executor(cfg, q, "backward")
+    ex = _Executor(cfg, q, "backward", {"q": q, "k": k, "v": v, "dout": dout})
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dout = dout.to(q.dtype).contiguous()
     lse = lse.contiguous()

@@ -132,10 +132,11 @@ def _rank_mismatch_worker(rank, world):
     return None
 
 
-def test_rank_mismatch_caught_with_debug_check():
-    msgs = run_distributed(_rank_mismatch_worker, 2, timeout=60, env={"DISTATTN_DEBUG": "1"})
+def test_rank_mismatch_caught_without_any_flag():
+    msgs = run_distributed(_rank_mismatch_worker, 2, timeout=60)
     assert msgs[0] is not None and msgs[0] == msgs[1]
-    assert msgs[0].startswith("ranks disagree on the attention call (rank 0: q(1, 4, 2, 8)")
+    assert msgs[0].startswith("distattn: the ranks of the group disagree on the attention call")
+    assert "q.shape: rank 0: (1, 4, 2, 8), rank 1: (1, 6, 2, 8)" in msgs[0]
 
 
 def _exchange_misuse_worker(rank, world):

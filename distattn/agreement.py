@@ -1,0 +1,119 @@
+"""Rank agreement: before the first transfer of every call, the ranks check that they make the same call.
+
+Ranks that disagree on anything that shapes the communication (shard shapes, dtypes, the mask, the schedule,
+...) would otherwise send and receive messages of different sizes or in a different order: gloo aborts the
+process, NCCL hangs or returns garbage. The check is always on and costs one all-reduce of two int64 numbers:
+every rank hashes a readable description of its call (``fields``) to 63 bits ``h`` and the group reduces
+``(h, -h)`` with MAX, which gives the maximum and (negated) the minimum of the hashes in one collective. They
+are equal on every rank exactly when all ranks hashed the same description. Only on a mismatch, which every
+rank sees, do the ranks all-gather their descriptions, so every rank raises the same ``ValueError`` listing
+each rank's value of every field that differs.
+
+What is checked is one dict: the call's shapes, dtypes, device type, phase and sequence number, plus
+``DistAttnConfig.fingerprint_fields()`` (the options and any mask metadata the config carries). A new field
+is covered by adding it there. After the last step, ``confirm`` (a second one-number all-reduce) makes every
+rank fail the same call when one rank fails. ``DISTATTN_CHECK=0`` turns both off (see ``enabled``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from distattn.comm import Communicator, bounded_wait
+
+__all__ = ["CHECK_ENV", "enabled", "call_fields", "agree", "confirm"]
+
+CHECK_ENV = "DISTATTN_CHECK"
+_HASH_MASK = (1 << 63) - 1  # 63 bits: -h is an int64 too
+
+
+def enabled() -> bool:
+    """The check runs unless ``DISTATTN_CHECK=0``."""
+    return os.environ.get(CHECK_ENV, "1") != "0"
+
+
+def call_fields(phase: str, seq: int, tensors: dict[str, torch.Tensor], config_fields: dict) -> dict:
+    """The readable description of one call that every rank must share (JSON-friendly values)."""
+    fields = {"phase": phase, "call": seq}
+    for name, t in tensors.items():
+        fields[f"{name}.shape"] = list(t.shape)
+    first = next(iter(tensors.values()))
+    fields["dtype"] = str(first.dtype).removeprefix("torch.")
+    fields["device"] = first.device.type
+    fields.update(config_fields)
+    return fields
+
+
+def _hash63(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _HASH_MASK
+
+
+def agree(comm: Communicator, fields: dict, device: torch.device, timeout: float, where: str) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks of ``comm`` passed equal ``fields``.
+
+    ``device``: where the collective's tensors live (the call's device on NCCL, CPU otherwise).
+    """
+    text = json.dumps(fields, default=str)
+    h = _hash63(text)
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    bounded_wait([dist.all_reduce(both, op=dist.ReduceOp.MAX, group=comm.fetch, async_op=True)], timeout,
+                 f"distattn: rank {comm.rank}, {where}: agreement check", poll=comm.nccl)
+    hi, neg_lo = both.tolist()
+    if hi == h and -neg_lo == h:
+        return
+    everyone = [json.loads(t) for t in _all_gather_text(comm, text, device, timeout, where)]
+    if any(fields.get("call") != everyone[0].get("call") for fields in everyone):
+        # Ranks out of step (one skipped a call): every rank sees this; all continue from the highest number
+        # (and an owned communicator is rebuilt at the next call), so the next call agrees again.
+        comm.seq = max(fields["call"] for fields in everyone)
+        comm.abort()
+    raise ValueError(describe_mismatch(everyone))
+
+
+def confirm(comm: Communicator, device: torch.device, timeout: float, where: str) -> None:
+    """Every rank finished the call: one all-reduce after the last step, which completes only when every rank
+    reaches it. A rank that failed mid-call has aborted the communicator, so this fails at once on its peers:
+    every rank then fails the same call, and a loop that skips the failed batch skips it everywhere."""
+    done = torch.ones(1, dtype=torch.int64, device=device)
+    bounded_wait([dist.all_reduce(done, group=comm.fetch, async_op=True)], timeout,
+                 f"distattn: rank {comm.rank}, {where}: confirming that every rank finished", poll=comm.nccl)
+
+
+def _all_gather_text(comm: Communicator, text: str, device, timeout: float, where: str) -> list[str]:
+    """Every rank's ``text`` (JSON, no pickle): lengths first, then the zero-padded UTF-8 bytes."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(comm.world_size)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    what = f"distattn: rank {comm.rank}, {where}: gathering the ranks' calls after a disagreement"
+    bounded_wait([dist.all_gather(lengths, mine, group=comm.fetch, async_op=True)], timeout, what, poll=comm.nccl)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(comm.world_size)]
+    bounded_wait([dist.all_gather(bufs, padded.to(device), group=comm.fetch, async_op=True)], timeout, what,
+                 poll=comm.nccl)
+    return [bytes(b[:int(n.item())].tolist()).decode() for b, n in zip(bufs, lengths)]
+
+
+def describe_mismatch(per_rank: list[dict]) -> str:
+    """One line per differing field with every rank's value (identical on every rank)."""
+    names = list(dict.fromkeys(name for fields in per_rank for name in fields))
+    lines = []
+    for name in names:
+        values = [fields.get(name, "<missing>") for fields in per_rank]
+        if any(v != values[0] for v in values):
+            lines.append(f"  {name}: " + ", ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(values)))
+    return ("distattn: the ranks of the group disagree on the attention call; every rank must pass the same "
+            "shard shapes, dtype and options (and make the same calls in the same order). Differences:\n"
+            + "\n".join(lines))
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return "(" + ", ".join(map(str, value)) + ")"
+    return repr(value) if isinstance(value, str) else str(value)
