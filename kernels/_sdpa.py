@@ -1,4 +1,4 @@
-"""SDPA backend: the kernel contract on PyTorch's own fused attention ops (the CPU fast path).
+r"""SDPA backend: the kernel contract on PyTorch's own fused attention ops (the CPU fast path).
 
 PyTorch's fused attention ops return the log-sum-exp next to the output and take it back in their backward,
 which is all a carried-state fold needs:
