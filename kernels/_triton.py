@@ -79,6 +79,11 @@ _CONFIGS = {
 }
 # Largest tile (BLOCK_M * BLOCK_N) kept for d = 256 with 2-byte inputs: bigger ones spill registers heavily.
 _MAX_TILE_D256 = {"fwd": 64 * 64, "dq": 64 * 64, "dkdv": 32 * 64}
+# Configs that spill registers at BLOCK_D = 128 (d = 80..128) with 2-byte inputs, from the sm_90a compile report
+# (bench/compile_report.py, bench/results/compile-sm90/): ptxas spill stores in bytes, causal fold.
+#   fwd (128, 64, 4, 3): 580 B, fwd (128, 128, 8, 2): 24 B, dkdv (32, 64, 4, 3): 112 B, dkdv (32, 128, 8, 3): 116 B
+# Pruned here rather than left to the autotuner (a spilling config can still win a noisy benchmark).
+_SPILLS_D128 = {("fwd", 128, 64, 4, 3), ("fwd", 128, 128, 8, 2), ("dkdv", 32, 64, 4, 3), ("dkdv", 32, 128, 8, 3)}
 
 
 def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int) -> int:
@@ -89,7 +94,7 @@ def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int
     return rows * block_d * elt
 
 
-def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit) -> bool:
+def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=None) -> bool:
     if _smem_bytes(kind, bm, bn, stages, block_d, elt) > smem_limit:
         return False  # would fail to launch (OutOfResources)
     if max(bm, bn) > bucket:
@@ -98,6 +103,8 @@ def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit) -> bool
         return bm * bn <= 32 * 32
     if block_d >= 256:
         return bm * bn <= _MAX_TILE_D256[kind]
+    if block_d == 128 and (kind, bm, bn, warps, stages) in _SPILLS_D128:
+        return False
     return bm * bn >= 1024  # 2-byte inputs: tiny tiles leave the tensor cores idle
 
 
@@ -107,7 +114,8 @@ def _prune(kind: str, configs, named_args, **kwargs):
     ref = named_args["Q"]
     limit = _max_shared_mem(ref.device)
     kept = [c for c in configs if _keep_config(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
-                                               block_d, ref.element_size(), named_args["LEN_BUCKET"], limit)]
+                                               block_d, ref.element_size(), named_args["LEN_BUCKET"], limit,
+                                               warps=c.num_warps)]
     # Never empty: fall back to the config with the smallest shared-memory footprint.
     return kept or [min(configs, key=lambda c: _smem_bytes(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
                                                            c.num_stages, block_d, ref.element_size()))]
