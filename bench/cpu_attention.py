@@ -6,7 +6,8 @@ One process, one run, side by side: ``distattn.flash_attn_func`` with ``backend=
 over queries and keys), with the CPU default (``backend=None``: ``sdpa``, PyTorch's fused CPU flash op per
 piece + fp32 merge), and ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` with autograd.
 Shape ``(1, s, 1, d)`` fp32. The machine may be shared: the table states the CPU model, the thread count and the
-load average before and after, and uses ``--reps`` repetitions (best of).
+load average before and after, and uses ``--reps`` repetitions (best of). On a loaded shared machine run it with
+``OMP_NUM_THREADS=1``: two OpenMP threads spin-waiting against other jobs were 10-30x slower.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _env_prefix() -> str:
+    """The thread setting the run used (one thread avoids OpenMP spin-waits against other jobs on a shared box)."""
+    n = os.environ.get("OMP_NUM_THREADS")
+    return f"OMP_NUM_THREADS={n} " if n else ""
 
 
 def _fwd_bwd(kind: str, q, k, v, dout) -> None:
@@ -84,8 +91,9 @@ def main(argv=None) -> int:
             lines.append(row)
             print(row, flush=True)
     load1 = os.getloadavg()
+    cmd = " ".join(argv if argv is not None else sys.argv[1:])
     lines += ["", f"load average at end: {load1[0]:.1f} {load1[1]:.1f} {load1[2]:.1f}",
-              f"command: python bench/cpu_attention.py {' '.join(argv if argv is not None else sys.argv[1:])}"]
+              f"command: {_env_prefix()}python bench/cpu_attention.py {cmd}"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "table.md"), "w") as f:
