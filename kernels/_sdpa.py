@@ -10,8 +10,8 @@ which is all a carried-state fold needs:
 
 Ops: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (fp32/fp16/bf16, GQA natively,
 strided ``(b, h, s, d)`` views of our ``(b, s, h, d)`` tensors, no copies); on CUDA the flash op
-(``aten._scaled_dot_product_flash_attention``; fp16/bf16, ``d % 8 == 0``, ``d <= 256``; GPU-only, not run on a
-CPU-only machine).
+(``aten._scaled_dot_product_flash_attention``; fp16/bf16, ``d % 8 == 0``, ``d <= 256``; keys/values repeated per
+call for GQA; GPU-only and not yet run on a GPU: ``pytest -m gpu tests/test_sdpa.py`` checks it).
 
 Which chunks: SDPA's ``is_causal`` is aligned top-left (row ``i`` sees keys ``j <= i``). A causal chunk with any
 offset ``DIAG = q_start - k_start`` (row ``i`` sees ``j <= i + DIAG``) is cut into at most three pieces, each a
@@ -100,6 +100,9 @@ class _CpuOps:
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
+_CUDA_AUX: dict = {}
+
+
 class _CudaFlashOps:
     """``aten._scaled_dot_product_flash_attention`` and its backward (GPU only; keys/values repeated for GQA)."""
 
@@ -120,12 +123,23 @@ class _CudaFlashOps:
         return res[0], res[1]
 
     @staticmethod
+    def _dense_aux(q):
+        """cum_seq_q, cum_seq_k, philox seed, philox offset of a dense, dropout-free call, exactly as the forward op
+        returns them (undefined / empty tensors the backward reads as "not varlen, no dropout"), cached."""
+        key = (q.device, q.dtype)
+        if key not in _CUDA_AUX:
+            x = torch.zeros(1, 1, 1, 8, device=q.device, dtype=q.dtype)
+            res = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+            _CUDA_AUX[key] = (res[2], res[3], res[6], res[7])
+        return _CUDA_AUX[key]
+
+    @staticmethod
     def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         h_kv = k.shape[1]
         kr, vr = _CudaFlashOps._repeat(k, v, q.shape[1])
-        none = torch.empty(0, dtype=torch.int64, device=q.device)  # dense call: no cu_seqlens, no dropout rng
+        cu_q, cu_k, seed, offset = _CudaFlashOps._dense_aux(q)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, kr, vr, out, lse, none, none, q.shape[2], kr.shape[2], 0.0, causal, none, none, scale=scale)
+            dout, q, kr, vr, out, lse, cu_q, cu_k, q.shape[2], kr.shape[2], 0.0, causal, seed, offset, scale=scale)
         if kr is not k:  # GQA: sum the repeated heads' gradients back onto their kv head
             b, _, s_k, d = k.shape
             dk = dk.reshape(b, h_kv, -1, s_k, d).sum(2)
@@ -162,7 +176,7 @@ class SdpaBackend:
     def pieces(self, q, k, *, q_start, k_start, causal, bounds, softcap):
         """The op calls for this chunk, or ``None`` when the ops cannot express it (use the reference)."""
         ops = _ops_for(q.device)
-        if bounds is not None or softcap or ops is None or not ops.usable(q):
+        if bounds is not None or softcap or ops is None or not ops.usable(q) or q.shape[0] * q.shape[2] == 0:
             return None
         return causal_pieces(q.shape[1], k.shape[1], q_start - k_start, causal)
 
