@@ -44,7 +44,9 @@ Operations:
     ``backward_chunk_(...)``               add one key/value chunk's ``dq, dk, dv`` into fp32 accumulators
 
 Backends share one protocol (see ``_torch.TorchBackend``): ``"torch"`` (pure PyTorch, any device; the
-reference) and ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+reference), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``"sdpa"`` (PyTorch's fused attention
+ops, one call per dense or diagonal-causal piece of a chunk, the torch reference for other masks and softcap;
+the default on CPU, selectable on CUDA; ``_sdpa.py``).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ __all__ = [
     "varlen_bounds",
 ]
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "sdpa")
 
 
 class AttnState(NamedTuple):
@@ -91,13 +93,29 @@ def _triton_available(device: torch.device) -> tuple[bool, str]:
     return is_available(device)
 
 
+def _sdpa_available(device: torch.device) -> tuple[bool, str]:
+    from ._sdpa import is_available
+
+    return is_available(device)
+
+
 def available_backends(device: torch.device | str) -> tuple[str, ...]:
     """Backends that can run on ``device``, best first."""
     device = torch.device(device)
     names = ["torch"]
+    if _sdpa_available(device)[0]:
+        names.insert(0, "sdpa")
     if _triton_available(device)[0]:
-        names.insert(0, "triton")
+        names.insert(0 if device.type == "cuda" else len(names) - 1, "triton")
     return tuple(names)
+
+
+def _default_backend(device: torch.device) -> str:
+    # triton on CUDA is the fast path; on CPU PyTorch's fused ops are (the Triton interpreter is a test vehicle,
+    # not a default), with the torch reference where neither can run.
+    if device.type == "cuda" and _triton_available(device)[0]:
+        return "triton"
+    return "sdpa" if _sdpa_available(device)[0] else "torch"
 
 
 _CACHE: dict[str, object] = {}
@@ -111,19 +129,26 @@ def get_backend(name: str | None, device: torch.device | str):
     """
     device = torch.device(device)
     if name is None:
-        # triton on CUDA is the fast path; on CPU the interpreter is a test vehicle, not a default.
-        name = "triton" if device.type == "cuda" and _triton_available(device)[0] else "torch"
+        name = _default_backend(device)
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} is unknown; it must be one of {BACKENDS} or None (pick the best available)")
     if name == "triton":
         ok, why = _triton_available(device)
         if not ok:
             raise ValueError(f"backend='triton' cannot run on device {device}: {why}; use backend='torch' or None")
+    if name == "sdpa":
+        ok, why = _sdpa_available(device)
+        if not ok:
+            raise ValueError(f"backend='sdpa' cannot run on device {device}: {why}; use backend='torch' or None")
     if name not in _CACHE:
         if name == "torch":
             from ._torch import TorchBackend
 
             _CACHE[name] = TorchBackend()
+        elif name == "sdpa":
+            from ._sdpa import SdpaBackend
+
+            _CACHE[name] = SdpaBackend()
         else:
             from ._triton import TritonBackend
 

@@ -79,6 +79,18 @@ _CONFIGS = {
 }
 # Largest tile (BLOCK_M * BLOCK_N) kept for d = 256 with 2-byte inputs: bigger ones spill registers heavily.
 _MAX_TILE_D256 = {"fwd": 64 * 64, "dq": 64 * 64, "dkdv": 32 * 64}
+# Configs that spill registers with 2-byte inputs, by BLOCK_D, from the sm_90a compile report
+# (bench/results/compile-sm90/bf16-d64-d128.md; ptxas spill stores in bytes, the worst of causal/dense, MHA and
+# GQA 32/8 heads, which share one autotune key). BLOCK_D = 128 also serves d = 80 and 96 (padded to 128).
+#   128: fwd (128, 64, 4, 3) 588 B, fwd (128, 128, 8, 2) 52 B; dkdv (32, 64, 4, 3) 756 B, (64, 64, 8, 3) 492 B,
+#        (32, 128, 8, 3) 380 B, (32, 64, 8, 2) 40 B, (32, 32, 4, 2) 32 B
+#   64:  dkdv (32, 32, 4, 2) 4 B
+# Pruned here rather than left to the autotuner (a spilling config can still win a noisy benchmark).
+_SPILLS = {
+    128: {("fwd", 128, 64, 4, 3), ("fwd", 128, 128, 8, 2), ("dkdv", 32, 64, 4, 3), ("dkdv", 64, 64, 8, 3),
+          ("dkdv", 32, 128, 8, 3), ("dkdv", 32, 64, 8, 2), ("dkdv", 32, 32, 4, 2)},
+    64: {("dkdv", 32, 32, 4, 2)},
+}
 
 
 def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int) -> int:
@@ -89,7 +101,7 @@ def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int
     return rows * block_d * elt
 
 
-def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit) -> bool:
+def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=None) -> bool:
     if _smem_bytes(kind, bm, bn, stages, block_d, elt) > smem_limit:
         return False  # would fail to launch (OutOfResources)
     if max(bm, bn) > bucket:
@@ -98,6 +110,8 @@ def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit) -> bool
         return bm * bn <= 32 * 32
     if block_d >= 256:
         return bm * bn <= _MAX_TILE_D256[kind]
+    if (kind, bm, bn, warps, stages) in _SPILLS.get(block_d, ()):
+        return False
     return bm * bn >= 1024  # 2-byte inputs: tiny tiles leave the tensor cores idle
 
 
@@ -107,7 +121,8 @@ def _prune(kind: str, configs, named_args, **kwargs):
     ref = named_args["Q"]
     limit = _max_shared_mem(ref.device)
     kept = [c for c in configs if _keep_config(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
-                                               block_d, ref.element_size(), named_args["LEN_BUCKET"], limit)]
+                                               block_d, ref.element_size(), named_args["LEN_BUCKET"], limit,
+                                               warps=c.num_warps)]
     # Never empty: fall back to the config with the smallest shared-memory footprint.
     return kept or [min(configs, key=lambda c: _smem_bytes(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
                                                            c.num_stages, block_d, ref.element_size()))]

@@ -36,11 +36,11 @@ def _bwd_preprocess_kernel(
     off_h = (off_bh % H_Q).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o_ptrs = OUT + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
-    do_ptrs = DO + off_b * stride_db + off_h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :]
+    o_ptrs = OUT + off_b * stride_ob + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :]
+    do_ptrs = DO + off_b * stride_db + off_h * stride_dh + offs_m.to(tl.int64)[:, None] * stride_ds + offs_d[None, :]
     o = _load_tile(o_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D).to(tl.float32)
     do = _load_tile(do_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D).to(tl.float32)
-    e_ptrs = DELTA + off_b * stride_eb + off_h * stride_eh + offs_m * stride_es
+    e_ptrs = DELTA + off_b * stride_eb + off_h * stride_eh + offs_m.to(tl.int64) * stride_es
     tl.store(e_ptrs, tl.sum(o * do, 1), mask=offs_m < S_Q)
 
 
@@ -64,13 +64,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI,
 
     Works on transposed tiles (keys on rows): S^T = K Q^T. MASKED: apply the mask (an edge of the visible band).
     """
-    q_ptrs = Q_head + start.to(tl.int64) * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :]
-    do_ptrs = DO_head + start.to(tl.int64) * stride_ds + offs_m[:, None] * stride_ds + offs_d[None, :]
+    q_ptrs = Q_head + start.to(tl.int64) * stride_qs + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :]
+    do_ptrs = DO_head + start.to(tl.int64) * stride_ds + offs_m.to(tl.int64)[:, None] * stride_ds + offs_d[None, :]
     for start_m in range(start, stop, BLOCK_M):
         rows = start_m + offs_m
         q = _load_tile(q_ptrs, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
         do = _load_tile(do_ptrs, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
-        lse2, delta = _load_row_stats(LSE_head + rows * stride_ls, DELTA_head + rows * stride_es, rows, S_Q)
+        rows64 = rows.to(tl.int64)  # row offsets x strides in 64 bits: s * stride can pass 2^31
+        lse2, delta = _load_row_stats(LSE_head + rows64 * stride_ls, DELTA_head + rows64 * stride_es, rows, S_Q)
         # -- recompute P^T --
         s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), qk_scale, cap_in, cap_out, SOFTCAP)
         p_t = tl.math.exp2(s_t - lse2[None, :])  # [BLOCK_N, BLOCK_M]
@@ -152,8 +153,8 @@ def _bwd_dkdv_kernel(
     # -- query rows: [start, full_lo) masked, [full_lo, full_hi) see the whole block, [full_hi, end) masked --
     start, full_lo, full_hi, end = _query_range(n0, S_Q, S_K, DIAG, RLO, RHI, BLOCK_M, BLOCK_N, MASK)
 
-    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
     k = _load_tile(k_ptrs, offs_n, S_K, offs_d, HEAD_DIM, True, MASK_D)
     v = _load_tile(v_ptrs, offs_n, S_K, offs_d, HEAD_DIM, True, MASK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -180,8 +181,9 @@ def _bwd_dkdv_kernel(
                                      True, MASK_D, SOFTCAP, DOT_PREC)
 
     # -- add into the fp32 accumulators (this program owns these rows: deterministic) --
-    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
-    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :]
+    keys64 = offs_n.to(tl.int64)[:, None]
+    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + keys64 * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + keys64 * stride_dvs + offs_d[None, :]
     dk = dk * sm_scale + _load_tile(dk_ptrs, offs_n, S_K, offs_d, HEAD_DIM, True, MASK_D)
     dv = dv + _load_tile(dv_ptrs, offs_n, S_K, offs_d, HEAD_DIM, True, MASK_D)
     _store_tile(dk_ptrs, dk, offs_n, S_K, offs_d, HEAD_DIM, MASK_D)
@@ -194,8 +196,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_blk, V_blk, stride_ks, stride_vs, st
                   BLOCK_N: tl.constexpr, MASK: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
                   SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
     """Accumulate dq of one resident query block over key blocks [start, stop); K_blk/V_blk point at ``start``."""
-    k_ptrs = K_blk + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V_blk + offs_n[:, None] * stride_vs + offs_d[None, :]
+    k_ptrs = K_blk + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V_blk + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         k = _load_tile(k_ptrs, cols, S_K, offs_d, HEAD_DIM, MASKED, MASK_D)
@@ -247,12 +249,13 @@ def _bwd_dq_kernel(
     start, full_lo, full_hi, end = _key_range(m0, S_Q, S_K, DIAG, LO, HI, K_START, BLOCK_M, BLOCK_N, MASK)
     lo_r, hi_r = _row_bounds(LO, HI, K_START, offs_m, S_Q, MASK)
 
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-    do_ptrs = DO + off_b * stride_db + off_h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :]
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :]
+    do_ptrs = DO + off_b * stride_db + off_h * stride_dh + offs_m.to(tl.int64)[:, None] * stride_ds + offs_d[None, :]
     q = _load_tile(q_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D)
     do = _load_tile(do_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D)
-    lse2, delta = _load_row_stats(LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls,
-                                  DELTA + off_b * stride_eb + off_h * stride_eh + offs_m * stride_es, offs_m, S_Q)
+    rows64 = offs_m.to(tl.int64)
+    lse2, delta = _load_row_stats(LSE + off_b * stride_lb + off_h * stride_lh + rows64 * stride_ls,
+                                  DELTA + off_b * stride_eb + off_h * stride_eh + rows64 * stride_es, offs_m, S_Q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     K_head = K + off_b * stride_kb + off_hk * stride_kh
     V_head = V + off_b * stride_vb + off_hk * stride_vh
@@ -271,6 +274,6 @@ def _bwd_dq_kernel(
                        True, MASK_D, SOFTCAP, DOT_PREC)
 
     # -- add into the fp32 accumulator (this program owns these rows: deterministic) --
-    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :]
     dq = dq * sm_scale + _load_tile(dq_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D)
     _store_tile(dq_ptrs, dq, offs_m, S_Q, offs_d, HEAD_DIM, MASK_D)

@@ -3,7 +3,10 @@ r"""Triton forward kernels: fold one key/value chunk into a carried softmax stat
 Raw ``@triton.jit`` code only; the launchers, autotuning and the backend class live in ``_triton.py``.
 
 Legend: b batch, s_q / s_k query / key length of this chunk, h_q / h_kv query / key-value heads, d head dim.
-Every tensor is addressed through explicit strides ``stride_<tensor><dim>`` with unit stride in d.
+Every tensor is addressed through explicit strides ``stride_<tensor><dim>`` with unit stride in d. Row (sequence)
+offsets are cast to int64 before they multiply a stride: ``s * h * d`` passes 2^31 at ~524k tokens for
+``h * d = 4096``, and an int32 product would wrap into an illegal or wrong address (``bench/compile_report.py``
+checks the generated IR for it).
 
 The carried state is the *normalized* fp32 partial ``(out, lse)`` of the kernel contract. In the kernel it is
 the FlashAttention-2 triple ``(acc, m, l)`` with ``acc = out``, ``m = lse`` (kept in base 2 inside the kernel)
@@ -140,8 +143,8 @@ def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, stride_ks, stride_vs, start, stop
                MASK: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr, SOFTCAP: tl.constexpr,
                DOT_PREC: tl.constexpr):
     """Online softmax over key blocks [start, stop); K_blk/V_blk point at key ``start``. MASKED: apply the mask."""
-    k_ptrs = K_blk + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V_blk + offs_n[:, None] * stride_vs + offs_d[None, :]
+    k_ptrs = K_blk + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V_blk + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
     for start_n in range(start, stop, BLOCK_N):
         cols = start_n + offs_n
         k = _load_tile(k_ptrs, cols, S_K, offs_d, HEAD_DIM, MASKED, MASK_D)
@@ -205,10 +208,10 @@ def _fwd_kernel(
     lo_r, hi_r = _row_bounds(LO, HI, K_START, offs_m, S_Q, MASK)
 
     # -- load q and the carried state --
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :]
     q = _load_tile(q_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D)
-    lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls
-    a_ptrs = O_ACC + off_b * stride_ab + off_h * stride_ah + offs_m[:, None] * stride_as + offs_d[None, :]
+    lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m.to(tl.int64) * stride_ls
+    a_ptrs = O_ACC + off_b * stride_ab + off_h * stride_ah + offs_m.to(tl.int64)[:, None] * stride_as + offs_d[None, :]
     if FRESH:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -242,7 +245,8 @@ def _fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     tl.store(lse_ptrs, lse, mask=offs_m < S_Q)
     if LAST:
-        o_ptrs = OUT + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+        rows64 = offs_m.to(tl.int64)[:, None]
+        o_ptrs = OUT + off_b * stride_ob + off_h * stride_oh + rows64 * stride_os + offs_d[None, :]
         _store_tile(o_ptrs, out.to(OUT.dtype.element_ty), offs_m, S_Q, offs_d, HEAD_DIM, MASK_D)
     else:
         _store_tile(a_ptrs, out, offs_m, S_Q, offs_d, HEAD_DIM, MASK_D)
@@ -276,8 +280,8 @@ def _merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < S_Q
 
-    l1_ptrs = LSE1 + off_b * stride_l1b + off_h * stride_l1h + offs_m * stride_l1s
-    l2_ptrs = LSE2 + off_b * stride_l2b + off_h * stride_l2h + offs_m * stride_l2s
+    l1_ptrs = LSE1 + off_b * stride_l1b + off_h * stride_l1h + offs_m.to(tl.int64) * stride_l1s
+    l2_ptrs = LSE2 + off_b * stride_l2b + off_h * stride_l2h + offs_m.to(tl.int64) * stride_l2s
     lse1 = tl.load(l1_ptrs, mask=row_ok, other=float("-inf"))
     lse2 = tl.load(l2_ptrs, mask=row_ok, other=float("-inf"))
     m = tl.maximum(lse1, lse2)
@@ -288,8 +292,8 @@ def _merge_kernel(
     empty = w == 0.0
     w_safe = tl.where(empty, 1.0, w)
 
-    o1_ptrs = O1 + off_b * stride_1b + off_h * stride_1h + offs_m[:, None] * stride_1s + offs_d[None, :]
-    o2_ptrs = O2 + off_b * stride_2b + off_h * stride_2h + offs_m[:, None] * stride_2s + offs_d[None, :]
+    o1_ptrs = O1 + off_b * stride_1b + off_h * stride_1h + offs_m.to(tl.int64)[:, None] * stride_1s + offs_d[None, :]
+    o2_ptrs = O2 + off_b * stride_2b + off_h * stride_2h + offs_m.to(tl.int64)[:, None] * stride_2s + offs_d[None, :]
     o1 = _load_tile(o1_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D).to(tl.float32)
     o2 = _load_tile(o2_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D).to(tl.float32)
     # An empty side may hold anything (even NaN) in its output: select, never multiply by a zero weight.

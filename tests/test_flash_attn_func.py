@@ -1,4 +1,8 @@
-"""distattn.flash_attn_func (torch backend) against an fp64 reference, forward and backward."""
+"""distattn.flash_attn_func against an fp64 reference, forward and backward.
+
+The grids run on the CPU default backend (``sdpa``: PyTorch's fused ops, torch reference fallback); the length grid
+also on the ``torch`` reference itself.
+"""
 
 import itertools
 
@@ -16,7 +20,7 @@ HEAD_DIMS = [16, 32, 64, 80, 96, 128, 160, 256]
 DTYPES = [torch.float32, torch.float16]
 
 
-def check_against_reference(s_q, s_k, h_q, h_kv, d, dtype, causal, backend="torch", batch=2, seed=0):
+def check_against_reference(s_q, s_k, h_q, h_kv, d, dtype, causal, backend=None, batch=2, seed=0):
     q, k, v, dout = make_qkv(batch, s_q, s_k, h_q, h_kv, d, dtype, seed=seed)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = distattn.flash_attn_func(qg, kg, vg, causal=causal, return_lse=True, backend=backend)
@@ -31,13 +35,14 @@ def check_against_reference(s_q, s_k, h_q, h_kv, d, dtype, causal, backend="torc
     assert_all_close_by_rule(("out", "lse", "dq", "dk", "dv"), ours, base, ref, dtype)
 
 
+@pytest.mark.parametrize("backend", ["torch", None])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("s_q,s_k", LENGTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_lengths(s_q, s_k, causal, dtype):
+def test_lengths(s_q, s_k, causal, dtype, backend):
     i = LENGTHS.index((s_q, s_k))
     h_q, h_kv = HEADS[i % len(HEADS)]
-    check_against_reference(s_q, s_k, h_q, h_kv, HEAD_DIMS[i % len(HEAD_DIMS)], dtype, causal)
+    check_against_reference(s_q, s_k, h_q, h_kv, HEAD_DIMS[i % len(HEAD_DIMS)], dtype, causal, backend=backend)
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -52,8 +57,9 @@ def test_gqa(h_q, h_kv, causal):
     check_against_reference(40, 40, h_q, h_kv, 32, torch.float32, causal)
 
 
-def test_bf16_runs_on_torch_backend():
-    check_against_reference(65, 65, 4, 2, 64, torch.bfloat16, causal=True)
+@pytest.mark.parametrize("backend", ["torch", None])
+def test_bf16(backend):
+    check_against_reference(65, 65, 4, 2, 64, torch.bfloat16, causal=True, backend=backend)
 
 
 def test_rows_with_no_visible_key_are_zero_not_nan():
@@ -123,9 +129,9 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch)
         distattn.flash_attn_func(*_qkv(), backend="triton")
 
 
-def test_default_backend_on_cpu_is_torch():
-    assert distattn.kernels.get_backend(None, "cpu").name == "torch"
-    assert "torch" in distattn.kernels.available_backends("cpu")
+def test_default_backend_on_cpu_is_sdpa():
+    assert distattn.kernels.get_backend(None, "cpu").name == "sdpa"
+    assert {"sdpa", "torch"} <= set(distattn.kernels.available_backends("cpu"))
 
 
 def test_grid_is_complete():
