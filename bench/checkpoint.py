@@ -9,7 +9,9 @@ step (forward + backward) at 8k..64k tokens per GPU, side by side in one run:
   * ``none``   no checkpointing (``--variants none,hf,remat``), the memory ceiling; out-of-memory is recorded.
 Reported per (tokens, variant): median step time, speedup over ``hf``, peak GPU memory
 (``torch.cuda.max_memory_allocated``), activation bytes kept between forward and backward
-(``distattn.checkpoint.retained_bytes``, an untimed step), attention forward executions per step, and model
+(``distattn.checkpoint.retained_bytes``, an untimed step) next to the memory model's prediction for the decoder
+layers (``distattn.memory``; the measurement also holds RoPE's cos/sin and the final norm), attention forward
+executions per step, and model
 TFLOP/s. FLOPs (the convention of every distattn benchmark) count useful work only, never recomputation:
 per layer ``6 * tokens * matmul_params`` for the projections and MLP, plus attention
 ``4 * b * h * s * s * d * 0.5`` (causal) forward and x2.5 backward (x3.5 both).
@@ -134,6 +136,22 @@ def model_flops(config, layers: int, tokens: int, world: int) -> float:
     return layers * (linear + 3.5 * attn_fwd)
 
 
+def predicted_kept(config, variant: str, tokens: int, device, dtype, world: int) -> int:
+    """The memory model's bytes kept by the decoder layers (``distattn.memory``): layers x per-layer list.
+
+    What the measurement adds on top: RoPE's cos/sin and the final norm's saved tensors (outside the layers).
+    """
+    from distattn.memory import LayerSpec, layer_saved_tensors
+
+    spec = LayerSpec(hidden=config.hidden_size, heads=config.num_attention_heads,
+                     kv_heads=config.num_key_value_heads, ffn=config.intermediate_size)
+    strategy = {"none": "none", "hf": "full", "remat": "remat"}[variant]
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    per_layer = layer_saved_tensors(spec, 1, tokens * world, impl="distattn", precision=precision,
+                                    strategy=strategy, sp=world, device=device.type)
+    return config.num_hidden_layers * sum(t.nbytes for t in per_layer)
+
+
 def measure(args, model, config, variant, tokens, device, dtype, rank, world) -> dict:
     set_variant(model, variant)
     embeds = torch.randn(1, tokens, config.hidden_size, device=device, dtype=dtype)
@@ -145,6 +163,7 @@ def measure(args, model, config, variant, tokens, device, dtype, rank, world) ->
         out, kept = ck.retained_bytes(lambda: model(inputs_embeds=embeds, position_ids=positions).last_hidden_state)
         out.float().square().mean().backward()
         row["attn_fwd_per_step"], row["kept_MiB"] = ck.COUNTERS.forward, kept / 2**20
+        row["predicted_MiB"] = predicted_kept(config, variant, tokens, device, dtype, world) / 2**20
         del out
         model.zero_grad(set_to_none=True)
         for _ in range(args.warmup):
@@ -178,7 +197,8 @@ def add_speedups(rows):
         r["speedup_vs_hf"] = base / r["step_ms"] if base and r["step_ms"] == r["step_ms"] else float("nan")
 
 
-COLUMNS = ["tokens_per_gpu", "variant", "step_ms", "speedup_vs_hf", "peak_GiB", "kept_MiB", "attn_fwd_per_step",
+COLUMNS = ["tokens_per_gpu", "variant", "step_ms", "speedup_vs_hf", "peak_GiB", "kept_MiB", "predicted_MiB",
+           "attn_fwd_per_step",
            "TFLOPs", "note"]
 
 
