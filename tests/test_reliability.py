@@ -182,8 +182,15 @@ def test_disagreements_faults_and_skips_fail_fast_and_recover(world):
                 assert kind == "RuntimeError" and "injected fault" in msg, (phase, msg)
             else:
                 assert kind == "DistAttnError", (phase, rank, kind, msg)
-                assert f"rank {rank}, " in msg and "a peer failed and aborted" in msg, msg
-                assert took < ABORT_S, (phase, rank, took, msg)
+                assert f"rank {rank}, " in msg and f"{phase} call" in msg, msg
+                # Usually the failing rank's abort wakes its peers at once ("a peer failed and aborted"); a
+                # peer whose receive from it was not yet matched can miss the closed connection and then
+                # fails at its own bound instead (seen once in CI on gloo): bounded either way.
+                if "a peer failed and aborted" in msg:
+                    assert took < ABORT_S, (phase, rank, took, msg)
+                else:
+                    assert "no message within the timeout" in msg, msg
+                    assert took < CALL_TIMEOUT_S + ABORT_S, (phase, rank, took, msg)
             assert recovered, (phase, rank)
 
     # a rank skipping a call: its peers raise DistAttnError within the timeout; then recovery
