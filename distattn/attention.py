@@ -249,15 +249,31 @@ def _stats(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(b, h, n, dtype=torch.float32, device=like.device)
 
 
+class _WireCopies:
+    """Contiguous versions of tensors that are sent (messages need contiguous memory), made at most once each."""
+
+    def __init__(self):
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return t
+        if id(t) not in self._copies:
+            self._copies[id(t)] = t.contiguous()
+        return self._copies[id(t)]
+
+
 # -- forward ------------------------------------------------------------------------------------------------
 def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
     """Execute the plan forward on this rank's shards; returns ``(out (b, n, h_q, d) in q.dtype, lse fp32)``."""
     ex = _Executor(cfg, q, "forward", {"q": q, "k": k, "v": v})
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # q, k, v stay as given (the kernels need unit stride in d only, e.g. HF's transposed (b, h, n, d) views);
+    # a contiguous copy is made once, and only if a tensor is sent to another rank.
+    wire = _WireCopies()
     state = kernels.new_state(q)
 
     def fetch_payload(tr):
-        return [k, v] if tr.kind == "kv" else [q]
+        return [wire(k), wire(v)] if tr.kind == "kv" else [wire(q)]
 
     def fetch_buffers(tr):
         return [_empty(k), _empty(v)] if tr.kind == "kv" else [_empty(q)]
@@ -286,16 +302,15 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
 def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig):
     """Execute the plan backward; returns this rank's ``(dq, dk, dv)`` in the input dtypes."""
     ex = _Executor(cfg, q, "backward", {"q": q, "k": k, "v": v, "dout": dout})
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    dout = dout.to(q.dtype).contiguous()
-    lse = lse.contiguous()
+    wire = _WireCopies()  # as in the forward: copies only of what travels, once each
+    dout = dout.to(q.dtype)
     delta = kernels.attn_delta(dout, out, backend=ex.backend)  # rowsum(dout * out), once, before any step
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros_like(dk)
 
     def fetch_payload(tr):
-        return [k, v] if tr.kind == "kv" else [q, dout, lse, delta]
+        return [wire(k), wire(v)] if tr.kind == "kv" else [wire(q), wire(dout), wire(lse), delta]
 
     def fetch_buffers(tr):
         return [_empty(k), _empty(v)] if tr.kind == "kv" else [_empty(q), _empty(q), _stats(q), _stats(q)]
