@@ -2,13 +2,16 @@
 
 Legend: q_bshd (b, s_q, h_q, d), k_bshd / v_bshd (b, s_k, h_kv, d), lse_bhs (b, h_q, s_q) fp32 natural log.
 
-On CUDA the attention kernels are autotuned, keyed on (HEAD_DIM, MASK kind, SOFTCAP, power-of-two bucket of the
-chunk lengths) plus the tensor dtypes. MASK: 0 none, 1 causal on positions, 2 per-row key bounds
+On CUDA each attention kernel launches with a config chosen deterministically from (HEAD_DIM, dtype, MASK kind,
+power-of-two bucket of the chunk lengths, shared memory): the first config of ``_CONFIGS`` that the filter keeps,
+so every rank picks the same and nothing is benchmarked inside a distributed step. ``DISTATTN_AUTOTUNE=1``
+autotunes instead, keyed on (HEAD_DIM, MASK kind, SOFTCAP, length bucket) plus the tensor dtypes, per process. MASK: 0 none, 1 causal on positions, 2 per-row key bounds
 (``_masks.KeyBounds``: packed documents, sliding windows). Under ``TRITON_INTERPRET=1`` (CPU tests) one fixed small configuration is
 used, because the interpreter is slow and autotuning there would measure nothing. Whether the kernels are
 interpreted is decided by Triton when they are *decorated*, i.e. when this module is first imported, so the
 environment variable must be set before that (tests/conftest.py and tests/test_triton.py do so).
 """
+import functools
 import os
 from typing import Optional
 
@@ -55,6 +58,11 @@ def is_available(device) -> tuple[bool, str]:
 def _len_bucket(*lengths: int) -> int:
     """Power-of-two bucket of the longest length (>= 64): the autotune key for sequence length."""
     return max(64, triton.next_power_of_2(max(lengths)))
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_mem_cached(device) -> int:
+    return _max_shared_mem(device)
 
 
 def _max_shared_mem(device) -> int:
@@ -131,11 +139,47 @@ def _prune(kind: str, configs, named_args, **kwargs):
 _TUNED: dict = {}
 
 
+def autotune_enabled() -> bool:
+    """``DISTATTN_AUTOTUNE=1``: benchmark the kept configs per key (per process, not agreed across ranks);
+    default 0: the deterministic choice of :class:`_Heuristic`, the same on every rank and every restart."""
+    return os.environ.get("DISTATTN_AUTOTUNE", "0") == "1"
+
+
+class _Heuristic:
+    """Launch with the first listed config (``_CONFIGS`` is in order of preference, from the sm_90 compile
+    report) that the filter keeps for these arguments: deterministic, so every rank of a process group picks
+    the same config, nothing is benchmarked inside a distributed step, and nothing needs a cache."""
+
+    def __init__(self, name: str, raw):
+        self.name, self.raw = name, raw
+
+    def pick(self, named: dict) -> tuple[int, int, int, int]:
+        ref = named["Q"]
+        kept = [c for c in _CONFIGS[self.name]
+                if _keep_config(self.name, c[0], c[1], c[3], named["BLOCK_D"], ref.element_size(),
+                                named["LEN_BUCKET"], _max_shared_mem_cached(ref.device), warps=c[2])]
+        smallest = min(_CONFIGS[self.name], key=lambda c: _smem_bytes(self.name, c[0], c[1], c[3], named["BLOCK_D"],
+                                                                        ref.element_size()))
+        return kept[0] if kept else smallest
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            named = dict(zip(self.raw.arg_names, args), **kwargs)
+            bm, bn, warps, stages = self.pick(named)
+            meta = dict(kwargs, BLOCK_M=bm, BLOCK_N=bn)
+            return self.raw[grid(meta) if callable(grid) else grid](
+                *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **kwargs)
+        return launch
+
+
 def _kernel(name: str):
-    """The launchable kernel: autotuned on CUDA, the raw jit function under the interpreter."""
+    """The launchable kernel: a deterministic config on CUDA (``DISTATTN_AUTOTUNE=1``: autotuned), the raw jit
+    function under the interpreter."""
     raw = {"fwd": _fwd._fwd_kernel, "dkdv": _bwd._bwd_dkdv_kernel, "dq": _bwd._bwd_dq_kernel}[name]
     if _INTERPRET:
         return raw
+    if not autotune_enabled():
+        return _Heuristic(name, raw)
     if name not in _TUNED:
         # The kernels read-modify-write their outputs, so autotuning restores them after each trial.
         restore = {"fwd": ["O_ACC", "LSE"], "dkdv": ["DK", "DV"], "dq": ["DQ"]}[name]
