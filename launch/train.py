@@ -7,7 +7,7 @@ kernels when there are GPUs, CPU + gloo + the pure-PyTorch kernels otherwise (ch
 ``--device``, ``--dist-backend``, ``--backend`` override).
 
 Quick start. CPU is enough: 4 gloo ranks train the ``tiny`` preset for 40 steps on the shipped public-domain
-corpus, 2048-token sequences of which each rank holds 512. Measured: 67 s wall on an idle 2-core machine; the
+corpus, 2048-token sequences of which each rank holds 512. Measured: 60 s wall on an idle 2-core machine; the
 loss falls from 5.6 (uniform over bytes) to 2.56::
 
     pip install -e ".[hf]" && torchrun --standalone --nproc-per-node 4 launch/train.py
