@@ -19,13 +19,19 @@ Legend: ``b`` batch, ``s`` sequence, ``h_q``/``h_kv`` heads, ``d`` head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
 import torch
+import torch.distributed as dist
 
 from distattn import kernels
+from distattn._ops import dist_attention
 from distattn._validate import check_qkv, resolve_scale
+from distattn.attention import DistAttnConfig
+from distattn.comm import default_timeout
+from distattn.single import attention, attention_with_bounds
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func"]
 
@@ -115,8 +121,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Returns:
         ``out (b, s_q, h_q, d)`` in the input dtype; or the tuples described above.
     """
-    from distattn.single import attention
-
     check_unsupported(dropout_p, alibi_slopes, deterministic)
     check_qkv(q, k, v)
     causal = check_causal(causal)
@@ -181,8 +185,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         ``out (total_q, h_q, d)`` in the input dtype; or ``(out, lse)`` / ``(out, lse, None)``.
     """
-    from distattn.single import attention_with_bounds
-
     check_unsupported(dropout_p, alibi_slopes, deterministic)
     if block_table is not None:
         raise ValueError("block_table (a paged key/value cache) is not supported by distattn, which computes "
@@ -259,8 +261,6 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     reaches the others' keys and values through the exchange). Parameters upstream of q/k/v get only this
     rank's share: sum them over the group (DDP/FSDP over the group does it) before an optimizer step.
     """
-    from distattn._ops import dist_attention
-
     check_unsupported(dropout_p, alibi_slopes, deterministic)
     cfg = make_config(q, k, v, causal=check_causal(causal), softmax_scale=softmax_scale,
                       window=check_window(window_size), softcap=check_softcap(softcap), group=group,
@@ -301,10 +301,6 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     Returns:
         This rank's ``out (n, h_q, d)``; or ``(out, lse)`` / ``(out, lse, None)``.
     """
-    from distattn._ops import dist_attention
-
-    import torch.distributed as dist
-
     check_unsupported(dropout_p, alibi_slopes, deterministic)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
@@ -325,8 +321,6 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
         raise ValueError(f"max_seqlen ({max_seqlen!r}) must be an int >= the longest document ({longest})")
-    import dataclasses
-
     cfg = dataclasses.replace(cfg, cu_seqlens=tuple(cu))
     out, lse = dist_attention(q4, k4, v4, cfg)
     return _returns(out[0], lse[0], return_attn_probs, return_lse)
@@ -334,8 +328,6 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
 
 def check_timeout(timeout) -> float:
     """``timeout`` in seconds (a finite number > 0), or ``None`` for ``DISTATTN_TIMEOUT`` / 300 s."""
-    from distattn.comm import default_timeout
-
     if timeout is None:
         return default_timeout()
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
@@ -350,10 +342,6 @@ def check_timeout(timeout) -> float:
 def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, schedule, backend, overlap,
                 timeout=None):
     """Validate this rank's shards and options; the frozen ``DistAttnConfig``. Raises before any communication."""
-    import torch.distributed as dist
-
-    from distattn.attention import DistAttnConfig
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("dist_flash_attn_func needs an initialized process group: call "
                            "torch.distributed.init_process_group(...) first, or use flash_attn_func on one device")
