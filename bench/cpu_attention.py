@@ -14,25 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import distattn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+import distattn  # noqa: E402
+from bench._util import cpu_name  # noqa: E402
 
 
 def _env_prefix() -> str:
@@ -71,7 +63,7 @@ def main(argv=None) -> int:
 
     kinds = [("torch", "torch reference"), ("default", "CPU default (sdpa)"), ("sdpa_plain", "F.sdpa")]
     load0 = os.getloadavg()
-    head = (f"CPU: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
+    head = (f"CPU: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
             f"threads; fp32, batch 1, 1 head, causal, forward + backward, best of {args.reps}")
     lines = [head, f"load average at start: {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f}", "",
              "| d | tokens | " + " | ".join(f"{label} (s)" for _, label in kinds) + " | reference / default | "
