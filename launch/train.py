@@ -385,9 +385,18 @@ def fail(message: str, code: int) -> int:
     (train_ckpt), so none is left waiting in a collective.
     """
     train_config.report_error(message)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return code
+    if not dist.is_initialized():
+        return code
+    # Every rank waits here until all are here, then leaves at once without tearing gloo down: a rank that
+    # destroys its group while a peer's connection is still closing can be aborted by gloo (SIGABRT, exit -6
+    # instead of 2, seen once in CI). Nothing is left to clean up: the job is over on every rank.
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001  (a peer already gone: exit all the same)
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv=None) -> int:
