@@ -385,18 +385,7 @@ def fail(message: str, code: int) -> int:
     (train_ckpt), so none is left waiting in a collective.
     """
     train_config.report_error(message)
-    if not dist.is_initialized():
-        return code
-    # Every rank waits here until all are here, then leaves at once without tearing gloo down: a rank that
-    # destroys its group while a peer's connection is still closing can be aborted by gloo (SIGABRT, exit -6
-    # instead of 2, seen once in CI). Nothing is left to clean up: the job is over on every rank.
-    try:
-        dist.barrier()
-    except Exception:  # noqa: BLE001  (a peer already gone: exit all the same)
-        pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return finish(code)
 
 
 def main(argv=None) -> int:
@@ -407,12 +396,26 @@ def main(argv=None) -> int:
         return fail(str(exc), EXIT_BAD_ARGS)
     except JobFailed as exc:
         return fail(str(exc), 1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     if cfg.env.rank == 0:
         train_log.print_summary(summary)
-    return 0
+    return finish(0)
+
+
+def finish(code: int) -> int:
+    """End a job whose process group is up: every rank waits for all, then leaves without tearing gloo down.
+
+    Destroying the groups while a peer's connections are closing can make gloo abort a finished rank
+    ("terminate called without an active exception", exit -6; seen in CI), so the process exits directly.
+    """
+    if not dist.is_initialized():
+        return code
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001  (a peer already gone: exit all the same)
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
