@@ -7,6 +7,17 @@ a pair is computed either by its query owner (rank i, which fetches kv chunk j f
 *helper*, the kv owner (rank j, which fetches query chunk i from rank i, attends with its own kv and
 returns a partial output + lse that rank i merges). See DistFlashAttn (Li et al.), Sec. 3.1.
 
+"zigzag" balances by *layout* instead (``distattn.schedule.layouts``): rank r holds chunks r and 2P-1-r of 2P,
+so every (query shard, kv shard) pair holds the same causal work; the plan is the ring order over all P*P pairs,
+every task an owner task, so only k/v travel forward and dk/dv back (what GQA wants: ``h_kv`` heads only)::
+
+    P=4, causal, zigzag (chunks held: rank0 {0,7}, rank1 {1,6}, rank2 {2,5}, rank3 {3,4})
+    step  rank0   rank1   rank2   rank3
+       0  (0,0)   (1,1)   (2,2)   (3,3)
+       1  (0,3)   (1,0)   (2,1)   (3,2)
+       2  (0,2)   (1,3)   (2,0)   (3,1)
+       3  (0,1)   (1,2)   (2,3)   (3,0)
+
 "ring" is the unbalanced baseline: at step t rank p computes (p, p - t); causal ranks with small p go
 idle early, so causal takes P steps. "balanced" finishes causal in 1 + floor(P/2) steps, the lower bound
 ceil(P(P+1)/2 / P): distance d = i - j has P - d pairs, and distance P - d has d, so one step holds
@@ -32,16 +43,21 @@ comm layer counts. Pure Python: no torch, no torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
+from distattn.schedule.layouts import LAYOUTS, Layout, layout_of, local_bounds
 from distattn.schedule.masks import MaskSpec, pair_work
 
-SCHEDULES = ("ring", "balanced")
-__all__ = ["SCHEDULES", "PHASES", "Task", "Transfer", "Plan", "make_plan", "MaskSpec", "pair_work", "Shapes",
-           "payload_bytes", "SimReport", "simulate", "format_table"]
+SCHEDULES = ("ring", "balanced", "zigzag")
+PARTIALS = ("fp32", "input")
+__all__ = ["SCHEDULES", "PARTIALS", "PHASES", "Task", "Transfer", "Plan", "make_plan", "MaskSpec", "pair_work",
+           "Layout", "LAYOUTS", "layout_of", "local_bounds", "Shapes", "payload_bytes", "a2a_bytes", "ulysses_heads",
+           "SimReport",
+           "simulate", "format_table"]
 PHASES = ("forward", "backward")
-_FP32_BYTES = 4  # softmax statistics, partial outputs and gradient partials travel in fp32
+_FP32_BYTES = 4  # softmax statistics always travel in fp32; partial results too unless partials="input"
 _MIB = 1 << 20
 
 
@@ -134,6 +150,8 @@ class Plan:
     """Visible (query, key) pairs of every (q chunk, kv chunk) pair, for plans built from a mask (else None)."""
     chunk: int | None = None
     """Tokens per chunk the work was computed for (mask plans only)."""
+    layout: Layout | None = None
+    """Which positions each rank holds (``None``: contiguous, rank r holds ``[r*n, (r+1)*n)``)."""
 
     def num_steps(self) -> int:
         return len(self.steps)
@@ -236,7 +254,7 @@ def _validate(world_size, causal, schedule) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(
             f"schedule={schedule!r} is not one of {SCHEDULES}; pass schedule='balanced' for the "
-            f"load-balanced plan or schedule='ring' for the unbalanced baseline"
+            f"load-balanced plan, 'zigzag' for the balanced layout, or 'ring' for the unbalanced baseline"
         )
 
 
@@ -247,20 +265,27 @@ def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", 
     Args:
         world_size: P, the number of ranks in the sequence-parallel group (>= 1).
         causal: whether only pairs ``kv_chunk <= q_chunk`` are needed (dense plans).
-        schedule: one of :data:`SCHEDULES`. "balanced" equals "ring" for non-causal dense attention.
+        schedule: one of :data:`SCHEDULES`. "balanced" equals "ring" for non-causal dense attention; "zigzag"
+            runs on the zigzag layout (the plan's ``layout``; shard with ``shard_sequence(..., schedule="zigzag")``).
         mask: packed documents and/or a sliding window (``MaskSpec``); ``None`` or a dense spec gives the dense
             plans. A masked plan drops every pair with no visible (query, key) pair and, balanced, assigns
             each remaining pair to its query owner or its kv owner (helper) so that the work is balanced.
-        chunk: tokens per rank; needed with a non-dense ``mask``.
+        chunk: tokens per rank; needed with a non-dense ``mask`` (zigzag: default 2, even).
 
     Returns:
-        An immutable :class:`Plan`; dense causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P.
+        An immutable :class:`Plan`; dense causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P,
+        "zigzag" P (every step half a pair of work on every rank when causal).
     """
     _validate(world_size, causal, schedule)
-    if mask is None or mask.dense:
+    if schedule == "zigzag":
+        chunk = 2 if chunk is None else chunk
+        mask = mask if mask is not None else MaskSpec(causal=causal)
+    if mask is None or (mask.dense and schedule != "zigzag"):
         return _make_plan_cached(world_size, mask.causal if mask is not None else causal, schedule)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
+    if schedule == "zigzag":
+        Layout("zigzag", world_size).check(chunk)
     return _make_masked_plan(world_size, schedule, mask, chunk)
 
 
@@ -277,7 +302,8 @@ def _make_plan_cached(p: int, causal: bool, schedule: str) -> Plan:
 
 @functools.lru_cache(maxsize=64)
 def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int) -> Plan:
-    work = pair_work(mask, p, n)
+    layout = layout_of(schedule, p)
+    work = pair_work(mask, p, n, None if layout.contiguous else layout)
     needed = {(i, j) for i in range(p) for j in range(p) if work[i][j] > 0}
     # ring: every pair computed by its query owner, in ring order, empty pairs dropped
     ring = [[Task(r, r, (r - t) % p) for t in range(p) if ((r, (r - t) % p)) in needed] for r in range(p)]
@@ -291,7 +317,8 @@ def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int) -> Plan:
     got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
     assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
     frozen = tuple(tuple(sorted(tasks, key=lambda t: t.rank)) for tasks in steps)
-    return Plan(world_size=p, causal=mask.causal, schedule=schedule, steps=frozen, work=work, chunk=n)
+    return Plan(world_size=p, causal=mask.causal, schedule=schedule, steps=frozen, work=work, chunk=n,
+                layout=None if layout.contiguous else layout)
 
 
 def _length(per_rank: list[list[Task]], work) -> int:
@@ -370,26 +397,68 @@ class Shapes:
                 raise ValueError(f"Shapes.{name}={value!r} must be a positive int; pass e.g. {name}=1")
 
 
-def payload_bytes(kind: str, phase: str, shapes: Shapes) -> int:
-    """Bytes of one transfer of ``kind`` in ``phase``: the wire contract the comm byte counters meet."""
+def payload_bytes(kind: str, phase: str, shapes: Shapes, partials: str = "fp32") -> int:
+    """Bytes of one transfer of ``kind`` in ``phase``: the wire contract the comm byte counters meet.
+
+    ``partials``: ``"fp32"`` (default) or ``"input"``: the dtype of partial results sent back (a helper's
+    partial output, dq and dk/dv partials); softmax statistics (lse, delta) are always fp32."""
     _check_phase(phase)
+    if partials not in PARTIALS:
+        raise ValueError(f"partials={partials!r} is not one of {PARTIALS}")
     b, n, d, e = shapes.batch, shapes.seq_per_rank, shapes.head_dim, shapes.dtype_bytes
+    part = _FP32_BYTES if partials == "fp32" else e
     q_elems = b * n * shapes.heads_q * d  # one (b, n, h_q, d) tensor
     kv_elems = b * n * shapes.heads_kv * d  # one (b, n, h_kv, d) tensor
     stat_elems = b * shapes.heads_q * n  # one (b, h_q, n) lse / delta
     sizes = {
         ("forward", "kv"): 2 * kv_elems * e,
         ("forward", "q"): q_elems * e,
-        ("forward", "out"): q_elems * _FP32_BYTES + stat_elems * _FP32_BYTES,
+        ("forward", "out"): q_elems * part + stat_elems * _FP32_BYTES,
         ("backward", "kv"): 2 * kv_elems * e,
         ("backward", "q"): 2 * q_elems * e + 2 * stat_elems * _FP32_BYTES,  # q, dout; lse, delta
-        ("backward", "dkv"): 2 * kv_elems * _FP32_BYTES,
-        ("backward", "dq"): q_elems * _FP32_BYTES,
+        ("backward", "dkv"): 2 * kv_elems * part,
+        ("backward", "dq"): q_elems * part,
     }
     if (phase, kind) not in sizes:
         allowed = sorted(k for ph, k in sizes if ph == phase)
         raise ValueError(f"kind={kind!r} is not a {phase} transfer kind; pass one of {allowed}")
     return sizes[(phase, kind)]
+
+
+def ulysses_heads(heads_q: int, heads_kv: int, ulysses: int) -> tuple[int, int, int]:
+    """``(h_q / U, h_kv' / U, replicas)`` per Ulysses rank: kv heads fewer than ``U`` are replicated ``replicas``
+    times (``U % h_kv == 0``) so that every rank holds one. Raises if the heads cannot be split over ``U``."""
+    if heads_q % ulysses:
+        raise ValueError(f"{heads_q} query heads cannot be split over ulysses={ulysses} ranks (heads must be a "
+                         f"multiple of the Ulysses degree); pick a Ulysses degree that divides {heads_q}")
+    if heads_kv % ulysses == 0:
+        return heads_q // ulysses, heads_kv // ulysses, 1
+    if ulysses % heads_kv:
+        raise ValueError(f"{heads_kv} kv heads cannot be split over ulysses={ulysses} ranks: they must be a "
+                         f"multiple of it, or divide it (then each kv head is replicated on ulysses/h_kv ranks)")
+    return heads_q // ulysses, 1, ulysses // heads_kv
+
+
+def a2a_bytes(phase: str, shapes: Shapes, ulysses: int) -> int:
+    """Bytes one rank sends (and receives) in the Ulysses all-to-alls of ``phase`` (``distattn.ulysses``).
+
+    Forward: q, k, v to head shards (kv heads replicated if fewer than ``U``), out (input dtype) and lse (fp32)
+    back. Backward: q, k, v, dout and the fp32 lse and ``delta = rowsum(dout * out)`` in; dq, dk, dv back in the
+    input dtype. Each rank keeps ``1/U`` of every tensor and sends the rest."""
+    _check_phase(phase)
+    u = ulysses
+    if u == 1:
+        return 0
+    hq, hkv, _ = ulysses_heads(shapes.heads_q, shapes.heads_kv, u)
+    b, n, d, e = shapes.batch, shapes.seq_per_rank, shapes.head_dim, shapes.dtype_bytes
+    q = b * n * hq * u * d  # a rank's (b, n, h_q, d) before the exchange
+    kv = b * n * hkv * u * d  # after replication: (b, n, max(h_kv, U), d)
+    stat = b * hq * u * n
+    if phase == "forward":
+        total = (2 * q + 2 * kv) * e + stat * _FP32_BYTES  # q, k, v in; out, lse back
+    else:
+        total = (4 * q + 4 * kv) * e + 2 * stat * _FP32_BYTES  # q, dout, k, v in; dq, dk, dv back; lse, delta in
+    return total * (u - 1) // u
 
 
 @dataclass(frozen=True)
@@ -409,15 +478,33 @@ class SimReport:
     bytes_recv_fwd: tuple[int, ...]
     bytes_sent_bwd: tuple[int, ...]
     bytes_recv_bwd: tuple[int, ...]
+    ulysses: int = 1  # U: ranks of the all-to-all; the plan's ring has world_size / U ranks
+    a2a_fwd: int = 0  # bytes every rank sends (and receives) in the all-to-alls, forward
+    a2a_bwd: int = 0  # ... and backward
+    partials: str = "fp32"
     pairs: int = 0  # (q chunk, kv chunk) pairs computed
     pairs_skipped: int = 0  # pairs of the dense causal plan that this plan does not compute
     work_fraction: float = 1.0  # visible (query, key) pairs / those of dense causal attention on the stream
+
+    @property
+    def label(self) -> str:
+        """``"zigzag"``; with Ulysses ``"2d U=4 x zigzag R=2"``; ``+partials=input`` when not fp32."""
+        name = self.schedule
+        if self.ulysses > 1:
+            name = f"2d U={self.ulysses} x {self.schedule} R={self.world_size // self.ulysses}"
+        return name if self.partials == "fp32" else f"{name} partials={self.partials}"
+
+    def ring_bytes(self, phase: str, rank: int = None) -> int:
+        """Bytes sent by ``rank`` (default: the busiest) in the plan's point-to-point rounds of ``phase``."""
+        sent = self.bytes_sent_fwd if phase == "forward" else self.bytes_sent_bwd
+        a2a = self.a2a_fwd if phase == "forward" else self.a2a_bwd
+        return (max(sent) if rank is None else sent[rank]) - a2a
 
     def table_row(self) -> dict:
         """One row of :func:`format_table`; byte columns are the worst rank, in MiB."""
         return {
             "P": self.world_size,
-            "schedule": self.schedule,
+            "schedule": self.label,
             "causal": self.causal,
             "steps": self.steps,
             "work makespan": f"{self.work_makespan:.1f}",
@@ -439,43 +526,60 @@ def _task_cost(task: Task, plan: Plan) -> float:
     return 0.5 if plan.causal and task.is_diagonal else 1.0
 
 
-def _bytes_per_rank(plan: Plan, phase: str, shapes: Shapes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _bytes_per_rank(plan: Plan, phase: str, shapes: Shapes, partials: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     sent = [0] * plan.world_size
     recv = [0] * plan.world_size
     for s in range(plan.num_steps()):
         for tr in plan.fetches(s, phase) + plan.returns(s, phase):
-            size = payload_bytes(tr.kind, phase, shapes)
+            size = payload_bytes(tr.kind, phase, shapes, partials)
             sent[tr.src] += size
             recv[tr.dst] += size
     return tuple(sent), tuple(recv)
 
 
 def simulate(world_size: int, causal: bool = True, schedule: str = "balanced", shapes: Shapes = Shapes(), *,
-             mask: MaskSpec | None = None) -> SimReport:
+             mask: MaskSpec | None = None, ulysses: int = 1, partials: str = "fp32") -> SimReport:
     """Walk :func:`make_plan`'s plan step by step and tally idle slots, work makespan and bytes.
 
     With a ``mask`` (packed documents, window) the plan is built for ``shapes.seq_per_rank`` tokens per rank and
     the report also counts the pairs and the pair work the mask lets the plan skip against the dense causal
-    plan of the same stream.
+    plan of the same stream. ``ulysses = U > 1``: two-dimensional sequence parallelism, ``world_size`` ranks as
+    ``U`` (all-to-all over heads) x ``R = world_size / U`` (the plan's ring over ``U * n``-token shards with
+    ``1/U`` of the heads); the bytes of every rank then include its all-to-alls. Work stays in units of one
+    ``n x n`` pair of the *ring's* shards.
     """
-    plan = make_plan(world_size, causal, schedule, mask=mask, chunk=shapes.seq_per_rank)
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world_size % ulysses:
+        raise ValueError(f"ulysses={ulysses!r} must be a positive int dividing world_size={world_size}")
+    ring_world = world_size // ulysses
+    ring_shapes = shapes
+    if ulysses > 1:
+        hq, hkv, _ = ulysses_heads(shapes.heads_q, shapes.heads_kv, ulysses)
+        ring_shapes = dataclasses.replace(shapes, seq_per_rank=shapes.seq_per_rank * ulysses, heads_q=hq,
+                                          heads_kv=hkv)
+    plan = make_plan(ring_world, causal, schedule, mask=mask, chunk=ring_shapes.seq_per_rank)
     p, n_steps = plan.world_size, plan.num_steps()
     busy = sum(len(tasks) for tasks in plan.steps)
     work = sum(_task_cost(t, plan) for tasks in plan.steps for t in tasks)
     makespan = sum(max((_task_cost(t, plan) for t in tasks), default=0.0) for tasks in plan.steps)
-    sent_f, recv_f = _bytes_per_rank(plan, "forward", shapes)
-    sent_b, recv_b = _bytes_per_rank(plan, "backward", shapes)
+    a2a_f, a2a_b = a2a_bytes("forward", shapes, ulysses), a2a_bytes("backward", shapes, ulysses)
+    ring = [_bytes_per_rank(plan, phase, ring_shapes, partials) for phase in PHASES]
+    # global rank g = ring rank * U + u does ring rank g // U's transfers, plus its all-to-alls
+    (sent_f, recv_f), (sent_b, recv_b) = [
+        tuple(tuple(per_ring[g // ulysses] + a2a for g in range(world_size)) for per_ring in pair)
+        for pair, a2a in zip(ring, (a2a_f, a2a_b))]
     dense_pairs = p * (p + 1) // 2
     dense_work = p * (p - 1) / 2 + p * 0.5  # the dense causal plan, in units of full pairs
     return SimReport(
-        world_size=p, causal=plan.causal, schedule=schedule, steps=n_steps,
+        world_size=world_size, causal=plan.causal, schedule=schedule, steps=n_steps,
         idle_fraction=1.0 - busy / (n_steps * p) if n_steps else 0.0,
         work_makespan=makespan,
         compute_idle_fraction=1.0 - work / (p * makespan) if makespan else 0.0,
         bytes_sent=tuple(a + b for a, b in zip(sent_f, sent_b)),
         bytes_recv=tuple(a + b for a, b in zip(recv_f, recv_b)),
         bytes_sent_fwd=sent_f, bytes_recv_fwd=recv_f, bytes_sent_bwd=sent_b, bytes_recv_bwd=recv_b,
-        pairs=busy, pairs_skipped=max(dense_pairs - busy, 0), work_fraction=work / dense_work,
+        ulysses=ulysses, a2a_fwd=a2a_f, a2a_bwd=a2a_b, partials=partials,
+        pairs=busy, pairs_skipped=max(dense_pairs - busy, 0) if plan.causal else 0,
+        work_fraction=work / dense_work,
     )  # fmt: skip
 
 

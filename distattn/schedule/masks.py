@@ -50,8 +50,12 @@ class MaskSpec:
 
     def bounds(self, total: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """``(lo, hi)`` int64 arrays for the queries at positions ``[start, stop)``; ``hi < lo``: sees nothing."""
+        return self.bounds_at(total, np.arange(start, stop, dtype=np.int64))
+
+    def bounds_at(self, total: int, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(lo, hi)`` global key positions seen by the queries at (increasing) positions ``p``."""
         cu = np.asarray(self.documents(total), dtype=np.int64)
-        p = np.arange(start, stop, dtype=np.int64)
+        p = np.asarray(p, dtype=np.int64)
         doc = np.searchsorted(cu, p, side="right") - 1
         first, last = cu[doc], cu[doc + 1] - 1
         left, right = self.window
@@ -60,21 +64,31 @@ class MaskSpec:
         return lo, np.maximum(hi, lo - 1)
 
 
-def pair_work(spec: MaskSpec, world_size: int, chunk: int) -> tuple[tuple[int, ...], ...]:
-    """``work[i][j]``: visible (query, key) pairs of query chunk ``i`` against kv chunk ``j`` (cached)."""
-    return _pair_work_cached(spec, world_size, chunk)
+def pair_work(spec: MaskSpec, world_size: int, chunk: int, layout=None) -> tuple[tuple[int, ...], ...]:
+    """``work[i][j]``: visible (query, key) pairs of rank ``i``'s queries against rank ``j``'s keys (cached).
+
+    ``layout`` (``distattn.schedule.layouts.Layout``; ``None``: contiguous) says which positions each rank holds."""
+    return _pair_work_cached(spec, world_size, chunk, layout)
+
+
+def _segment_work(lo: np.ndarray, hi: np.ndarray, a: int, b: int) -> int:
+    """Visible pairs between query rows with bounds ``lo, hi`` (nondecreasing) and the keys at ``[a, b)``."""
+    if not len(lo) or hi[-1] < a or lo[0] >= b:
+        return 0  # every row's interval ends before the keys or starts after them
+    if lo[-1] <= a and hi[0] >= b - 1:
+        return len(lo) * (b - a)  # every row sees every key
+    seen = np.minimum(hi, b - 1) - np.maximum(lo, a) + 1
+    return int(np.clip(seen, 0, None).sum())
 
 
 @functools.lru_cache(maxsize=64)
-def _pair_work_cached(spec: MaskSpec, p: int, n: int) -> tuple[tuple[int, ...], ...]:
+def _pair_work_cached(spec: MaskSpec, p: int, n: int, layout) -> tuple[tuple[int, ...], ...]:
     total = p * n
     work = np.zeros((p, p), dtype=np.int64)
+    segments = [layout.segments(r, n) if layout is not None else ((r * n, (r + 1) * n),) for r in range(p)]
     for i in range(p):
-        lo, hi = spec.bounds(total, i * n, (i + 1) * n)
-        if not len(lo):
-            continue
-        # nondecreasing bounds: the chunk's rows touch kv chunks lo[0] // n .. hi[-1] // n only
-        for j in range(max(int(lo[0]), 0) // n, min(int(hi[-1]) // n, p - 1) + 1):
-            seen = np.minimum(hi, (j + 1) * n - 1) - np.maximum(lo, j * n) + 1
-            work[i, j] = int(np.clip(seen, 0, None).sum())
+        for a, b in segments[i]:
+            lo, hi = spec.bounds(total, a, b)
+            for j in range(p):
+                work[i, j] += sum(_segment_work(lo, hi, c, e) for c, e in segments[j])
     return tuple(tuple(int(x) for x in row) for row in work)

@@ -1,0 +1,126 @@
+"""Which global positions of the stream each rank holds: the *layout* of a sequence-parallel plan.
+
+A stream of ``T = P * n`` tokens is split over ``P`` ranks, ``n`` tokens each. A rank's shard is a sorted union of
+*segments* (``[start, stop)`` position ranges), kept in position order, so local token ``i`` of a shard is the
+``i``-th smallest position it holds::
+
+    contiguous (ring, balanced)   rank r: [r*n, (r+1)*n)
+    zigzag, P = 4, c = n/2        rank 0: chunks 0, 7   rank 1: 1, 6   rank 2: 2, 5   rank 3: 3, 4   (of 2P chunks of c)
+
+Zigzag (a.k.a. DualChunkSwap) balances causal work by layout instead of by helpers: rank r holds chunks r and
+2P-1-r, so every (query shard, kv shard) pair holds the same causal work (half a pair: two of its four chunk
+pairs are fully visible, two are invisible; the diagonal has two half-visible chunk pairs and one full one),
+every rank computes only its own queries, and only k/v (``h_kv`` heads) travel.
+
+Because positions within a shard are increasing, every mask of ``distattn.schedule.masks`` (causal, documents,
+windows) still gives each query row one *interval* of the other shard's local key indices, nondecreasing down
+the rows: :func:`local_bounds` maps the global bounds through the layout, and the kernels' ``KeyBounds`` contract
+(per-row key intervals) holds unchanged with ``k_start = 0``. Pure Python + numpy.
+
+Two-dimensional layouts (Ulysses x ring, ``ulysses = U > 1``): the ring of ``R = P / U`` ranks runs on *ring
+shards* of ``U * n`` tokens laid out by ``ring_kind``; rank ``(r, u)`` (global index ``r * U + u``) holds the
+``u``-th ``1/U`` of every segment of ring shard ``r``, so that the all-to-all over the ``U`` ranks of a row
+gathers exactly ring shard ``r`` (segment by segment, after :func:`ulysses_order`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["LAYOUTS", "Layout", "local_bounds", "layout_of"]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``kind`` of the ring-level layout over ``world_size`` ring ranks; ``ulysses`` ranks per ring rank."""
+
+    kind: str = "contiguous"
+    world_size: int = 1
+    ulysses: int = 1
+
+    def __post_init__(self):
+        if self.kind not in LAYOUTS:
+            raise ValueError(f"layout kind {self.kind!r} is not one of {LAYOUTS}")
+        if self.world_size < 1 or self.ulysses < 1:
+            raise ValueError(f"world_size={self.world_size} and ulysses={self.ulysses} must be >= 1")
+
+    @property
+    def ranks(self) -> int:
+        """All ranks: ring ranks x Ulysses ranks."""
+        return self.world_size * self.ulysses
+
+    @property
+    def segments_per_rank(self) -> int:
+        return 2 if self.kind == "zigzag" else 1
+
+    @property
+    def contiguous(self) -> bool:
+        """Rank g holds ``[g*n, (g+1)*n)``: the plain split (``shard_sequence``'s default)."""
+        return self.kind == "contiguous"
+
+    def divisor(self) -> int:
+        """Tokens per rank must be a multiple of this (zigzag splits every shard in two)."""
+        return self.segments_per_rank
+
+    def check(self, n: int) -> None:
+        """Raise a clear error if ``n`` tokens per rank cannot be laid out."""
+        if n % self.divisor():
+            raise ValueError(f"the zigzag layout splits every rank's shard into 2 chunks, so tokens per rank "
+                             f"({n}) must be even: pad the sequence to a multiple of {2 * self.ranks} "
+                             f"(2 x {self.ranks} ranks)")
+
+    def ring_segments(self, ring_rank: int, m: int) -> tuple[tuple[int, int], ...]:
+        """Segments of ring shard ``ring_rank`` (``m`` tokens per ring rank), in position order."""
+        r, p = ring_rank, self.world_size
+        if self.kind == "contiguous":
+            return ((r * m, (r + 1) * m),)
+        c = m // 2
+        return ((r * c, (r + 1) * c), ((2 * p - 1 - r) * c, (2 * p - r) * c))
+
+    def segments(self, rank: int, n: int) -> tuple[tuple[int, int], ...]:
+        """Segments held by global rank ``rank`` (= ``ring_rank * ulysses + u``) with ``n`` tokens per rank."""
+        self.check(n)
+        r, u = divmod(rank, self.ulysses)
+        piece = n // self.segments_per_rank  # tokens of each ring segment that rank (r, u) holds
+        return tuple((a + u * piece, a + (u + 1) * piece) for a, _ in self.ring_segments(r, n * self.ulysses))
+
+    def positions(self, rank: int, n: int) -> np.ndarray:
+        """Global positions of the ``n`` local tokens of ``rank``, increasing (int64)."""
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.segments(rank, n)])
+
+    def ring(self) -> "Layout":
+        """The layout the ring sees after the Ulysses all-to-all (ring shards of ``U * n`` tokens)."""
+        return Layout(self.kind, self.world_size, 1)
+
+    def render(self, n: int) -> str:
+        return "\n".join(f"rank {g}: " + " ".join(f"[{a}, {b})" for a, b in self.segments(g, n))
+                         for g in range(self.ranks))
+
+
+def layout_of(schedule: str, world_size: int, ulysses: int = 1) -> Layout:
+    """The layout a schedule's plan runs on (``zigzag``: zigzag; every other schedule: contiguous)."""
+    return Layout("zigzag" if schedule == "zigzag" else "contiguous", world_size, ulysses)
+
+
+def local_bounds(spec, layout: Layout, n: int, q_rank: int, kv_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: for every local query row of ``q_rank``, the interval of ``kv_rank``'s *local* key indices it
+    sees under ``spec`` (a ``MaskSpec``); ``hi < lo``: none. Both nondecreasing down the rows (int64)."""
+    return _local_bounds_cached(spec, layout, n, q_rank, kv_rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _local_bounds_cached(spec, layout, n, q_rank, kv_rank):
+    total = layout.ranks * n
+    lo, hi = spec.bounds_at(total, layout.positions(q_rank, n))
+    keys = layout.positions(kv_rank, n)
+    lo_l = np.searchsorted(keys, lo, side="left")  # first local key at a position >= lo
+    hi_l = np.searchsorted(keys, hi, side="right") - 1  # last local key at a position <= hi
+    hi_l = np.maximum(hi_l, lo_l - 1)
+    for a in (lo_l, hi_l):
+        a.flags.writeable = False
+    return lo_l, hi_l
