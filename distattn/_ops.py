@@ -28,6 +28,8 @@ import torch
 
 from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward
 from distattn.comm import default_timeout
+from distattn.topology import is_2d
+from distattn.ulysses import ulysses_backward, ulysses_forward
 
 __all__ = ["OpCounters", "COUNTERS", "reset_counters", "group_key", "group_of", "dist_attention", "OP"]
 
@@ -61,7 +63,7 @@ def group_key(group) -> str:
     if group is None:
         return DEFAULT_GROUP_KEY
     for key, known in _GROUPS.items():
-        if known is group:
+        if known is group or (isinstance(group, tuple) and known == group):  # a (ulysses, ring) pair: by value
             return key
     key = f"group{len(_GROUPS)}"
     _GROUPS[key] = group
@@ -79,32 +81,35 @@ def group_of(key: str):
 
 @functools.lru_cache(maxsize=256)
 def _config(causal: bool, scale: float, window_left: int, window_right: int, softcap: float, key: str,
-            schedule: str, backend: str | None, overlap: bool, cu_seqlens: tuple, timeout: float) -> DistAttnConfig:
+            schedule: str, backend: str | None, overlap: bool, cu_seqlens: tuple, timeout: float,
+            partials: str) -> DistAttnConfig:
     # Inputs were validated at the public boundary (distattn.api); here only the frozen config is rebuilt.
     timeout = timeout if timeout > 0 else default_timeout()  # 0: the op called directly, without timeout
     return DistAttnConfig(causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
                           schedule=schedule, backend=backend, group=group_of(key), overlap=overlap,
-                          cu_seqlens=cu_seqlens or None, timeout=timeout)
+                          cu_seqlens=cu_seqlens or None, timeout=timeout, partials=partials)
 
 
 def _op_args(cfg: DistAttnConfig) -> tuple:
     """The op's scalar arguments for ``cfg`` (ops take tensors, scalars and strings, not objects)."""
     return (cfg.causal, cfg.scale, cfg.window[0], cfg.window[1], cfg.softcap, group_key(cfg.group), cfg.schedule,
-            cfg.backend, cfg.overlap, list(cfg.cu_seqlens or ()), cfg.timeout)
+            cfg.backend, cfg.overlap, list(cfg.cu_seqlens or ()), cfg.timeout, cfg.partials)
 
 
 # -- the op ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("distattn::attention", mutates_args=())
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, window_left: int,
                window_right: int, softcap: float, group_key: str, schedule: str, backend: str | None,
-               overlap: bool, cu_seqlens: list[int], timeout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               overlap: bool, cu_seqlens: list[int], timeout: float = 0.0,
+               partials: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """``q (b, n, h_q, d)``, ``k, v (b, n, h_kv, d)`` -> ``out (b, n, h_q, d)``, ``lse (b, h_q, n)`` fp32.
 
     ``cu_seqlens``: packed documents over the whole stream (empty: none). ``timeout``: seconds per wait; 0 (the
     default): ``DISTATTN_TIMEOUT``, else 300."""
     COUNTERS.forward += 1
-    return dist_attn_forward(q, k, v, _config(causal, scale, window_left, window_right, softcap, group_key, schedule,
-                                              backend, overlap, tuple(cu_seqlens), timeout))
+    cfg = _config(causal, scale, window_left, window_right, softcap, group_key, schedule, backend, overlap,
+                  tuple(cu_seqlens), timeout, partials)
+    return (ulysses_forward if is_2d(cfg.group) else dist_attn_forward)(q, k, v, cfg)
 
 
 @_attention.register_fake
@@ -118,13 +123,14 @@ def _attention_fake(q, k, v, *options):
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, causal: bool, scale: float, window_left: int, window_right: int,
                            softcap: float, group_key: str, schedule: str, backend: str | None,
-                           overlap: bool, cu_seqlens: list[int], timeout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           overlap: bool, cu_seqlens: list[int], timeout: float = 0.0,
+                           partials: str = "fp32") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``distattn::attention`` (an op of its own, so that tracers such as
     ``torch.compile`` see one opaque call instead of tracing into the communication)."""
     COUNTERS.backward += 1
-    return dist_attn_backward(dout, q, k, v, out, lse, _config(causal, scale, window_left, window_right, softcap,
-                                                               group_key, schedule, backend, overlap,
-                                                               tuple(cu_seqlens), timeout))
+    cfg = _config(causal, scale, window_left, window_right, softcap, group_key, schedule, backend, overlap,
+                  tuple(cu_seqlens), timeout, partials)
+    return (ulysses_backward if is_2d(cfg.group) else dist_attn_backward)(dout, q, k, v, out, lse, cfg)
 
 
 @_attention_backward_op.register_fake

@@ -31,6 +31,10 @@ from distattn._ops import dist_attention
 from distattn._validate import check_qkv, resolve_scale
 from distattn.attention import DistAttnConfig
 from distattn.comm import default_timeout
+from distattn.schedule import PARTIALS, SCHEDULES, layout_of, ulysses_heads
+from distattn.sharding import group_size
+from distattn.topology import split as split_group
+from distattn.topology import topology
 from distattn.single import attention, attention_with_bounds
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func"]
@@ -215,25 +219,36 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 # -- across ranks -----------------------------------------------------------------------------------------
 def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                          softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                         group=None, schedule="balanced", backend=None, return_lse=False, overlap=True, timeout=None):
+                         group=None, schedule="balanced", backend=None, return_lse=False, overlap=True, timeout=None,
+                         partials="fp32"):
     """Exact attention over a sequence split across the ranks of ``group``; differentiable.
 
-    flash-attn's arguments, for this rank's contiguous shards: rank ``r`` of ``P`` holds tokens
-    ``[r*n, (r+1)*n)`` of q, k and v (``distattn.shard_sequence``). The causal mask is on global positions.
+    flash-attn's arguments, for this rank's shards: rank ``r`` of ``P`` holds tokens ``[r*n, (r+1)*n)`` of q, k
+    and v, or with ``schedule="zigzag"`` chunks ``r`` and ``2P-1-r`` of ``2P`` (``distattn.shard_sequence(x,
+    schedule=...)`` makes either). The causal mask is on global positions.
 
     Args:
         q: ``(b, n, h_q, d)``, this rank's shard.
         k, v: ``(b, n, h_kv, d)``, this rank's shards; ``h_q % h_kv == 0``.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
             as in :func:`flash_attn_func`.
-        group: (distattn) the sequence-parallel process group (``None``: the default group).
-        schedule: (distattn) ``"balanced"`` (DistFlashAttn load balancing: ``1 + P//2`` steps causal) or
-            ``"ring"``.
+        group: (distattn) the sequence-parallel process group (``None``: the default group); or two groups for
+            two-dimensional sequence parallelism, ``(ulysses_group, ring_group)`` or a 2-D ``DeviceMesh`` named
+            ``("ring", "ulysses")`` (``distattn.make_2d_groups``): heads are split over the Ulysses group by an
+            all-to-all and the sequence runs around the ring (``distattn.ulysses``).
+        schedule: (distattn) ``"balanced"`` (DistFlashAttn load balancing: ``1 + P//2`` steps causal), ``"zigzag"``
+            (balanced by layout: only k/v travel, the choice for GQA; inputs sharded with
+            ``shard_sequence(x, schedule="zigzag")``), ``"ring"``, or ``"auto"``: the cost model's best among the
+            schedules for contiguous shards (``distattn.schedule.cost``; to let it pick the zigzag layout or a
+            2-D group, choose before sharding: ``distattn.choose_schedule``).
         backend: (distattn) kernel backend, ``"triton"``/``"torch"``/``None``.
         return_lse: (distattn) also return this rank's ``lse (b, h_q, n)`` fp32.
         overlap: (distattn) prefetch the next step's chunks while computing (``False`` only for ablations).
         timeout: (distattn) seconds any one wait inside the call (and inside its backward) may take, > 0;
             ``None``: the ``DISTATTN_TIMEOUT`` environment variable, else 300.
+        partials: (distattn) dtype of the partial results sent back between ranks (helper outputs, dq/dk/dv
+            partials): ``"fp32"`` (default) or ``"input"`` (q's dtype, half the bytes; accumulation stays fp32;
+            ``bench/partials.py`` measures the error).
 
     Returns:
         This rank's ``out (b, n, h_q, d)`` in the input dtype; or the tuples of :func:`flash_attn_func`.
@@ -264,7 +279,7 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     check_unsupported(dropout_p, alibi_slopes, deterministic)
     cfg = make_config(q, k, v, causal=check_causal(causal), softmax_scale=softmax_scale,
                       window=check_window(window_size), softcap=check_softcap(softcap), group=group,
-                      schedule=schedule, backend=backend, overlap=overlap, timeout=timeout)
+                      schedule=schedule, backend=backend, overlap=overlap, timeout=timeout, partials=partials)
     out, lse = dist_attention(q, k, v, cfg)
     return _returns(out, lse, return_attn_probs, return_lse)
 
@@ -272,7 +287,7 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
 def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                 return_attn_probs=False, *, group=None, schedule="balanced", backend=None,
-                                return_lse=False, overlap=True, timeout=None):
+                                return_lse=False, overlap=True, timeout=None, partials="fp32"):
     """Exact attention over a stream of packed documents split across the ranks of ``group``; differentiable.
 
     The padding-free layout of long-context training: the documents of a batch are concatenated into one
@@ -295,8 +310,8 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
         max_seqlen: the longest document (as flash-attn; checked, not otherwise needed).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
             as in :func:`flash_attn_func`.
-        group, schedule, backend, return_lse, overlap, timeout: as in :func:`dist_flash_attn_func`; ``lse`` is
-            ``(h_q, n)``.
+        group, schedule, backend, return_lse, overlap, timeout, partials: as in :func:`dist_flash_attn_func`;
+            ``lse`` is ``(h_q, n)``.
 
     Returns:
         This rank's ``out (n, h_q, d)``; or ``(out, lse)`` / ``(out, lse, None)``.
@@ -309,13 +324,14 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     q4, k4, v4 = (t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     cfg = make_config(q4, k4, v4, causal=check_causal(causal), softmax_scale=softmax_scale,
                       window=check_window(window_size), softcap=check_softcap(softcap), group=group,
-                      schedule=schedule, backend=backend, overlap=overlap, timeout=timeout)
-    total = q.shape[0] * dist.get_world_size(group)
+                      schedule=schedule, backend=backend, overlap=overlap, timeout=timeout, partials=partials,
+                      documents=cu_seqlens)
+    total = q.shape[0] * group_size(group)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
     cu = check_cu_seqlens(cu_seqlens, None, "cu_seqlens", cu_seqlens.device)
     if cu[-1] > total:
-        raise ValueError(f"cu_seqlens[-1] = {cu[-1]} is more than the stream holds ({total} = {dist.get_world_size(group)}"
+        raise ValueError(f"cu_seqlens[-1] = {cu[-1]} is more than the stream holds ({total} = {group_size(group)}"
                          f" ranks x {q.shape[0]} tokens); every rank must pass its n = T / P tokens and the global "
                          f"cu_seqlens")
     longest = max(b - a for a, b in zip(cu, cu[1:]))
@@ -340,26 +356,63 @@ def check_timeout(timeout) -> float:
 
 
 def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, schedule, backend, overlap,
-                timeout=None):
-    """Validate this rank's shards and options; the frozen ``DistAttnConfig``. Raises before any communication."""
+                timeout=None, partials="fp32", documents=None):
+    """Validate this rank's shards and options; the frozen ``DistAttnConfig``. Raises before any communication.
+
+    ``documents``: the call's ``cu_seqlens`` (varlen), for ``schedule="auto"``'s cost model."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("dist_flash_attn_func needs an initialized process group: call "
                            "torch.distributed.init_process_group(...) first, or use flash_attn_func on one device")
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
-                         f"group=; call dist_flash_attn_func only on the ranks of that group (the group's ranks: "
-                         f"torch.distributed.get_process_group_ranks(group))")
+    ulysses_group, ring_group = split_group(group)
+    for g in (ulysses_group, ring_group):
+        if (g is not None or ulysses_group is None) and dist.get_rank(g) < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
+                             f"group=; call dist_flash_attn_func only on the ranks of that group (the group's ranks: "
+                             f"torch.distributed.get_process_group_ranks(group))")
     check_qkv(q, k, v, same_seq=True)
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
                          f"call torch.cuda.set_device({q.device.index}) on this rank (NCCL hangs otherwise)")
-    backend_name = str(dist.get_backend(group))
+    backend_name = str(dist.get_backend(ring_group))
     if "nccl" in backend_name and not q.is_cuda and "gloo" not in backend_name:
         raise ValueError(f"the process group's backend is {backend_name!r}, which cannot send tensors on "
                          f"{q.device}; move q, k, v to this rank's CUDA device or use a gloo group")
     kernels.get_backend(backend, q.device)  # unknown/unavailable backend: same error on every rank
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be a bool, got {overlap!r}")
+    if partials not in PARTIALS:
+        raise ValueError(f"partials={partials!r} is not one of {PARTIALS}: 'fp32' (default) sends partial results "
+                         f"in fp32, 'input' in the inputs' dtype (half the bytes)")
+    topo = topology(group)
+    if topo.two_d:
+        ulysses_heads(q.shape[2], k.shape[2], topo.U)  # heads that cannot be split raise here, on every rank
+    if schedule == "auto":
+        schedule = resolve_auto(q, k, topo, causal=causal, window=window, documents=documents, partials=partials)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES + ('auto',)}; use schedule='balanced'")
+    lay = layout_of(schedule, topo.R, topo.U)
+    if q.shape[1] % lay.divisor():
+        raise ValueError(f"schedule='zigzag' splits every rank's shard into 2 chunks, so tokens per rank "
+                         f"({q.shape[1]}) must be even: pad the sequence to a multiple of {2 * topo.world_size} "
+                         f"and shard it with shard_sequence(x, schedule='zigzag')")
     return DistAttnConfig(causal=causal, scale=resolve_scale(softmax_scale, q.shape[-1]), window=window,
                           softcap=softcap, schedule=schedule, backend=backend, group=group, overlap=overlap,
-                          timeout=check_timeout(timeout))
+                          timeout=check_timeout(timeout), partials=partials)
+
+
+def resolve_auto(q, k, topo, *, causal, window, documents, partials) -> str:
+    """``schedule="auto"`` at call time: the cost model's best schedule among those that run on the inputs'
+    layout (contiguous shards: ring or balanced; the zigzag layout is chosen before sharding). Deterministic
+    from the call's shapes, mask and options, so every rank resolves the same (the agreement check sees the
+    resolved name)."""
+    from distattn.schedule import MaskSpec, Shapes
+    from distattn.schedule.cost import choose
+
+    b, n, h_q, d = q.shape
+    shapes = Shapes(batch=b, seq_per_rank=n, heads_q=h_q, heads_kv=k.shape[2], head_dim=d,
+                    dtype_bytes=q.element_size())
+    cu = tuple(int(x) for x in documents.tolist()) if documents is not None else None
+    mask = MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
+    choice = choose(topo.world_size, shapes, causal=causal, mask=mask, partials=partials,
+                    allow={"schedules": ("ring", "balanced"), "ulysses": (topo.U,)})
+    return choice.best.schedule

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from distattn import agreement, kernels
 from distattn.comm import DEFAULT_TIMEOUT_S, DistAttnError, PeerExchange, communicator
-from distattn.schedule import SCHEDULES, MaskSpec, Plan, Task, Transfer, make_plan
+from distattn.schedule import PARTIALS, SCHEDULES, MaskSpec, Plan, Task, Transfer, local_bounds, make_plan
 
 __all__ = ["DistAttnConfig", "dist_attn_forward", "dist_attn_backward"]
 
@@ -56,7 +56,7 @@ class DistAttnConfig:
     softcap: float = 0.0
     """Logit soft-capping (0: off)."""
     schedule: str = "balanced"
-    """``"ring"`` or ``"balanced"`` (see ``distattn.schedule``)."""
+    """``"ring"``, ``"balanced"`` or ``"zigzag"`` (see ``distattn.schedule``; zigzag needs zigzag-sharded inputs)."""
     backend: str | None = None
     """Kernel backend name (``None``: best available on the tensors' device)."""
     group: object = None
@@ -67,10 +67,15 @@ class DistAttnConfig:
     """Packed documents: cumulative lengths over the whole stream (identical on every rank), or None."""
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds any one wait inside a call may take before the call fails with ``DistAttnError``."""
+    partials: str = "fp32"
+    """dtype of the partial results sent back (helper outputs, dq/dk/dv partials): ``"fp32"`` or ``"input"``
+    (q's dtype: half the bytes). Accumulation is fp32 either way; lse and delta always travel in fp32."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}; use schedule='balanced'")
+        if self.partials not in PARTIALS:
+            raise ValueError(f"partials={self.partials!r} is not one of {PARTIALS}; use partials='fp32'")
 
     def fingerprint_fields(self) -> dict:
         """Everything in the config that shapes the communication, as readable JSON-friendly values: all
@@ -78,7 +83,7 @@ class DistAttnConfig:
         call by adding it here; packed documents are checked by a hash of ``cu_seqlens`` and its length."""
         return {"causal": self.causal, "window": list(self.window), "softcap": self.softcap,
                 "schedule": self.schedule, "overlap": self.overlap, "scale": self.scale, "backend": self.backend,
-                "cu_seqlens": _documents_fingerprint(self.cu_seqlens)}
+                "cu_seqlens": _documents_fingerprint(self.cu_seqlens), "partials": self.partials}
 
     def mask_spec(self) -> MaskSpec:
         """The call's mask as data: what the plan (pairs, work) and the kernels (per-row bounds) both read."""
@@ -114,7 +119,9 @@ class _Executor:
         self.rank = self.comm.rank
         self.device = like.device
         self.backend = kernels.get_backend(cfg.backend, like.device)
-        self._bounds: dict[int, kernels.KeyBounds] = {}
+        self._bounds: dict[object, kernels.KeyBounds] = {}
+        if self.plan.layout is not None:
+            self.plan.layout.check(self.n)
 
     def _connect(self, device) -> None:
         """This call's exchange on the library's communicator for the group (built on first use)."""
@@ -159,6 +166,8 @@ class _Executor:
         """Kernel keywords for ``task``'s (query chunk, kv chunk) pair: the mask and the scale options."""
         kw = dict(softmax_scale=self.cfg.scale, q_start=self.start(task.q_chunk), k_start=self.start(task.kv_chunk),
                   softcap=self.cfg.softcap, backend=self.backend)
+        if self.plan.layout is not None:  # shards are unions of segments: bounds in the kv shard's local indices
+            return dict(kw, q_start=0, k_start=0, causal=False, bounds=self._pair_bounds(task))
         if not self.spec.dense:  # documents / window: per-row key bounds, from the description the plan read
             return dict(kw, causal=False, bounds=self._bounds_of(task.q_chunk))
         # Off-diagonal causal pairs always have kv_chunk < q_chunk: every key is visible, no mask to pay for.
@@ -171,6 +180,21 @@ class _Executor:
             to_dev = lambda a: torch.from_numpy(a).to(device=self.device, dtype=torch.int32)  # noqa: E731
             self._bounds[chunk] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
         return self._bounds[chunk]
+
+    def _pair_bounds(self, task: Task) -> kernels.KeyBounds:
+        """Per query row of ``task.q_chunk``'s shard, the interval of local keys of ``task.kv_chunk``'s shard it
+        sees (``distattn.schedule.layouts.local_bounds``: the layout maps the mask's global positions to local
+        indices, which stay nondecreasing because every shard keeps its positions in order). Cached per pair."""
+        key = (task.q_chunk, task.kv_chunk)
+        if key not in self._bounds:
+            lo, hi = local_bounds(self.spec, self.plan.layout, self.n, *key)  # cached, read-only: copied here
+            to_dev = lambda a: torch.from_numpy(a.copy()).to(device=self.device, dtype=torch.int32)  # noqa: E731
+            self._bounds[key] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
+        return self._bounds[key]
+
+    def partial(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A partial result as it travels: fp32, or ``like``'s dtype with ``partials="input"``."""
+        return t if self.cfg.partials == "fp32" else t.to(like.dtype)
 
     def post(self, slot, transfers: tuple[Transfer, ...], payload, buffers) -> dict:
         """Post this rank's part of ``transfers``; returns ``{transfer: receive buffers}``."""
@@ -291,20 +315,24 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
     def absorb(tr, bufs):
         kernels.merge_(state, bufs[0], bufs[1], backend=ex.backend)
 
+    part = torch.float32 if cfg.partials == "fp32" else q.dtype
     ex.run(compute, fetch_payload, fetch_buffers,
-           return_payload=lambda partial: [partial.out, partial.lse],
-           return_buffers=lambda tr: [_empty(q, torch.float32), _stats(q)],
+           return_payload=lambda partial: [ex.partial(partial.out, q), partial.lse],
+           return_buffers=lambda tr: [_empty(q, part), _stats(q)],
            absorb=absorb)
     return kernels.finalize(state, q.dtype)
 
 
 # -- backward -----------------------------------------------------------------------------------------------
-def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig):
-    """Execute the plan backward; returns this rank's ``(dq, dk, dv)`` in the input dtypes."""
+def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None):
+    """Execute the plan backward; returns this rank's ``(dq, dk, dv)`` in the input dtypes.
+
+    ``delta``: ``rowsum(dout * out)`` fp32 ``(b, h_q, n)`` if the caller has it (then ``out`` may be None)."""
     ex = _Executor(cfg, q, "backward", {"q": q, "k": k, "v": v, "dout": dout})
     wire = _WireCopies()  # as in the forward: copies only of what travels, once each
     dout = dout.to(q.dtype)
-    delta = kernels.attn_delta(dout, out, backend=ex.backend)  # rowsum(dout * out), once, before any step
+    if delta is None:
+        delta = kernels.attn_delta(dout, out, backend=ex.backend)  # rowsum(dout * out), once, before any step
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros_like(dk)
@@ -325,17 +353,19 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig):
             q_i, dout_i, lse_i, delta_i = bufs
             dq_part = torch.zeros(q_i.shape, dtype=torch.float32, device=q.device)
             kernels.backward_chunk_(dout_i, q_i, k, v, lse_i, delta_i, dq_part, dk, dv, **kw)
-            return [dq_part]
+            return [ex.partial(dq_part, q)]
         k_j, v_j = bufs  # my queries against their kv: my dq grows; their dk, dv partials go back
         dk_part = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv_part = torch.zeros_like(dk_part)
         kernels.backward_chunk_(dout, q, k_j, v_j, lse, delta, dq, dk_part, dv_part, **kw)
-        return [dk_part, dv_part]
+        return [ex.partial(dk_part, k), ex.partial(dv_part, v)]
+
+    fp32 = cfg.partials == "fp32"
 
     def return_buffers(tr):
         if tr.kind == "dq":
-            return [_empty(q, torch.float32)]
-        return [_empty(k, torch.float32), _empty(v, torch.float32)]
+            return [_empty(q, torch.float32 if fp32 else q.dtype)]
+        return [_empty(k, torch.float32 if fp32 else k.dtype), _empty(v, torch.float32 if fp32 else v.dtype)]
 
     def absorb(tr, bufs):
         if tr.kind == "dq":

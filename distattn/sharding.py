@@ -1,17 +1,38 @@
-"""Contiguous sequence sharding: rank ``r`` of ``P`` holds positions ``[r*n, (r+1)*n)`` of a length ``P*n`` axis."""
+"""Sequence sharding: which tokens of a length ``P*n`` axis each rank holds, for the layout of a schedule.
+
+Rank ``r`` of ``P`` holds positions ``[r*n, (r+1)*n)`` for every schedule but ``"zigzag"``, where it holds chunks
+``r`` and ``2P-1-r`` of ``2P`` (``distattn.schedule.layouts``). A two-dimensional group (``(ulysses_group,
+ring_group)`` or a 2-D mesh, ``distattn.topology``) lays out by the sequence index ``r * U + u``. Pass the same
+``schedule`` (and ``group``) to ``shard_sequence``, the attention call and ``gather_sequence``.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["shard_sequence", "gather_sequence"]
+from distattn.schedule import SCHEDULES, Layout, layout_of
+
+__all__ = ["shard_sequence", "gather_sequence", "positions", "layout"]
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _world(group) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
+    if not _initialized():
         return 0, 1  # no process group: one rank holds everything
-    return dist.get_rank(group), dist.get_world_size(group)
+    from distattn.topology import split
+
+    ug, rg = split(group)
+    if ug is None:
+        return dist.get_rank(rg), dist.get_world_size(rg)
+    from distattn.topology import topology
+
+    topo = topology(group)
+    return topo.index, topo.world_size
 
 
 def group_size(group=None) -> int:
@@ -19,45 +40,108 @@ def group_size(group=None) -> int:
     return _world(group)[1]
 
 
-def shard_sequence(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
-    """This rank's contiguous slice of ``x`` along ``dim`` (no communication; differentiable).
+def layout(group=None, schedule: str = "balanced") -> Layout:
+    """The :class:`~distattn.schedule.Layout` of ``schedule`` on ``group`` (ring ranks x Ulysses ranks)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES} (resolve 'auto' first: "
+                         f"distattn.schedule.cost.choose)")
+    if not _initialized():
+        return layout_of(schedule, 1)
+    from distattn.topology import split, topology
+
+    if split(group)[0] is None:
+        return layout_of(schedule, group_size(group))
+    topo = topology(group)
+    return layout_of(schedule, topo.R, topo.U)
+
+
+def positions(n: int, group=None, schedule: str = "balanced", rank: int | None = None) -> torch.Tensor:
+    """Global positions (int64) of the ``n`` local tokens of this rank (or of sequence index ``rank``):
+    what rotary position ids must be for the shard."""
+    lay = layout(group, schedule)
+    index = _world(group)[0] if rank is None else rank
+    return torch.from_numpy(lay.positions(index, n))
+
+
+def _index(lay: Layout, rank: int, n: int, device) -> torch.Tensor | None:
+    """Positions of ``rank``'s shard as an index tensor, or None when they are one contiguous range."""
+    if lay.segments_per_rank == 1:
+        return None
+    return torch.from_numpy(lay.positions(rank, n)).to(device)
+
+
+def shard_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str = "balanced") -> torch.Tensor:
+    """This rank's tokens of ``x`` along ``dim`` for ``schedule``'s layout (no communication; differentiable).
 
     Raises:
-        ValueError: ``x.size(dim)`` is not a multiple of the group size.
+        ValueError: ``x.size(dim)`` is not a multiple of the group size (zigzag: of twice the group size).
     """
     rank, world = _world(group)
+    lay = layout(group, schedule)
     size = x.size(dim)
-    if size % world:
-        raise ValueError(f"sequence length {size} (dim {dim}) must be divisible by the group size {world}; pad "
-                         f"the sequence to a multiple of {world}")
+    unit = world * lay.divisor()
+    if size % unit:
+        what = "the group size" if lay.divisor() == 1 else "twice the group size (zigzag: two chunks per rank)"
+        raise ValueError(f"sequence length {size} (dim {dim}) must be divisible by {what} {unit}; pad the "
+                         f"sequence to a multiple of {unit}")
     n = size // world
-    return x.narrow(dim, rank * n, n)
+    index = _index(lay, rank, n, x.device)
+    if index is None:
+        (a, _), = lay.segments(rank, n)
+        return x.narrow(dim, a, n)
+    return x.index_select(dim, index)
 
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+    def forward(ctx, x, dim, group, schedule):
+        ctx.dim, ctx.group, ctx.schedule = dim, group, schedule
+        from distattn.topology import split
+
+        ug, rg = split(group)
+        x = x.contiguous()
+        if ug is None:
+            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(rg))]
+            dist.all_gather(parts, x, group=rg)
+        else:  # sequence index r * U + u: gather the Ulysses row, then the ring
+            row = [torch.empty_like(x) for _ in range(dist.get_world_size(ug))]
+            dist.all_gather(row, x, group=ug)
+            row = torch.cat(row, dim=dim).contiguous()
+            rows = [torch.empty_like(row) for _ in range(dist.get_world_size(rg))]
+            dist.all_gather(rows, row, group=rg)
+            parts = [p for r in rows for p in r.chunk(dist.get_world_size(ug), dim=dim)]
+        full = torch.cat(parts, dim=dim)  # shards in sequence-index order
+        lay = layout(group, schedule)
+        if lay.segments_per_rank == 1:
+            return full
+        n = x.size(dim)
+        where = np.concatenate([lay.positions(g, n) for g in range(len(parts))])  # position of each row of full
+        return full.index_select(dim, torch.from_numpy(np.argsort(where)).to(x.device))
 
     @staticmethod
     def backward(ctx, grad):
         # Every rank may use the whole gathered tensor, so the gradient of a shard is the sum over ranks
         # of their gradients for its slice (a reduce-scatter; all-reduce + slice also works on gloo).
+        from distattn.topology import split
+
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return shard_sequence(grad, ctx.dim, ctx.group), None, None
+        ug, rg = split(ctx.group)
+        if ug is not None:  # the sum over all U * R ranks: over the Ulysses row, then over the ring
+            dist.all_reduce(grad, group=ug)
+        dist.all_reduce(grad, group=rg)
+        return shard_sequence(grad, ctx.dim, ctx.group, schedule=ctx.schedule), None, None, None
 
 
-def gather_sequence(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
-    """All ranks' shards concatenated along ``dim`` in rank order (differentiable).
+def gather_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str = "balanced") -> torch.Tensor:
+    """All ranks' shards put back in sequence order along ``dim`` (differentiable); ``schedule``: the layout
+    the shards were made with (``shard_sequence``).
 
     Args:
         x: this rank's shard, e.g. ``(b, n, h, d)`` with ``dim=1``; the same shape on every rank.
         dim: the sequence dimension.
-        group: the sequence-parallel process group (``None``: the default group).
+        group: the sequence-parallel process group (``None``: the default group; a pair or a 2-D mesh:
+            ``distattn.topology``).
+        schedule: the schedule whose layout the shards follow (``"zigzag"``: two chunks per rank).
 
     Returns:
         The full tensor, ``(b, P*n, h, d)`` for ``dim=1``, on every rank.
@@ -71,6 +155,7 @@ def gather_sequence(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
         loss = out.pow(2).sum()                                   # on the shard: right gradients
         loss = gather_sequence(out).pow(2).sum() / P              # on the whole tensor, every rank: / P
     """
+    layout(group, schedule)  # an unknown schedule raises here, on every rank
     if _world(group)[1] == 1:
         return x
-    return _GatherSequence.apply(x, dim, group)
+    return _GatherSequence.apply(x, dim, group, schedule)

@@ -93,7 +93,7 @@ def _bad_input_worker(rank, world):
     for args, kwargs in [
         ((q, torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)), {}),          # 6 heads vs 4
         ((q, torch.zeros(1, 5, 6, 16), torch.zeros(1, 5, 6, 16)), {}),          # q and kv shards differ
-        ((q, q, q), {"schedule": "zigzag"}),
+        ((q, q, q), {"schedule": "zigzagx"}),
         ((q, q, q), {"backend": "nope"}),
         ((q.half(), q, q), {}),
     ]:
@@ -116,7 +116,7 @@ def test_bad_input_raises_same_error_on_every_rank_without_hanging():
     assert None not in msgs
     assert "heads_q (6) must be a multiple of heads_kv (4)" in msgs[0]
     assert "q holds 4 tokens of this rank's shard but k/v hold 5" in msgs[1]
-    assert "schedule='zigzag' is not one of ('ring', 'balanced')" in msgs[2]
+    assert "schedule='zigzagx' is not one of ('ring', 'balanced', 'zigzag', 'auto')" in msgs[2]
     assert "backend='nope' is unknown" in msgs[3]
     assert msgs[4].startswith("TypeError: q, k, v must share one dtype")
     assert msgs[5].startswith("sequence length 5 (dim 1) must be divisible by the group size 3")

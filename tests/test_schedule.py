@@ -378,7 +378,7 @@ def test_two_dimensional_simulation():
         ulysses_heads(33, 3, 2)
     q, kv, stat = 4 * 8 * 4, 4 * 4 * 4, 8 * 4  # elements a rank holds: q (n, 8, d), k' (n, 4, d), lse (8, n)
     assert a2a_bytes("forward", shapes, 4) == ((2 * q + 2 * kv) * 2 + stat * 4) * 3 // 4
-    assert a2a_bytes("backward", shapes, 4) == ((4 * q + 4 * kv) * 2 + 2 * stat * 4) * 3 // 4
+    assert a2a_bytes("backward", shapes, 4) == ((3 * q + 4 * kv) * 2 + 2 * stat * 4) * 3 // 4
     assert a2a_bytes("forward", shapes, 1) == 0
     r = simulate(8, True, "zigzag", shapes, ulysses=4)  # ring of R = 2 over 16-token shards with 2 / 1 heads
     ring = simulate(2, True, "zigzag", Shapes(batch=1, seq_per_rank=16, heads_q=2, heads_kv=1, head_dim=4))

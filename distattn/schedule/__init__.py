@@ -443,8 +443,8 @@ def a2a_bytes(phase: str, shapes: Shapes, ulysses: int) -> int:
     """Bytes one rank sends (and receives) in the Ulysses all-to-alls of ``phase`` (``distattn.ulysses``).
 
     Forward: q, k, v to head shards (kv heads replicated if fewer than ``U``), out (input dtype) and lse (fp32)
-    back. Backward: q, k, v, dout and the fp32 lse and ``delta = rowsum(dout * out)`` in; dq, dk, dv back in the
-    input dtype. Each rank keeps ``1/U`` of every tensor and sends the rest."""
+    back. Backward: q, k, v, dout and the fp32 lse and ``delta = rowsum(dout * out)`` in (``out`` itself never
+    travels); dq, dk, dv back in the input dtype. Each rank keeps ``1/U`` of every tensor and sends the rest."""
     _check_phase(phase)
     u = ulysses
     if u == 1:
@@ -457,7 +457,7 @@ def a2a_bytes(phase: str, shapes: Shapes, ulysses: int) -> int:
     if phase == "forward":
         total = (2 * q + 2 * kv) * e + stat * _FP32_BYTES  # q, k, v in; out, lse back
     else:
-        total = (4 * q + 4 * kv) * e + 2 * stat * _FP32_BYTES  # q, dout, k, v in; dq, dk, dv back; lse, delta in
+        total = (3 * q + 4 * kv) * e + 2 * stat * _FP32_BYTES  # q, dout, k, v in; dq, dk, dv back; lse, delta in
     return total * (u - 1) // u
 
 
