@@ -120,6 +120,7 @@ class _Executor:
         self.device = like.device
         self.backend = kernels.get_backend(cfg.backend, like.device)
         self._bounds: dict[object, kernels.KeyBounds] = {}
+        self._pool: dict[tuple, list[torch.Tensor]] = {}  # receive buffers, reused across steps (see ``post``)
         if self.plan.layout is not None:
             self.plan.layout.check(self.n)
 
@@ -197,9 +198,19 @@ class _Executor:
         return t if self.cfg.partials == "fp32" else t.to(like.dtype)
 
     def post(self, slot, transfers: tuple[Transfer, ...], payload, buffers) -> dict:
-        """Post this rank's part of ``transfers``; returns ``{transfer: receive buffers}``."""
+        """Post this rank's part of ``transfers``; returns ``{transfer: receive buffers}``.
+
+        Receive buffers come from the executor's pool: one set per (slot, kind, order within the round), made at
+        the first use and reused two steps later (double buffering). Reuse is safe: a slot is posted again only
+        after the step that read it was enqueued, and the side stream waits for that point (``PeerExchange``).
+        """
         sends = [(tr.dst, payload(tr)) for tr in transfers if tr.src == self.rank]
-        inbox = {tr: buffers(tr) for tr in transfers if tr.dst == self.rank}
+        inbox = {}
+        for i, tr in enumerate(t for t in transfers if t.dst == self.rank):
+            key = (slot, tr.kind, i)
+            if key not in self._pool:
+                self._pool[key] = buffers(tr)
+            inbox[tr] = self._pool[key]
         self.comm.post(slot, sends, [(tr.src, bufs) for tr, bufs in inbox.items()])
         return inbox
 
