@@ -11,7 +11,8 @@ from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func, flas
 from distattn.checkpoint import remat_checkpoint
 from distattn.comm import DistAttnError
 from distattn.sharding import gather_sequence, shard_sequence
+from distattn.topology import make_2d_groups
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func",
-           "shard_sequence", "gather_sequence", "remat_checkpoint", "DistAttnError"]
+           "shard_sequence", "gather_sequence", "make_2d_groups", "remat_checkpoint", "DistAttnError"]
 __version__ = "0.1.0"
