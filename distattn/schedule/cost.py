@@ -268,7 +268,7 @@ def predict(world_size: int, shapes: Shapes, schedule: str, ulysses: int = 1, *,
 
 def _short(err: Exception) -> str:
     """The first clause of an error message (what is wrong, without the fix)."""
-    return re.split(r" \(|; |: (?=they)", str(err))[0]
+    return re.split(r"; | \(heads must|: they must|: pad ", str(err))[0]
 
 
 def _allowed(allow, schedule: str, ulysses: int) -> bool:
