@@ -146,7 +146,8 @@ def test_allow_and_zigzag_needs_even_tokens():
         choose(8, GQA, allow={"zz"})
     odd_n = Shapes(seq_per_rank=5, heads_q=2, heads_kv=2, head_dim=8)
     zig = [c for c in choose(2, odd_n, cluster=IB).candidates if c.label == "zigzag"][0]
-    assert zig.reason == "the zigzag layout splits every rank's shard into 2 chunks, so tokens per rank (5) must be even"
+    assert zig.reason == ("the zigzag layout splits every rank's shard into 2 chunks, so tokens per rank (5) "
+                          "must be even")
     with pytest.raises(ValueError, match=r"no candidate can run for P=2 .*zigzag: the zigzag layout"):
         choose(2, odd_n, allow={"zigzag"})
 
@@ -182,3 +183,19 @@ def test_cli_explain(capsys):
     assert "winner: " in capsys.readouterr().out
     sched._main(["--world", "4", "--seq-per-rank", "1024"])  # the table command is unchanged
     assert "| 4 | zigzag | True | 4 |" in capsys.readouterr().out
+
+
+def test_report_script(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import schedule_report
+
+    schedule_report.main(["--out", str(tmp_path), "--world", "8", "--links", "ib", "--seq-per-rank", "256"])
+    readme = (tmp_path / "README.md").read_text()
+    csv_rows = (tmp_path / "results.csv").read_text().splitlines()
+    assert "## Winners" in readme and "| 33-head (33/33) | ib | 8 |" in readme
+    assert "cannot run: 33 query heads cannot be split over ulysses=2 ranks" in readme
+    # 3 models: flat 3 each; 32-head models also U = 2, 4 (balanced, zigzag) and U = 8 (pure Ulysses); 33 heads: 3
+    assert len(csv_rows) == 1 + 2 * (3 + 5) + (3 + 3)
