@@ -53,7 +53,7 @@ from distattn.schedule.masks import MaskSpec, pair_work
 SCHEDULES = ("ring", "balanced", "zigzag")
 PARTIALS = ("fp32", "input")
 __all__ = ["SCHEDULES", "PARTIALS", "PHASES", "Task", "Transfer", "Plan", "make_plan", "MaskSpec", "pair_work",
-           "Layout", "LAYOUTS", "layout_of", "local_bounds", "Shapes", "payload_bytes", "a2a_bytes", "ulysses_heads",
+           "Layout", "LAYOUTS", "layout_of", "local_bounds", "Shapes", "payload_bytes", "a2a_bytes", "ulysses_heads", "ring_plan",
            "SimReport",
            "simulate", "format_table"]
 PHASES = ("forward", "backward")
@@ -537,6 +537,19 @@ def _bytes_per_rank(plan: Plan, phase: str, shapes: Shapes, partials: str) -> tu
     return tuple(sent), tuple(recv)
 
 
+def ring_plan(world_size: int, causal: bool, schedule: str, shapes: Shapes, *, mask: MaskSpec | None = None,
+              ulysses: int = 1) -> tuple[Plan, Shapes]:
+    """The plan of the ring level and the shapes of its shards: ``R = world_size / ulysses`` ranks of ``U * n``
+    tokens with ``1/U`` of the heads (``ulysses = 1``: the plan over all ranks and ``shapes`` unchanged)."""
+    ring_shapes = shapes
+    if ulysses > 1:
+        hq, hkv, _ = ulysses_heads(shapes.heads_q, shapes.heads_kv, ulysses)
+        ring_shapes = dataclasses.replace(shapes, seq_per_rank=shapes.seq_per_rank * ulysses, heads_q=hq,
+                                          heads_kv=hkv)
+    plan = make_plan(world_size // ulysses, causal, schedule, mask=mask, chunk=ring_shapes.seq_per_rank)
+    return plan, ring_shapes
+
+
 def simulate(world_size: int, causal: bool = True, schedule: str = "balanced", shapes: Shapes = Shapes(), *,
              mask: MaskSpec | None = None, ulysses: int = 1, partials: str = "fp32") -> SimReport:
     """Walk :func:`make_plan`'s plan step by step and tally idle slots, work makespan and bytes.
@@ -550,13 +563,7 @@ def simulate(world_size: int, causal: bool = True, schedule: str = "balanced", s
     """
     if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world_size % ulysses:
         raise ValueError(f"ulysses={ulysses!r} must be a positive int dividing world_size={world_size}")
-    ring_world = world_size // ulysses
-    ring_shapes = shapes
-    if ulysses > 1:
-        hq, hkv, _ = ulysses_heads(shapes.heads_q, shapes.heads_kv, ulysses)
-        ring_shapes = dataclasses.replace(shapes, seq_per_rank=shapes.seq_per_rank * ulysses, heads_q=hq,
-                                          heads_kv=hkv)
-    plan = make_plan(ring_world, causal, schedule, mask=mask, chunk=ring_shapes.seq_per_rank)
+    plan, ring_shapes = ring_plan(world_size, causal, schedule, shapes, mask=mask, ulysses=ulysses)
     p, n_steps = plan.world_size, plan.num_steps()
     busy = sum(len(tasks) for tasks in plan.steps)
     work = sum(_task_cost(t, plan) for tasks in plan.steps for t in tasks)

@@ -6,6 +6,14 @@ Examples::
     python -m distattn.schedule --world 8 16 64 --seq-per-rank 4096 --docs uniform:8192      # packed documents
     python -m distattn.schedule --world 8 16 64 --seq-per-rank 4096 --docs longtail:2048 --window 4096
 
+``python -m distattn.schedule explain``: the cost model's prediction for every candidate (flat ring, balanced,
+zigzag; Ulysses x ring) on a cluster, and why the winner won (``distattn.schedule.cost``)::
+
+    python -m distattn.schedule explain --world 16 --heads 32 --heads-kv 8 --head-dim 128 --seq-per-rank 4096 --link ib
+
+``--link nvlink``: every link is NVLink (one NVLink domain); ``--link ib`` (default): NVLink inside a node of
+``--gpus-per-node`` GPUs, 100 Gb/s InfiniBand across.
+
 ``--docs uniform:N`` draws document lengths uniformly from 1..N, ``longtail:M`` from a log-normal of median M
 (sigma 1.5: mostly short documents, a few very long ones), until the stream of ``P * seq-per-rank`` tokens is
 full (the last document is cut); ``--seed`` fixes the draw.
@@ -14,6 +22,7 @@ full (the last document is cut); ``--seed`` fixes the draw.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -38,8 +47,14 @@ def document_lengths(spec: str, total: int, seed: int = 0) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m distattn.schedule",
-                                     description="Simulate the sequence-parallel plans; print a markdown table.")
-    parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+                                     description="Simulate the sequence-parallel plans; print a markdown table. "
+                                                 "`python -m distattn.schedule explain --help`: the cost model.")
+    _add_shape_args(parser, [2, 4, 8, 16, 32, 64])
+    return parser
+
+
+def _add_shape_args(parser: argparse.ArgumentParser, world_default) -> None:
+    parser.add_argument("--world", type=int, nargs="+", default=world_default)
     parser.add_argument("--seq-per-rank", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=32, help="query heads")
@@ -50,21 +65,57 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--docs", default=None, help="packed documents: uniform:N or longtail:M (see module doc)")
     parser.add_argument("--window", type=int, default=-1, help="sliding window (left) in tokens; -1: none")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def build_explain_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m distattn.schedule explain",
+                                     description="Predict every candidate plan's time on a cluster; say why the "
+                                                 "winner won (distattn.schedule.cost; assumed link and FLOP rates).")
+    _add_shape_args(parser, [8])
+    parser.add_argument("--link", choices=("nvlink", "ib"), default="ib",
+                        help="nvlink: every link NVLink; ib: NVLink inside a node, 100 Gb/s InfiniBand across")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--flops", type=float, default=None, help="attention FLOP/s per GPU (default: 350e12)")
+    parser.add_argument("--partials", choices=("fp32", "input"), default="fp32")
     return parser
 
 
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    shapes = Shapes(
+def _shapes(args) -> Shapes:
+    return Shapes(
         batch=args.batch, seq_per_rank=args.seq_per_rank, heads_q=args.heads,
         heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim, dtype_bytes=args.dtype_bytes,
     )  # fmt: skip
+
+
+def _mask(args, p: int) -> MaskSpec | None:
+    causal = not args.non_causal
+    window = (args.window, 0 if causal else args.window)
+    cu = document_lengths(args.docs, p * args.seq_per_rank, args.seed) if args.docs else None
+    return MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or args.window >= 0) else None
+
+
+def explain_main(argv=None) -> None:
+    from distattn.schedule.cost import Cluster, choose
+
+    args = build_explain_parser().parse_args(argv)
+    extra = {} if args.flops is None else {"flops": args.flops}
+    cluster = Cluster.preset(args.link, gpus_per_node=args.gpus_per_node, **extra)
+    shapes = _shapes(args)
+    for i, p in enumerate(args.world):
+        choice = choose(p, shapes, causal=not args.non_causal, mask=_mask(args, p), cluster=cluster,
+                        partials=args.partials)
+        print(("\n" if i else "") + choice.explain())
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["explain"]:
+        return explain_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    shapes = _shapes(args)
     causal = not args.non_causal
     reports = []
     for p in args.world:
-        window = (args.window, 0 if causal else args.window)
-        cu = document_lengths(args.docs, p * args.seq_per_rank, args.seed) if args.docs else None
-        mask = MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or args.window >= 0) else None
-        reports += [simulate(p, causal, s, shapes, mask=mask) for s in SCHEDULES]
+        reports += [simulate(p, causal, s, shapes, mask=_mask(args, p)) for s in SCHEDULES]
     print(f"<!-- {shapes} docs={args.docs} window={args.window} seed={args.seed} -->")
     print(format_table(reports))
