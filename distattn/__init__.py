@@ -7,12 +7,18 @@ kernel that carries softmax statistics across chunks.
 The public functions take flash-attn's arguments in flash-attn's order (``distattn.api``).
 """
 
-from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func, flash_attn_func, flash_attn_varlen_func
+from distattn.api import (
+    choose_schedule,
+    dist_flash_attn_func,
+    dist_flash_attn_varlen_func,
+    flash_attn_func,
+    flash_attn_varlen_func,
+)
 from distattn.checkpoint import remat_checkpoint
 from distattn.comm import DistAttnError
 from distattn.sharding import gather_sequence, shard_sequence
 from distattn.topology import make_2d_groups
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func",
-           "shard_sequence", "gather_sequence", "make_2d_groups", "remat_checkpoint", "DistAttnError"]
+           "shard_sequence", "gather_sequence", "make_2d_groups", "choose_schedule", "remat_checkpoint", "DistAttnError"]
 __version__ = "0.1.0"

@@ -400,19 +400,65 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
                           timeout=check_timeout(timeout), partials=partials)
 
 
-def resolve_auto(q, k, topo, *, causal, window, documents, partials) -> str:
-    """``schedule="auto"`` at call time: the cost model's best schedule among those that run on the inputs'
-    layout (contiguous shards: ring or balanced; the zigzag layout is chosen before sharding). Deterministic
-    from the call's shapes, mask and options, so every rank resolves the same (the agreement check sees the
-    resolved name)."""
-    from distattn.schedule import MaskSpec, Shapes
-    from distattn.schedule.cost import choose
+def _cluster():
+    """The cluster ``schedule="auto"`` assumes: ``DISTATTN_LINK`` (``ib`` default: NVLink inside a node of
+    ``DISTATTN_GPUS_PER_NODE`` = 8 GPUs, 100 Gb/s InfiniBand across; ``nvlink``: one NVLink domain)."""
+    import os
+
+    from distattn.schedule.cost import Cluster
+
+    gpus = os.environ.get("DISTATTN_GPUS_PER_NODE", "8")
+    if not gpus.isdigit() or int(gpus) < 1:
+        raise ValueError(f"DISTATTN_GPUS_PER_NODE={gpus!r} must be a positive integer")
+    return Cluster.preset(os.environ.get("DISTATTN_LINK", "ib"), gpus_per_node=int(gpus))
+
+
+def _shapes(q, k):
+    from distattn.schedule import Shapes
 
     b, n, h_q, d = q.shape
-    shapes = Shapes(batch=b, seq_per_rank=n, heads_q=h_q, heads_kv=k.shape[2], head_dim=d,
-                    dtype_bytes=q.element_size())
+    return Shapes(batch=b, seq_per_rank=n, heads_q=h_q, heads_kv=k.shape[2], head_dim=d,
+                  dtype_bytes=q.element_size())
+
+
+def resolve_auto(q, k, topo, *, causal, window, documents, partials) -> str:
+    """``schedule="auto"`` at call time: the cost model's best schedule among those that run on the inputs'
+    layout (contiguous shards: ring or balanced; the zigzag layout is chosen before sharding), for this group's
+    Ulysses degree. Deterministic from the call's shapes, mask, options and ``DISTATTN_LINK``, so every rank
+    resolves the same (and the agreement check compares the resolved name)."""
+    from distattn.schedule import MaskSpec
+    from distattn.schedule.cost import predict
+
     cu = tuple(int(x) for x in documents.tolist()) if documents is not None else None
     mask = MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
-    choice = choose(topo.world_size, shapes, causal=causal, mask=mask, partials=partials,
-                    allow={"schedules": ("ring", "balanced"), "ulysses": (topo.U,)})
-    return choice.best.schedule
+    shapes, cluster = _shapes(q, k), _cluster()
+    best = None
+    for schedule in ("balanced", "ring"):  # on a tie the first (balanced) stays
+        cand = predict(topo.world_size, shapes, schedule, topo.U, causal=causal, mask=mask, cluster=cluster,
+                       partials=partials)
+        if best is None or cand.total < best[0]:
+            best = (cand.total, schedule)
+    return best[1]
+
+
+def choose_schedule(world_size: int, heads_q: int, heads_kv: int, head_dim: int, seq_per_rank: int, *,
+                    batch: int = 1, dtype: torch.dtype = torch.bfloat16, causal: bool = True, cu_seqlens=None,
+                    window_size=(-1, -1), link: str = "ib", gpus_per_node: int = 8, partials: str = "fp32",
+                    allow=None):
+    """The cost model's choice for a layer, made before sharding (so it may pick the zigzag layout or a
+    two-dimensional group): ``choice.best.schedule`` and ``choice.best.ulysses`` (``U``; > 1: build the groups
+    with ``make_2d_groups(U)``); ``print(choice.explain())`` shows every candidate's predicted time.
+
+    ``link``: ``"ib"`` (NVLink in a node of ``gpus_per_node`` GPUs, 100 Gb/s InfiniBand across) or ``"nvlink"``
+    (one NVLink domain). ``allow``: restrict the candidates (``distattn.schedule.cost.choose``).
+    """
+    from distattn.schedule import MaskSpec, Shapes
+    from distattn.schedule.cost import Cluster, choose
+
+    shapes = Shapes(batch=batch, seq_per_rank=seq_per_rank, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                    dtype_bytes=torch.empty(0, dtype=dtype).element_size())
+    window = check_window(window_size)
+    cu = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
+    mask = MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
+    return choose(world_size, shapes, causal=causal, mask=mask, cluster=Cluster.preset(link, gpus_per_node),
+                  partials=partials, allow=allow)
