@@ -4,7 +4,12 @@
 (``torch.distributed.batch_isend_irecv``) and returns at once; ``wait(slot)`` completes it. The executor
 posts the transfers of step ``t + 1`` before it computes step ``t``, so communication hides behind compute.
 Two fetch slots alternate (double-buffered receives): at most two fetch rounds, and so two sets of receive
-buffers, are alive at a time; the buffers come from the caching allocator each round rather than a fixed pool.
+buffers, are alive at a time; the executor keeps one set per slot in a pool and reuses it two steps later.
+
+What a fetch waits for: the side stream waits for an event recorded when the round is posted, i.e. after the
+compute of step ``t - 1`` was enqueued (the round of step ``t + 1`` is posted before step ``t`` computes). That
+is exactly what the pooled receive buffers need (slot ``(t + 1) % 2`` was last read by step ``t - 1``); the
+sent tensors (q, k, v, dout, lse, delta) were final before step 0, so nothing waits on step ``t``'s compute.
 
 On CUDA the round is posted on a side stream: the side stream first waits for an event recorded on the
 compute stream (so send buffers are final), every buffer is ``record_stream``-ed to the side stream (the
