@@ -89,6 +89,13 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
                                "is not writable (Read-only file system)"),
         "full ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "full")], {"DISTATTN_CKPT_FREE_BYTES": "1000000"},
                           "has 1.0 MB free but this run's checkpoints need about 23.1 MB (2 x 11.6 MB"),
+        "ulysses": (["--ulysses", "3"], {}, "--ulysses 3 does not divide the sequence-parallel size 2 (world 2)"),
+        "zigzag seq-len": (["--schedule", "zigzag", "--seq-len", "258"], {},
+                           "--seq-len 258 is not divisible by twice the sequence-parallel size 2 (--schedule zigzag"),
+        "ulysses heads": (["--ulysses", "2", "--model", str(_three_head_model(tmp_path)), "--data",
+                           str(tmp_path / "three" / "text.txt")], {},
+                          "--ulysses 2 with --model {} (3 query heads, 3 key/value heads): 3 query heads cannot be "
+                          "split over ulysses=2 ranks".format(tmp_path / "three")),
         "resume must, nothing": (["--resume=must", "--ckpt-dir", str(tmp_path / "typo")], {},
                                  f"--resume must: nothing to resume in --ckpt-dir {tmp_path / 'typo'} "
                                  f"(the directory does not exist)"),
@@ -104,6 +111,22 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
     assert rc == 0, err[-4000:]
     assert (f"warning: --resume: no checkpoint to resume in --ckpt-dir {tmp_path / 'empty'} "
             f"(it holds no finished checkpoint); starting from step 0") in err
+
+
+def _three_head_model(tmp_path):
+    """A model directory whose 3 query heads cannot split over 2 Ulysses ranks: config.json, a word-level
+    tokenizer and a small text (no weights: the job must stop before reading them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    path = tmp_path / "three"
+    LlamaConfig(vocab_size=8, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3,
+                num_key_value_heads=3).save_pretrained(path)
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(path)
+    (path / "text.txt").write_text("a a a a\n" * 200)
+    return path
 
 
 def test_help_prints_once():
