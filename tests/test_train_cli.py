@@ -89,13 +89,6 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
                                "is not writable (Read-only file system)"),
         "full ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "full")], {"DISTATTN_CKPT_FREE_BYTES": "1000000"},
                           "has 1.0 MB free but this run's checkpoints need about 23.1 MB (2 x 11.6 MB"),
-        "ulysses": (["--ulysses", "3"], {}, "--ulysses 3 does not divide the sequence-parallel size 2 (world 2)"),
-        "zigzag seq-len": (["--schedule", "zigzag", "--seq-len", "258"], {},
-                           "--seq-len 258 is not divisible by twice the sequence-parallel size 2 (--schedule zigzag"),
-        "ulysses heads": (["--ulysses", "2", "--model", str(_three_head_model(tmp_path)), "--data",
-                           str(tmp_path / "three" / "text.txt")], {},
-                          "--ulysses 2 with --model {} (3 query heads, 3 key/value heads): 3 query heads cannot be "
-                          "split over ulysses=2 ranks".format(tmp_path / "three")),
         "resume must, nothing": (["--resume=must", "--ckpt-dir", str(tmp_path / "typo")], {},
                                  f"--resume must: nothing to resume in --ckpt-dir {tmp_path / 'typo'} "
                                  f"(the directory does not exist)"),
@@ -111,6 +104,22 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
     assert rc == 0, err[-4000:]
     assert (f"warning: --resume: no checkpoint to resume in --ckpt-dir {tmp_path / 'empty'} "
             f"(it holds no finished checkpoint); starting from step 0") in err
+
+
+def test_layout_and_group_errors_are_one_line_and_exit_2(tmp_path):
+    """--ulysses that does not divide the group or the model's heads, and a --seq-len zigzag cannot split."""
+    cases = {
+        "ulysses": (["--ulysses", "3"], {}, "--ulysses 3 does not divide the sequence-parallel size 2 (world 2)"),
+        "zigzag seq-len": (["--schedule", "zigzag", "--seq-len", "258"], {},
+                           "--seq-len 258 is not divisible by twice the sequence-parallel size 2 (--schedule zigzag"),
+        "ulysses heads": (["--ulysses", "2", "--seq-len", "64", "--model", str(_three_head_model(tmp_path)),
+                           "--data", str(tmp_path / "three" / "text.txt")], {},
+                          "--ulysses 2 with --model {} (3 query heads, 3 key/value heads): 3 query heads cannot be "
+                          "split over ulysses=2 ranks".format(tmp_path / "three")),
+    }
+    results = run_side_by_side({name: (args, env) for name, (args, env, _) in cases.items()})
+    for name, (_, _, reason) in cases.items():
+        assert_one_clean_error(name, *results[name], reason)
 
 
 def _three_head_model(tmp_path):
