@@ -1,10 +1,10 @@
 """Train a LLaMA model with distattn sequence parallelism: the torchrun entry point.
 
 Every rank holds only its part of each sequence (``--seq-len`` is global: rank r of the sequence-parallel
-group holds tokens ``[r*n, (r+1)*n)``); attention is exact over the whole sequence through distattn, and the
-parameters are sharded with FSDP2 over all ranks. It runs wherever torch runs: CUDA + NCCL + the Triton
-kernels when there are GPUs, CPU + gloo + the pure-PyTorch kernels otherwise (chosen automatically;
-``--device``, ``--dist-backend``, ``--backend`` override).
+group holds tokens ``[r*n, (r+1)*n)``, or two chunks with ``--schedule zigzag``); attention is exact over the
+whole sequence through distattn, and the parameters are sharded with FSDP2 over all ranks. It runs wherever
+torch runs: CUDA + NCCL + the Triton kernels when there are GPUs, CPU + gloo + the pure-PyTorch kernels otherwise
+(chosen automatically; ``--device``, ``--dist-backend``, ``--backend`` override).
 
 Quick start. CPU is enough: 4 gloo ranks train the ``tiny`` preset for 40 steps on the shipped public-domain
 corpus, 2048-token sequences of which each rank holds 512. Measured: 60 s wall on an idle 2-core machine; the
@@ -41,6 +41,11 @@ Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint; its tokenizer is
 used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face tokenizer).
 ``--sp-size S`` splits each sequence over S ranks only; the world is then ``world/S`` data-parallel replicas.
+``--schedule zigzag`` lays each sequence out as chunks ``r`` and ``2S-1-r`` of ``2S`` (causal work balanced by
+layout); ``--ulysses U`` makes the sequence-parallel group two-dimensional: ``U`` consecutive ranks split the heads
+by all-to-all and ``S/U`` of those groups form the ring (``U`` divides ``S`` and the model's query heads)::
+
+    torchrun --standalone --nproc-per-node 4 launch/train.py --model tiny-gqa --ulysses 2 --schedule zigzag
 
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
@@ -111,11 +116,26 @@ def init_distributed(cfg: RunConfig) -> torch.device:
 
 
 def sequence_group(cfg: RunConfig):
-    """This rank's sequence-parallel group: ``sp`` consecutive ranks (``None``: all of them)."""
-    if cfg.sp_size == cfg.env.world_size:
-        return None
+    """This rank's sequence-parallel group: ``sp`` consecutive ranks (``None``: all of them).
+
+    ``--ulysses U > 1``: the group is two-dimensional (``distattn.topology``), ``U`` consecutive ranks per
+    Ulysses group and ``sp / U`` per ring, so sequence index ``r * U + u`` is the rank's place in its sp block:
+    ``(ulysses_group, ring_group)`` from ``make_2d_groups`` when sp is the world, else the ``("ring",
+    "ulysses")`` face of a ``(dp, ring, ulysses)`` device mesh (every process must create every replica's groups).
+    Used for attention, sharding and the loss; parameter gradients are reduced over all ranks by FSDP2/DDP.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
+    if cfg.ulysses > 1:
+        if cfg.sp_size == cfg.env.world_size:
+            from distattn.topology import make_2d_groups
+
+            return make_2d_groups(cfg.ulysses)
+        mesh = init_device_mesh(cfg.device_type, (cfg.dp_size, cfg.sp_size // cfg.ulysses, cfg.ulysses),
+                                mesh_dim_names=("dp", "ring", "ulysses"))
+        return mesh["ring", "ulysses"]
+    if cfg.sp_size == cfg.env.world_size:
+        return None
     mesh = init_device_mesh(cfg.device_type, (cfg.dp_size, cfg.sp_size), mesh_dim_names=("dp", "sp"))
     return mesh.get_group("sp")
 
@@ -138,7 +158,9 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
     a = cfg.args
     return (f"model {a.model}: {train_model.count_params(config) / 1e6:.1f}M params, {config.num_hidden_layers} "
             f"layers, heads {config.num_attention_heads}/{config.num_key_value_heads} kv, vocab {config.vocab_size} "
-            f"({tokenizer_name}) | world {cfg.env.world_size} = sp {cfg.sp_size} x dp {cfg.dp_size}, seq "
+            f"({tokenizer_name}) | world {cfg.env.world_size} = sp {cfg.sp_size}"
+            f"{f' (ulysses {cfg.ulysses} x ring {cfg.sp_size // cfg.ulysses})' if cfg.ulysses > 1 else ''} x dp "
+            f"{cfg.dp_size}, seq "
             f"{a.seq_len} ({a.seq_len // cfg.sp_size} per rank), batch {a.batch_size}/replica | {cfg.device_type} "
             f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}, params "
             f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name} "
@@ -186,9 +208,10 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
 
     if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
         ids, positions = batch
-        inputs = shard_batch(ids[None], labels=ids[None], group=group, position_ids=positions[None])
-    else:
-        inputs = shard_batch(batch, labels=batch, group=group)
+        inputs = shard_batch(ids[None], labels=ids[None], group=group, schedule=cfg.args.schedule,
+                             position_ids=positions[None])
+    else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)
+        inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
     counting = saved_activations(ignore=model.parameters()) if measure is not None else contextlib.nullcontext()
     with counting as saved, train_model.autocast(cfg, mode):
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
@@ -227,7 +250,7 @@ class Job:
 
     cfg: RunConfig
     device: torch.device
-    group: object  # the sequence-parallel process group (None: all ranks)
+    group: object  # the sequence-parallel group (None: all ranks; a pair or a 2-D mesh with --ulysses)
     model: torch.nn.Module
     mode: str  # "fsdp2" / "ddp" / "none"
     optimizer: torch.optim.Optimizer
@@ -334,7 +357,8 @@ def train(job: Job, dataset) -> dict:
         jlog.close()
     summary = {"steps": progress["step"], "final_loss": progress["loss"],
                "tokens_per_s": timed_tokens / timed_s if timed_s else None, "world_size": cfg.env.world_size,
-               "seq_len": args.seq_len, "sp_size": cfg.sp_size, "model": args.model, "device": cfg.device_type,
+               "seq_len": args.seq_len, "sp_size": cfg.sp_size, "ulysses": cfg.ulysses, "schedule": args.schedule,
+               "model": args.model, "device": cfg.device_type,
                "params": job.mode, "peak_mem_bytes": peak, "pack": bool(args.pack),
                "predicted_peak_bytes": job.predicted_peak, "predicted_activation_bytes": job.predicted_activations,
                "saved_activation_bytes": saved_bytes}
@@ -370,6 +394,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
     tokenizer = train_data.make_tokenizer(cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)
     dataset = train_data.load_dataset(cfg.data_path, tokenizer, cfg.args.seq_len, cfg.args.seed, pack=cfg.args.pack)
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
+    train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
     if int(dataset.tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")

@@ -95,6 +95,8 @@ class RunConfig:
     """Compute dtype (parameters and optimizer state stay fp32)."""
     sp_size: int
     """Ranks that split one sequence (the distattn group)."""
+    ulysses: int = 1
+    """Ranks of the sequence-parallel group that split the heads (``--ulysses``; 1: a flat ring of ``sp_size``)."""
     dp_size: int
     """Data-parallel replicas of the sequence-parallel group: ``world_size // sp_size``."""
     preset: dict | None
@@ -146,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("model")
     a.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face "
                    "checkpoint directory (config.json + weights)")
-    a.add_argument("--schedule", default="balanced", choices=("balanced", "ring"),
-                   help="distattn causal schedule (default: balanced)")
+    a.add_argument("--schedule", default="balanced", choices=("balanced", "ring", "zigzag"),
+                   help="distattn causal schedule (default: balanced); zigzag lays each sequence out as chunks r "
+                   "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size)")
     a.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
     a.add_argument("--remat", action="store_true",
@@ -156,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start even if the memory model predicts the step will not fit the GPU")
     a.add_argument("--sp-size", type=int, default=0,
                    help="ranks per sequence-parallel group (default 0: all ranks); the rest is data parallel")
+    a.add_argument("--ulysses", type=int, default=1,
+                   help="two-dimensional sequence parallelism: U consecutive ranks of each sequence-parallel group "
+                   "split the heads (all-to-all), the sp/U groups of them form a ring (default 1: one ring). U "
+                   "must divide --sp-size and the model's query heads (key/value heads: divide or be divided by U)")
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int, default=2048, help="tokens per sample, global (split over sp ranks)")
     t.add_argument("--batch-size", type=int, default=2, help="samples per step per data-parallel replica")
@@ -202,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_ranges(args) -> None:
-    for name in ("seq_len", "batch_size", "steps", "keep"):
+    for name in ("seq_len", "batch_size", "steps", "keep", "ulysses"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("save_every", "log_every", "crash_at_step", "sp_size", "grad_clip", "weight_decay"):
@@ -219,11 +226,33 @@ def _resolve_parallel(args, env: Env) -> tuple[int, int]:
     sp = args.sp_size or world
     if world % sp:
         raise UsageError(f"--sp-size {sp} does not divide the world size {world}; use a divisor of {world}")
-    if args.seq_len % sp:
-        lo, hi = args.seq_len // sp * sp, (args.seq_len // sp + 1) * sp
-        raise UsageError(f"--seq-len {args.seq_len} is not divisible by the sequence-parallel size {sp}; "
-                         f"use a multiple of {sp}, e.g. {lo or hi} or {hi}")
+    if sp % args.ulysses:
+        raise UsageError(f"--ulysses {args.ulysses} does not divide the sequence-parallel size {sp} (world "
+                         f"{world}{'' if sp == world else f', --sp-size {sp}'}); use a divisor of {sp}")
+    unit = sp * (2 if args.schedule == "zigzag" else 1)  # zigzag: two chunks per rank
+    if args.seq_len % unit:
+        lo, hi = args.seq_len // unit * unit, (args.seq_len // unit + 1) * unit
+        what = f"the sequence-parallel size {sp}" if unit == sp else f"twice the sequence-parallel size {sp} " \
+            f"(--schedule zigzag: two chunks per rank)"
+        raise UsageError(f"--seq-len {args.seq_len} is not divisible by {what}; use a multiple of {unit}, e.g. "
+                         f"{lo or hi} or {hi}")
     return sp, world // sp
+
+
+def check_heads(cfg: "RunConfig", config) -> None:
+    """``--ulysses U`` splits the heads over U ranks: refuse a model whose heads cannot be split (before the
+    process group exists; ``config``: the model's transformers config)."""
+    if cfg.ulysses == 1:
+        return
+    from distattn.schedule import ulysses_heads
+
+    heads_q = config.num_attention_heads
+    heads_kv = getattr(config, "num_key_value_heads", None) or heads_q
+    try:
+        ulysses_heads(heads_q, heads_kv, cfg.ulysses)
+    except ValueError as exc:
+        raise UsageError(f"--ulysses {cfg.ulysses} with --model {cfg.args.model} ({heads_q} query heads, {heads_kv} "
+                         f"key/value heads): {exc}") from exc
 
 
 def _resolve_model(args) -> dict | None:
@@ -297,4 +326,4 @@ def resolve(args: argparse.Namespace, env: Env) -> RunConfig:
     if args.crash_at_step > args.steps:
         raise UsageError(f"--crash-at-step {args.crash_at_step} is after the last step ({args.steps})")
     return RunConfig(args=args, env=env, device_type=device, dist_backend=dist_backend, attn_backend=attn,
-                     dtype=dtype, sp_size=sp, dp_size=dp, preset=preset, data_path=data_path)
+                     dtype=dtype, sp_size=sp, ulysses=args.ulysses, dp_size=dp, preset=preset, data_path=data_path)

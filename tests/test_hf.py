@@ -259,8 +259,12 @@ def test_causal_lm_loss_validates_shapes():
 
 def test_use_distattn_validates():
     model = make_model("llama")
-    with pytest.raises(ValueError, match="schedule='zigzag' is not one of"):
-        hf.use_distattn(model, schedule="zigzag")
+    with pytest.raises(ValueError, match=r"schedule='auto' is not one of \('ring', 'balanced', 'zigzag'\)"):
+        hf.use_distattn(model, schedule="auto")
+    with pytest.raises(ValueError, match=r"schedule='zig' is not one of .*the same to use_distattn and shard_batch"):
+        hf.shard_batch(make_ids(), schedule="zig")
+    with pytest.raises(TypeError, match=r"group=\(ulysses_group, ring_group\) must be a pair"):
+        hf.use_distattn(model, group=(None, None, None))
     with pytest.raises(ValueError, match="backend='cuda' is unknown"):
         hf.use_distattn(model, backend="cuda")
     with pytest.raises(TypeError, match="is not a transformers PreTrainedModel"):
@@ -460,3 +464,145 @@ def test_gemma2_softcap_matches_single_process_eager():
     mag = magnitude_of(*ref_grads.values())
     for name, ref in ref_grads.items():
         assert_close_by_rule(f"gemma2 {name}", ours_grads[name], base_grads[name], ref, torch.float32, magnitude=mag)
+
+
+# -- layouts and groups: zigzag on 2 and 3 ranks, two-dimensional (Ulysses 2 x ring 2), a mismatch -------------
+LAYOUT_CASES = {  # name: (ranks, schedule, two-dimensional group as "pair" / "mesh" / None)
+    "zigzag P=2": (2, "zigzag", None),
+    "zigzag P=3": (3, "zigzag", None),
+    "2d U=2 R=2 balanced": (4, "balanced", "pair"),
+    "2d U=2 R=2 zigzag": (4, "zigzag", "mesh"),
+}
+LAYOUT_SEQ = 24  # divides by 2 x every group size (zigzag: two chunks per rank)
+MISMATCH = r"not sharded with the layout of the model's attention schedule='{}' .*shard_batch\(\.\.\., group=group, " \
+           r"schedule='{}'\)"
+
+
+def make_layout_ids():
+    return torch.randint(0, VOCAB, (BATCH, LAYOUT_SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _layout_step(model, ids, group, schedule):
+    """One step on this rank's shard; loss, gradients summed over every rank of the (sub)group, the shard."""
+    import torch.distributed as dist
+
+    from distattn.topology import split
+
+    model.zero_grad(set_to_none=True)
+    batch = hf.shard_batch(ids, labels=ids, group=group, schedule=schedule)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    loss = hf.causal_lm_loss(logits, batch["shift_labels"], group=group)
+    loss.backward()
+    ulysses_group, ring_group = split(group)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        if ulysses_group is not None:
+            dist.all_reduce(g, group=ulysses_group)
+        dist.all_reduce(g, group=ring_group)
+        grads[name] = g
+    return {"loss": loss.detach(), "grads": grads, "position_ids": batch["position_ids"],
+            "shift_labels": batch["shift_labels"]}
+
+
+def _mismatch(model, ids, group, schedule):
+    """The message of the ValueError a forward on a batch sharded with ``schedule`` raises (None: no error)."""
+    batch = hf.shard_batch(ids, group=group, schedule=schedule)
+    try:
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _layout_cases(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distattn.sharding import positions
+    from distattn.topology import make_2d_groups
+
+    flat = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: None}  # new_group: every rank calls it
+    two_d = {"pair": make_2d_groups(2),
+             "mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))}
+    ids = make_layout_ids()
+    results = {}
+    for name, (size, schedule, kind) in LAYOUT_CASES.items():
+        if rank >= size:
+            continue
+        group = two_d[kind] if kind else flat[size]
+        model = hf.use_distattn(make_model("llama", attn="sdpa"), group=group, schedule=schedule)
+        res = _layout_step(model, ids, group, schedule)
+        res["expected_positions"] = positions(LAYOUT_SEQ // size, group, schedule)
+        results[name] = res
+    # the guard: a batch sharded with another layout raises at the first forward, on every rank
+    if rank < 2:
+        zigzag = hf.use_distattn(make_model("llama", attn="sdpa"), group=flat[2], schedule="zigzag")
+        results["zigzag model, balanced batch"] = _mismatch(zigzag, ids, flat[2], "balanced")
+        ring = hf.use_distattn(make_model("llama", attn="sdpa"), group=flat[2], schedule="ring")
+        results["ring model, zigzag batch"] = _mismatch(ring, ids, flat[2], "zigzag")
+    two_d_model = hf.use_distattn(make_model("llama", attn="sdpa"), group=two_d["pair"], schedule="zigzag")
+    results["2d zigzag model, flat zigzag batch"] = _mismatch(two_d_model, ids, None, "zigzag")
+    try:  # heads that cannot be split over the Ulysses group: refused by use_distattn, no communication
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=3, num_key_value_heads=3)
+        hf.use_distattn(transformers.LlamaForCausalLM(config), group=two_d["pair"])
+        results["odd heads"] = None
+    except ValueError as err:
+        results["odd heads"] = str(err)
+    return results
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    return run_distributed(_layout_cases, 4, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_CASES))
+def test_layouts_and_2d_groups_match_single_process_eager(layouts, references, name):
+    size, schedule, _ = LAYOUT_CASES[name]
+    ids = make_layout_ids()
+    runs = []
+    for dtype in (torch.float64, torch.float32):  # the references fixture's model on this test's sequence
+        model = make_model("llama", attn="eager", dtype=dtype)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (base_loss, base_grads) = runs
+    shifted = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    mag = magnitude_of(*ref_grads.values())
+    for rank in range(size):
+        ours = layouts[rank][name]
+        want = ours["expected_positions"]
+        assert torch.equal(ours["position_ids"], want.expand(BATCH, -1)), f"rank {rank}: global positions"
+        assert torch.equal(ours["shift_labels"], shifted[:, want]), f"rank {rank}: labels shifted before sharding"
+        assert_close_by_rule(f"{name} loss", ours["loss"], base_loss, ref_loss, torch.float32)
+        for n, ref in ref_grads.items():
+            assert_close_by_rule(f"{name} rank {rank} {n}", ours["grads"][n], base_grads[n], ref, torch.float32,
+                                 magnitude=mag)
+    if schedule == "zigzag":  # not a contiguous split: rank 0 holds two separate pieces
+        assert int((torch.diff(layouts[0][name]["expected_positions"]) != 1).sum()) == 1
+    if name.startswith("zigzag"):  # flat: rank 0 holds the first and the last of 2P chunks
+        c = LAYOUT_SEQ // (2 * size)
+        want = list(range(c)) + list(range(LAYOUT_SEQ - c, LAYOUT_SEQ))
+        assert layouts[0][name]["position_ids"][0].tolist() == want
+
+
+@pytest.mark.parametrize("case,schedule", [("zigzag model, balanced batch", "zigzag"),
+                                           ("ring model, zigzag batch", "ring"),
+                                           ("2d zigzag model, flat zigzag batch", "zigzag")])
+def test_a_batch_sharded_with_another_layout_raises_on_every_rank(layouts, case, schedule):
+    ranks = 4 if case.startswith("2d") else 2
+    for rank in range(ranks):
+        error = layouts[rank][case]
+        assert error is not None, f"rank {rank}: {case} ran silently"
+        assert re.search(MISMATCH.format(schedule, schedule), error), error
+    if case.startswith("2d"):
+        assert "2 per Ulysses group" in layouts[0][case]
+
+
+def test_heads_that_cannot_split_over_ulysses_are_refused(layouts):
+    for res in layouts:
+        assert res["odd heads"] is not None and re.search(
+            r"two-dimensional group: 3 query heads cannot be split over ulysses=2 ranks", res["odd heads"])

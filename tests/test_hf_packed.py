@@ -53,8 +53,10 @@ def _doc_of_positions(total):
 
 
 # -- spawned side ---------------------------------------------------------------------------------------------
-def _run(model, batch, group, world):
+def _run(model, batch, group, world, schedule="balanced"):
     import torch.distributed as dist
+
+    from distattn.sharding import positions
 
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
@@ -63,8 +65,7 @@ def _run(model, batch, group, world):
     per_token = torch.nn.functional.cross_entropy(logits[0].float().detach(), batch["shift_labels"][0],
                                                   ignore_index=-100, reduction="none")
     n = per_token.numel()
-    rank = dist.get_rank(group)
-    doc = _doc_of_positions(n * world)[rank * n:(rank + 1) * n]
+    doc = _doc_of_positions(n * world)[positions(n, group, schedule)]  # this rank's tokens, by the layout
     sums = torch.zeros(len(LENGTHS), dtype=torch.float64)
     sums.index_add_(0, doc.clamp(min=0), torch.where(doc >= 0, per_token.double(), 0.0))
     grads = {}
@@ -144,6 +145,49 @@ def test_packed_batch_equals_each_document_alone(spawned, family, size):
     # the three ways into the same stream agree to round-off
     for how in got:
         assert torch.allclose(got[how]["loss"], got["list"]["loss"], rtol=1e-6, atol=0)
+
+
+# -- the zigzag layout: rank r holds chunks r and 2P-1-r of the stream ------------------------------------------
+def _zigzag_cases(rank, world_size):
+    docs = documents()
+    model = hf.use_distattn(make_model("llama", attn="sdpa"), schedule="zigzag")
+    shard = lambda *a, **kw: hf.shard_batch(*a, schedule="zigzag", **kw)  # noqa: E731
+    got = {"list": _run(model, shard(docs, labels=docs), None, world_size, "zigzag")}
+    width = max(LENGTHS)
+    ids = torch.zeros(len(docs), width, dtype=torch.long)
+    mask = torch.zeros(len(docs), width, dtype=torch.long)
+    for i, d in enumerate(docs):
+        ids[i, :len(d)], mask[i, :len(d)] = d, 1
+    got["padded"] = _run(model, shard(ids, labels=ids, attention_mask=mask), None, world_size, "zigzag")
+    # transformers' flattened format, with a 2-token tail document up to a multiple of 2P = 4 (26 + 2 tokens)
+    stream = torch.cat([*docs, torch.zeros(2, dtype=torch.long)])[None]
+    labels = torch.cat([*docs, torch.full((2,), -100)])[None]
+    positions = torch.cat([torch.arange(n) for n in [*LENGTHS, 2]])[None]
+    flat = shard(stream, labels=labels, position_ids=positions)
+    got["flattened"] = _run(model, flat, None, world_size, "zigzag")
+    got["positions"] = {how: b["position_ids"] for how, b in
+                        (("list", shard(docs)), ("flattened", flat))}
+    return got
+
+
+def test_packed_batch_with_zigzag_layout_equals_each_document_alone():
+    from distattn.schedule import layout_of
+
+    ranks = run_distributed(_zigzag_cases, 2, timeout=TIMEOUT_S)
+    ref, base = _alone("llama", torch.float64), _alone("llama", torch.float32)
+    mag = magnitude_of(*ref[2].values())
+    stream_positions = torch.cat([torch.arange(n) for n in [*LENGTHS, 2]])  # documents, then the 2-token tail
+    for rank, got in enumerate(ranks):
+        for how in ("list", "padded", "flattened"):
+            res = got[how]
+            assert_close_by_rule(f"zigzag {how} loss", res["loss"], base[0], ref[0], torch.float32)
+            assert_close_by_rule(f"zigzag {how} doc sums", res["doc_sums"], base[1], ref[1], torch.float32)
+            for name, g in res["grads"].items():
+                assert_close_by_rule(f"zigzag {how} rank {rank} grad {name}", g, base[2][name], ref[2][name],
+                                     torch.float32, magnitude=mag)
+        mine = torch.from_numpy(layout_of("zigzag", 2).positions(rank, 14))  # 28 tokens: chunks of 7
+        for how, pos in got["positions"].items():  # positions within documents, sharded like the tokens
+            assert pos[0].tolist() == stream_positions[mine].tolist(), (rank, how)
 
 
 def test_packed_shard_batch_layout():

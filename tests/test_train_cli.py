@@ -106,6 +106,38 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
             f"(it holds no finished checkpoint); starting from step 0") in err
 
 
+def test_layout_and_group_errors_are_one_line_and_exit_2(tmp_path):
+    """--ulysses that does not divide the group or the model's heads, and a --seq-len zigzag cannot split."""
+    cases = {
+        "ulysses": (["--ulysses", "3"], {}, "--ulysses 3 does not divide the sequence-parallel size 2 (world 2)"),
+        "zigzag seq-len": (["--schedule", "zigzag", "--seq-len", "258"], {},
+                           "--seq-len 258 is not divisible by twice the sequence-parallel size 2 (--schedule zigzag"),
+        "ulysses heads": (["--ulysses", "2", "--seq-len", "64", "--model", str(_three_head_model(tmp_path)),
+                           "--data", str(tmp_path / "three" / "text.txt")], {},
+                          "--ulysses 2 with --model {} (3 query heads, 3 key/value heads): 3 query heads cannot be "
+                          "split over ulysses=2 ranks".format(tmp_path / "three")),
+    }
+    results = run_side_by_side({name: (args, env) for name, (args, env, _) in cases.items()})
+    for name, (_, _, reason) in cases.items():
+        assert_one_clean_error(name, *results[name], reason)
+
+
+def _three_head_model(tmp_path):
+    """A model directory whose 3 query heads cannot split over 2 Ulysses ranks: config.json, a word-level
+    tokenizer and a small text (no weights: the job must stop before reading them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    path = tmp_path / "three"
+    LlamaConfig(vocab_size=8, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3,
+                num_key_value_heads=3).save_pretrained(path)
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(path)
+    (path / "text.txt").write_text("a a a a\n" * 200)
+    return path
+
+
 def test_help_prints_once():
     proc = _start(["--help"])
     out, err = proc.communicate(timeout=PREFLIGHT_TIMEOUT_S)

@@ -4,10 +4,18 @@ transformers' own padding-free format marks documents by ``position_ids`` that r
 wherever the position does not follow the previous one: ``diff != 1``, transformers' rule) or by
 ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments. Under sequence parallelism each rank holds only its
 slice of the stream, so no rank can tell the documents alone: a forward pre-hook on the model (installed by
-``use_distattn``) runs once per forward on every rank, derives the documents of the *whole* stream (from the
-``cu_seq_lens`` it was given, else from every rank's position boundaries, one small all-gather), and pins the
-result to the ``position_ids`` tensor that transformers hands to every attention layer. The attention function
-reads it there: documents -> ``dist_flash_attn_varlen_func``; one document -> the dense causal op.
+``use_distattn``) runs once per forward on every rank, puts every rank's position ids back in sequence order
+with the layout of the model's schedule (``gather_sequence``: one all-gather of ``b * T`` integers per forward,
+two on a two-dimensional group, none per layer), derives the documents of the *whole* stream from them (or from
+the ``cu_seq_lens`` it was given), and pins the result to the ``position_ids`` tensor that transformers hands to
+every attention layer. The attention function reads it there: documents -> ``dist_flash_attn_varlen_func``;
+one document -> the dense causal op.
+
+The same gathered stream guards the layout: a batch sharded with another layout than the model's schedule
+(``shard_batch(..., schedule=...)`` and ``use_distattn(..., schedule=...)`` disagree, or another group) comes
+back scrambled, with a document starting at a position other than 0, which ``shard_batch`` never makes
+(positions count from 0 in every sequence and every document). Every rank sees the same stream, so every rank
+raises the same ``ValueError`` before any attention runs.
 
 Legend: ``b`` batch rows, ``n`` tokens per rank, ``T = P * n`` tokens in the stream.
 """
@@ -18,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from distattn._ops import group_of
-from distattn.sharding import group_size
+from distattn.sharding import gather_sequence, group_size, layout
 
 __all__ = ["install_packing_hook", "stream_documents", "cu_seq_lens_documents"]
 
@@ -33,16 +41,17 @@ def stream_documents(position_ids: torch.Tensor | None):
     return True, getattr(position_ids, _ATTR)
 
 
-def install_packing_hook(model, group_key: str) -> None:
-    """Register (once) the forward pre-hook that derives the stream's documents on every forward."""
+def install_packing_hook(model, group_key: str, schedule: str = "balanced") -> None:
+    """Register (once) the forward pre-hook that derives the stream's documents on every forward; ``schedule``
+    is the model's attention schedule, whose layout the batch must have been sharded with."""
     old = getattr(model, _HOOKED, None)
     if old is not None:
         old.remove()
-    handle = model.register_forward_pre_hook(lambda m, a, kw: _derive(kw, group_key), with_kwargs=True)
+    handle = model.register_forward_pre_hook(lambda m, a, kw: _derive(kw, group_key, schedule), with_kwargs=True)
     setattr(model, _HOOKED, handle)
 
 
-def _derive(kwargs: dict, group_key: str):
+def _derive(kwargs: dict, group_key: str, schedule: str):
     group = group_of(group_key)
     world = group_size(group)
     position_ids = kwargs.get("position_ids")
@@ -52,16 +61,39 @@ def _derive(kwargs: dict, group_key: str):
                              f"each rank's tokens from 0 and RoPE is wrong; pass "
                              f"position_ids=batch['position_ids'] from distattn.integrations.hf.shard_batch")
         return None
+    rows = position_ids.reshape(-1, position_ids.shape[-1])  # (b, n)
+    stream = rows
+    if world > 1:  # (b, T): every rank's positions in sequence order, by the model's layout
+        stream = gather_sequence(rows, 1, group, schedule=schedule)
+        _check_layout(stream, group, schedule)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    total = position_ids.shape[-1] * world
+    total = stream.shape[-1]
     if cu_q is not None or cu_k is not None:
         cu = _from_cu_seq_lens(cu_q, cu_k, position_ids, total)
     else:
-        cu = _from_positions(position_ids, group, world)
+        cu = _from_stream(stream)
     if cu is not None and len(cu) == 2 and cu[-1] == total:
         cu = None  # one document over the whole stream: plain causal attention
     setattr(position_ids, _ATTR, cu)
     return None
+
+
+def _check_layout(stream: torch.Tensor, group, schedule: str) -> None:
+    """Refuse a stream that the model's layout put back out of order (a document starting at position != 0)."""
+    jumps = torch.diff(stream, dim=1) != 1  # (b, T - 1): a new document starts after each jump
+    wrong = jumps & (stream[:, 1:] != 0)
+    if not bool(wrong.any()):
+        return
+    row, i = (int(x) for x in wrong.nonzero()[0])
+    lay = layout(group, schedule)
+    where = f"{lay.kind} over {lay.ranks} ranks" + (f", {lay.ulysses} per Ulysses group" if lay.ulysses > 1 else "")
+    raise ValueError(f"the batch was not sharded with the layout of the model's attention schedule={schedule!r} "
+                     f"({where}): "
+                     f"its position_ids, put back in that order, jump from {int(stream[row, i])} to "
+                     f"{int(stream[row, i + 1])} at token {i + 1} of {stream.shape[1]} (row {row}), where a new "
+                     f"sequence or document would have to start at 0; shard the batch with "
+                     f"shard_batch(..., group=group, schedule={schedule!r}), the group and schedule given to "
+                     f"use_distattn")
 
 
 def cu_seq_lens_documents(cu_q, cu_k) -> tuple[int, ...]:
@@ -83,29 +115,14 @@ def _from_cu_seq_lens(cu_q, cu_k, position_ids, total):
     return cu
 
 
-def _boundaries(row: torch.Tensor) -> tuple[int, int, list[int]]:
-    """(first position, last position, local indices where a new document starts after index 0)."""
-    starts = (torch.diff(row) != 1).nonzero().flatten() + 1
-    return int(row[0]), int(row[-1]), starts.tolist()
-
-
-def _from_positions(position_ids: torch.Tensor, group, world: int):
-    """Documents of the whole stream from every rank's position boundaries (one all-gather when world > 1)."""
-    mine = [_boundaries(row) for row in position_ids.reshape(-1, position_ids.shape[-1]).cpu()]
-    everyone = [mine]
-    if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine, group=group)
-    n = position_ids.shape[-1]
+def _from_stream(stream: torch.Tensor):
+    """Documents of the whole ``(b, T)`` stream: one starts wherever the position does not follow the previous
+    one (transformers' rule, ``diff != 1``)."""
+    total = stream.shape[1]
     rows = []
-    for b in range(len(mine)):
-        starts = [0]
-        for r, ranks_rows in enumerate(everyone):
-            first, _, local = ranks_rows[b]
-            if r > 0 and first != everyone[r - 1][b][1] + 1:
-                starts.append(r * n)
-            starts += [r * n + i for i in local]
-        rows.append(tuple(starts) + (world * n,))
+    for row in stream.cpu():
+        starts = (torch.diff(row) != 1).nonzero().flatten() + 1
+        rows.append((0, *starts.tolist(), total))
     if len(rows) == 1:
         return rows[0]
     if all(len(cu) == 2 for cu in rows):

@@ -3,7 +3,7 @@
 Tested with transformers 5.23 on ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM`` (GQA) and
 ``Gemma2ForCausalLM`` (attention logit soft-capping);
 any model whose attention goes through transformers' ``AttentionInterface`` with the same block shape
-works the same way. Every rank runs the same model on its own contiguous shard of the sequence
+works the same way. Every rank runs the same model on its own shard of the sequence
 (``torchrun --nproc-per-node N train.py``)::
 
     import torch.distributed as dist
@@ -23,9 +23,19 @@ works the same way. Every rank runs the same model on its own contiguous shard o
         dist.all_reduce(p.grad)            # sum them over the sequence-parallel group before the step
     optimizer.step()
 
+Layouts and groups: ``use_distattn(model, group, schedule)`` and ``shard_batch(..., group=group, schedule=schedule)``
+take the same two choices. ``schedule="balanced"`` or ``"ring"`` shard the sequence contiguously (rank ``r`` holds
+tokens ``[r*n, (r+1)*n)``); ``"zigzag"`` gives rank ``r`` chunks ``r`` and ``2P-1-r`` of ``2P``, which balances
+causal work by layout. ``group`` may be two-dimensional, ``(ulysses_group, ring_group)`` from
+``distattn.make_2d_groups(U)`` or a 2-D ``DeviceMesh`` named ``("ring", "ulysses")``: heads are split over the
+``U`` Ulysses ranks by an all-to-all and the sequence goes around the ring; the sequence is split over all
+``U * R`` ranks (sequence index ``r * U + u``), and the loss and the gradient sums cover all of them. A batch
+sharded with another layout than the model's raises ``ValueError`` at the first forward, on every rank.
+
 Gradients: after ``loss.backward()`` every parameter's ``.grad`` is only this rank's share of the
 full-sequence gradient (the part that flows through this rank's tokens). Sum it over the sequence-parallel
-group (``dist.all_reduce(p.grad, group=group)``), or wrap the model in DDP/FSDP over that group, which does
+group (``dist.all_reduce(p.grad, group=group)``; a two-dimensional group: over all its ``U * R`` ranks, e.g. the
+world group when it spans the world), or wrap the model in DDP/FSDP over that group, which does
 the same sum, before the optimizer step; stepping on the unreduced gradients trains on a part of the batch.
 
 What the pieces guarantee:
@@ -69,7 +79,11 @@ from distattn.checkpoint import remat_context_fn
 from distattn.schedule import SCHEDULES
 from distattn.packing import (Packed, cu_seqlens_from_position_ids, pack_padded, pack_sequences,
                               shift_labels_by_document)
-from distattn.sharding import group_size as _group_size, shard_sequence
+from distattn.schedule import ulysses_heads
+from distattn.sharding import group_size as _group_size
+from distattn.sharding import layout as _layout
+from distattn.sharding import shard_sequence
+from distattn.topology import split as _split_group
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "ATTN_IMPLEMENTATION",
            "IGNORE_INDEX"]
@@ -207,7 +221,7 @@ def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
     group = group_of(options.group_key)
     padded = torch.tensor([0 if bool(attention_mask.all()) else 1], device=attention_mask.device)
     if _group_size(group) > 1:
-        dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=group)
+        _all_reduce(padded, group, dist.ReduceOp.MAX)
     if padded.item():
         zeros = int((~attention_mask.bool()).sum())
         raise ValueError(f"distattn cannot apply a padding attention_mask: the mask has zeros on some rank of the "
@@ -216,6 +230,43 @@ def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
                          f"sequence with no per-token mask, so padded tokens would be attended to; "
                          f"{NO_PADDING_FIX} (an all-ones mask is accepted)")
     return None
+
+
+def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """All-reduce ``t`` in place over every rank of ``group``; a two-dimensional group (a pair or a 2-D mesh,
+    ``distattn.topology``) reduces over its Ulysses row, then over its ring: all ``U * R`` ranks."""
+    ulysses_group, ring_group = _split_group(group)
+    if ulysses_group is not None:
+        dist.all_reduce(t, op=op, group=ulysses_group)
+    dist.all_reduce(t, op=op, group=ring_group)
+
+
+def _resolve_schedule(schedule, group=None) -> str:
+    """The concrete schedule that lays out the batch and runs attention, validated (the same on every rank).
+
+    Today only the concrete schedules are accepted; a choice made by a cost model (``"auto"``) must be resolved
+    to one of them here, once, *before* sharding: the schedule fixes the layout of the shards, so
+    ``shard_batch`` and the model's attention must agree on it.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}; pass one of them (the same to "
+                         f"use_distattn and shard_batch), e.g. schedule='balanced'")
+    return schedule
+
+
+def _check_heads(model, group) -> None:
+    """A two-dimensional group splits the heads over its Ulysses ranks: refuse a model whose heads cannot be
+    split before any forward (no communication: the Ulysses group's size is local knowledge)."""
+    ulysses_group, _ = _split_group(group)
+    config = getattr(model, "config", None)
+    if ulysses_group is None or not hasattr(config, "num_attention_heads"):
+        return
+    heads_q = config.num_attention_heads
+    heads_kv = getattr(config, "num_key_value_heads", None) or heads_q
+    try:
+        ulysses_heads(heads_q, heads_kv, dist.get_world_size(ulysses_group))
+    except ValueError as err:
+        raise ValueError(f"use_distattn with a two-dimensional group: {err}") from None
 
 
 def _register(options: _Options) -> str:
@@ -242,20 +293,29 @@ def use_distattn(model, group=None, schedule: str = "balanced", *, backend: str 
     After ``loss.backward()`` each rank holds its share of every parameter gradient: all-reduce (sum) the
     gradients over ``group``, or wrap the model in DDP/FSDP over it, before the optimizer step.
 
+    Shard every batch with the same ``group`` and ``schedule`` (``shard_batch(..., group=group,
+    schedule=schedule)``): the schedule fixes which tokens each rank holds. The first forward of a batch sharded
+    with another layout raises ``ValueError`` on every rank (the packing hook puts the position ids back in the
+    order of this schedule's layout, and a document that starts at a position other than 0 is refused).
+
     Args:
         model: a ``PreTrainedModel`` whose attention goes through ``AttentionInterface`` (LLaMA, Qwen2, Mistral...).
-        group: the sequence-parallel process group (``None``: the default group).
-        schedule: ``"balanced"`` (DistFlashAttn load balancing) or ``"ring"``.
+        group: the sequence-parallel group: ``None`` (the default group), a ``ProcessGroup``, or a two-dimensional
+            group, ``(ulysses_group, ring_group)`` (``distattn.make_2d_groups``) or a 2-D ``DeviceMesh`` named
+            ``("ring", "ulysses")``: heads are split over the ``U`` Ulysses ranks (query heads must divide by
+            ``U``; key/value heads too, or divide ``U``), the sequence over all ``U * R`` ranks.
+        schedule: ``"balanced"`` (DistFlashAttn load balancing) or ``"ring"`` (contiguous shards), or
+            ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``).
         backend: kernel backend (``"triton"``, ``"torch"``, ``None``: best available on the model's device).
         overlap: prefetch key/value chunks while computing (``False`` only for ablations).
 
     Returns:
         ``model`` (changed in place).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}; use schedule='balanced'")
+    schedule = _resolve_schedule(schedule, group)
     if backend is not None and backend not in kernels.BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; it must be one of {kernels.BACKENDS} or None")
+    _check_heads(model, group)
     name = _register(_Options(group_key=group_key(group), schedule=schedule, backend=backend,
                               overlap=bool(overlap)))
     if not hasattr(model, "set_attn_implementation"):
@@ -267,24 +327,34 @@ def use_distattn(model, group=None, schedule: str = "balanced", *, backend: str 
                          f"AttentionInterface, so distattn cannot be switched on for it; call "
                          f"distattn.dist_flash_attn_func from its attention module instead")
     model.config.use_cache = False
-    install_packing_hook(model, group_key(group))  # packed streams: the documents of every forward
+    # every forward: the stream's documents, and a check that the batch was sharded with this layout
+    install_packing_hook(model, group_key(group), schedule)
     return model
 
 
 # -- data and loss ------------------------------------------------------------------------------------------
-def shard_batch(input_ids, labels=None, group=None, *, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, pad_id: int = 0) -> dict:
+def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced",
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                pad_id: int = 0) -> dict:
     """This rank's share of a batch: one long sequence per row, or documents packed padding-free.
 
     Four inputs, the same on every rank:
 
-    * ``input_ids (batch, seq)``: every row one sequence (``seq`` divisible by the group size);
+    * ``input_ids (batch, seq)``: every row one sequence (``seq`` divisible by the group size; ``"zigzag"``: by
+      twice the group size);
     * a list of 1-D token tensors (documents of any length): packed into one stream, no padding but the tail
-      up to a multiple of the group size;
+      up to a multiple of the group size (``"zigzag"``: of twice the group size);
     * ``input_ids (batch, seq)`` with a padding ``attention_mask`` (0 = pad): the pad tokens are removed and the
       rows packed as documents (``out["packed"].unpack(x, batch, seq)`` puts per-token results back);
     * transformers' flattened format: ``input_ids (1, T)`` with ``position_ids (1, T)`` restarting at 0 at every
-      document (``DataCollatorWithFlattening``); ``T`` divisible by the group size.
+      document (``DataCollatorWithFlattening``); ``T`` divisible as for a row.
+
+    Every path lays the sequence (or stream) out with ``schedule``'s layout (``distattn.shard_sequence``):
+    contiguous shards for ``"ring"``/``"balanced"``, chunks ``r`` and ``2P-1-r`` of ``2P`` for ``"zigzag"``, by
+    sequence index ``r * U + u`` on a two-dimensional group. Position ids and labels are computed on the full
+    sequence and sharded the same way, so RoPE sees every token's global position (packed: its position in its
+    document) and every target stays with its token. Pass the same ``group`` and ``schedule`` to
+    ``use_distattn``; a model whose schedule lays out differently raises ``ValueError`` at its first forward.
 
     Packed, a token attends only within its document (the model call is the same:
     ``model(input_ids=out["input_ids"], position_ids=out["position_ids"])``; ``use_distattn``'s hook reads the
@@ -295,7 +365,9 @@ def shard_batch(input_ids, labels=None, group=None, *, attention_mask: torch.Ten
         input_ids: ``(batch, seq)`` token ids, or a list of 1-D token tensors.
         labels: unshifted targets shaped like ``input_ids`` (a list for a list), usually the ids themselves with
             ``-100`` where no loss is wanted; ``None``: no ``shift_labels``.
-        group: the sequence-parallel process group (``None``: the default group).
+        group: the sequence-parallel group (``None``: the default group; a ``(ulysses_group, ring_group)`` pair
+            or a 2-D ``DeviceMesh``: all ``U * R`` ranks split the sequence).
+        schedule: ``"balanced"``, ``"ring"`` or ``"zigzag"``: the schedule given to ``use_distattn``.
         attention_mask: ``(batch, seq)``, 1 = token, 0 = padding.
         position_ids: ``(1, T)`` of the flattened format.
         pad_id: token id of the tail padding of packed streams.
@@ -306,32 +378,37 @@ def shard_batch(input_ids, labels=None, group=None, *, attention_mask: torch.Ten
         document gets -100). Pass them to ``causal_lm_loss``, not as the model's ``labels=`` (its loss would shift
         them again and average over this rank only)::
 
-            rank 0        rank 1
-            t0 t1 t2 | t3 t4 t5        input_ids
-            t1 t2 t3 | t4 t5 -100      shift_labels (t3: rank 0's last target lives on rank 1)
+            "balanced", P = 2             "zigzag", P = 2 (chunks 0, 3 | 1, 2)
+            rank 0        rank 1          rank 0              rank 1
+            t0 t1 t2 | t3 t4 t5           t0 t1 t6 t7       | t2 t3 t4 t5      input_ids
+            0  1  2  | 3  4  5            0  1  6  7        | 2  3  4  5       position_ids
+            t1 t2 t3 | t4 t5 -100         t1 t2 t7 -100     | t3 t4 t5 t6      shift_labels
 
         Packed batches add ``"cu_seq_lens"`` (the whole stream's cumulative document lengths, int32),
         ``"max_length"`` (the longest document), ``"num_tokens"`` (real tokens, all ranks) and ``"packed"``
-        (the :class:`distattn.packing.Packed` stream).
+        (the :class:`distattn.packing.Packed` stream, in sequence order).
     """
+    schedule = _resolve_schedule(schedule, group)
     world = _group_size(group)
+    multiple = world * _layout(group, schedule).divisor()  # zigzag: two chunks per rank
+    shard = functools.partial(shard_sequence, dim=1, group=group, schedule=schedule)  # (b, T) -> this rank's (b, n)
     if isinstance(input_ids, (list, tuple)):
-        packed = pack_sequences(input_ids, multiple_of=world, pad_id=pad_id)
-        stream_labels = None if labels is None else pack_sequences(labels, multiple_of=world,
+        packed = pack_sequences(input_ids, multiple_of=multiple, pad_id=pad_id)
+        stream_labels = None if labels is None else pack_sequences(labels, multiple_of=multiple,
                                                                    pad_id=IGNORE_INDEX).input_ids
-        return _shard_packed(packed, stream_labels, group)
+        return _shard_packed(packed, stream_labels, shard)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq) or a list of documents, got shape "
                          f"{tuple(input_ids.shape)}; add a batch dim with input_ids.unsqueeze(0)")
     if labels is not None and labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
     if attention_mask is not None and not bool(attention_mask.bool().all()):
-        packed = pack_padded(input_ids, attention_mask, multiple_of=world, pad_id=pad_id)
+        packed = pack_padded(input_ids, attention_mask, multiple_of=multiple, pad_id=pad_id)
         stream_labels = None
         if labels is not None:
             stream_labels = torch.full_like(packed.input_ids, IGNORE_INDEX)
             stream_labels[:packed.num_tokens] = labels.flatten()[packed.index]
-        return _shard_packed(packed, stream_labels, group)
+        return _shard_packed(packed, stream_labels, shard)
     if position_ids is not None:
         if position_ids.shape != input_ids.shape or input_ids.shape[0] != 1:
             raise ValueError(f"flattened position_ids must be (1, T) like input_ids, got {tuple(position_ids.shape)} "
@@ -339,19 +416,20 @@ def shard_batch(input_ids, labels=None, group=None, *, attention_mask: torch.Ten
         cu = cu_seqlens_from_position_ids(position_ids)
         lengths = (cu[1:] - cu[:-1]).tolist()
         packed = Packed(input_ids[0], cu, position_ids[0], max(lengths))
-        return _shard_packed(packed, None if labels is None else labels[0], group)
+        return _shard_packed(packed, None if labels is None else labels[0], shard)
     batch, seq = input_ids.shape
     positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
-    out = {"input_ids": shard_sequence(input_ids, 1, group), "position_ids": shard_sequence(positions, 1, group)}
+    out = {"input_ids": shard(input_ids), "position_ids": shard(positions)}  # global positions, same layout
     if labels is not None:
-        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # token i predicts labels[i + 1]
-        out["shift_labels"] = shard_sequence(shifted, 1, group)
+        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # token i predicts labels[i + 1], full sequence
+        out["shift_labels"] = shard(shifted)
     return out
 
 
-def _shard_packed(packed: Packed, stream_labels, group) -> dict:
-    """This rank's slice of a packed stream (one row), with document-aware shifted labels."""
-    row = lambda t: shard_sequence(t.unsqueeze(0), 1, group)  # noqa: E731  (T,) -> this rank's (1, n)
+def _shard_packed(packed: Packed, stream_labels, shard) -> dict:
+    """This rank's tokens of a packed stream (one row), with document-aware shifted labels; ``shard`` lays a
+    ``(1, T)`` stream out as the schedule does (the positions within documents go with their tokens)."""
+    row = lambda t: shard(t.unsqueeze(0))  # noqa: E731  (T,) -> this rank's (1, n)
     out = {"input_ids": row(packed.input_ids), "position_ids": row(packed.position_ids),
            "cu_seq_lens": packed.cu_seqlens, "max_length": packed.max_seqlen, "num_tokens": packed.num_tokens,
            "packed": packed}
@@ -367,7 +445,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
         logits: ``(batch, n, vocab)``, this rank's logits (upcast to fp32 here).
         labels: ``(batch, n)`` shifted targets of this rank (``shard_batch(...)["shift_labels"]``);
             ``-100`` is ignored.
-        group: the sequence-parallel process group (``None``: the default group).
+        group: the sequence-parallel group (``None``: the default group; a two-dimensional group sums over all
+            its ``U * R`` ranks), the one ``shard_batch`` used.
 
     Returns:
         A scalar: the same global mean on every rank (0 when no rank has a target). Its gradient with
@@ -383,7 +462,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
     # Sum and count in fp64 across ranks: exact token counts, and one value that every rank agrees on.
     stats = torch.stack([local_sum.detach().double(), (labels != IGNORE_INDEX).sum().double()])
     if _group_size(group) > 1:
-        dist.all_reduce(stats, group=group)
+        _all_reduce(stats, group)  # every rank of the group: U * R of a two-dimensional one
     total, count = stats[0], stats[1].clamp(min=1.0)
     # Value: the global mean (identical bits on every rank). Gradient: d(local_sum)/count, this rank's share.
     return (total / count).float() + (local_sum - local_sum.detach()) / count.float()
