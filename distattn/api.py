@@ -427,30 +427,26 @@ def resolve_auto(q, k, topo, *, causal, window, documents, partials) -> str:
     Ulysses degree. Deterministic from the call's shapes, mask, options and ``DISTATTN_LINK``, so every rank
     resolves the same (and the agreement check compares the resolved name)."""
     from distattn.schedule import MaskSpec
-    from distattn.schedule.cost import predict
+    from distattn.schedule.cost import choose
 
     cu = tuple(int(x) for x in documents.tolist()) if documents is not None else None
     mask = MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
-    shapes, cluster = _shapes(q, k), _cluster()
-    best = None
-    for schedule in ("balanced", "ring"):  # on a tie the first (balanced) stays
-        cand = predict(topo.world_size, shapes, schedule, topo.U, causal=causal, mask=mask, cluster=cluster,
-                       partials=partials)
-        if best is None or cand.total < best[0]:
-            best = (cand.total, schedule)
-    return best[1]
+    choice = choose(topo.world_size, _shapes(q, k), causal=causal, mask=mask, cluster=_cluster(),
+                    partials=partials, allow={"ring", "balanced"}, ulysses=topo.U)
+    return choice.best.schedule
 
 
 def choose_schedule(world_size: int, heads_q: int, heads_kv: int, head_dim: int, seq_per_rank: int, *,
                     batch: int = 1, dtype: torch.dtype = torch.bfloat16, causal: bool = True, cu_seqlens=None,
                     window_size=(-1, -1), link: str = "ib", gpus_per_node: int = 8, partials: str = "fp32",
-                    allow=None):
+                    allow=None, ulysses: int | None = None):
     """The cost model's choice for a layer, made before sharding (so it may pick the zigzag layout or a
     two-dimensional group): ``choice.best.schedule`` and ``choice.best.ulysses`` (``U``; > 1: build the groups
     with ``make_2d_groups(U)``); ``print(choice.explain())`` shows every candidate's predicted time.
 
     ``link``: ``"ib"`` (NVLink in a node of ``gpus_per_node`` GPUs, 100 Gb/s InfiniBand across) or ``"nvlink"``
-    (one NVLink domain). ``allow``: restrict the candidates (``distattn.schedule.cost.choose``).
+    (one NVLink domain). ``allow``: restrict the candidates (``distattn.schedule.cost.choose``); ``ulysses``: the
+    Ulysses degree the group already has (``None``: let the model pick it too).
     """
     from distattn.schedule import MaskSpec, Shapes
     from distattn.schedule.cost import Cluster, choose
@@ -461,4 +457,4 @@ def choose_schedule(world_size: int, heads_q: int, heads_kv: int, head_dim: int,
     cu = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
     mask = MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
     return choose(world_size, shapes, causal=causal, mask=mask, cluster=Cluster.preset(link, gpus_per_node),
-                  partials=partials, allow=allow)
+                  partials=partials, allow=allow, ulysses=ulysses)

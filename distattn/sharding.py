@@ -42,9 +42,9 @@ def group_size(group=None) -> int:
 
 def layout(group=None, schedule: str = "balanced") -> Layout:
     """The :class:`~distattn.schedule.Layout` of ``schedule`` on ``group`` (ring ranks x Ulysses ranks)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES} (resolve 'auto' first: "
-                         f"distattn.schedule.cost.choose)")
+    if schedule not in SCHEDULES + ("auto",):
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES + ('auto',)}")
+    # "auto" at call time picks among the schedules of contiguous shards (ring, balanced): contiguous layout
     if not _initialized():
         return layout_of(schedule, 1)
     from distattn.topology import split, topology

@@ -395,6 +395,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
     dataset = train_data.load_dataset(cfg.data_path, tokenizer, cfg.args.seq_len, cfg.args.seed, pack=cfg.args.pack)
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
     train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
+    train_config.resolve_schedule(cfg, config)  # --schedule auto: the cost model's pick, before sharding
     if int(dataset.tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")

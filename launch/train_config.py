@@ -148,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("model")
     a.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face "
                    "checkpoint directory (config.json + weights)")
-    a.add_argument("--schedule", default="balanced", choices=("balanced", "ring", "zigzag"),
+    a.add_argument("--schedule", default="balanced", choices=("balanced", "ring", "zigzag", "auto"),
                    help="distattn causal schedule (default: balanced); zigzag lays each sequence out as chunks r "
-                   "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size)")
+                   "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size); auto: the cost "
+                   "model's pick for this model and group (distattn.choose_schedule; DISTATTN_LINK=ib|nvlink)")
     a.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
     a.add_argument("--remat", action="store_true",
@@ -253,6 +254,29 @@ def check_heads(cfg: "RunConfig", config) -> None:
     except ValueError as exc:
         raise UsageError(f"--ulysses {cfg.ulysses} with --model {cfg.args.model} ({heads_q} query heads, {heads_kv} "
                          f"key/value heads): {exc}") from exc
+
+
+def resolve_schedule(cfg: "RunConfig", config) -> None:
+    """``--schedule auto``: the cost model's best schedule for this model, sequence length and group
+    (``distattn.choose_schedule`` at the group's Ulysses degree; ``DISTATTN_LINK=ib|nvlink`` and
+    ``DISTATTN_GPUS_PER_NODE`` describe the cluster), chosen before sharding so it may pick the zigzag layout.
+    Deterministic: every rank picks the same. Rank 0 logs the choice and why."""
+    if cfg.args.schedule != "auto":
+        return
+    import os
+
+    import distattn
+
+    heads_q = config.num_attention_heads
+    heads_kv = getattr(config, "num_key_value_heads", None) or heads_q
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads_q
+    choice = distattn.choose_schedule(cfg.sp_size, heads_q, heads_kv, head_dim, cfg.args.seq_len // cfg.sp_size,
+                                      dtype=cfg.dtype, link=os.environ.get("DISTATTN_LINK", "ib"),
+                                      gpus_per_node=int(os.environ.get("DISTATTN_GPUS_PER_NODE", "8")),
+                                      allow={"ring", "balanced", "zigzag"}, ulysses=cfg.ulysses)
+    cfg.args.schedule = choice.best.schedule
+    if cfg.env.rank == 0:
+        print(f"--schedule auto: {choice.why()}", flush=True)
 
 
 def _resolve_model(args) -> dict | None:

@@ -244,13 +244,16 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
 def _resolve_schedule(schedule, group=None) -> str:
     """The concrete schedule that lays out the batch and runs attention, validated (the same on every rank).
 
-    Today only the concrete schedules are accepted; a choice made by a cost model (``"auto"``) must be resolved
-    to one of them here, once, *before* sharding: the schedule fixes the layout of the shards, so
-    ``shard_batch`` and the model's attention must agree on it.
+    ``"auto"`` stays ``"auto"``: every attention call resolves it with the cost model among the schedules of
+    contiguous shards (ring, balanced; ``distattn.dist_flash_attn_func``), so its layout is contiguous and
+    ``shard_batch(..., schedule="auto")`` shards contiguously. To let the model pick the zigzag layout or a 2-D
+    group, resolve before building the groups: ``distattn.choose_schedule(...)`` (``launch/train.py --schedule
+    auto`` does). The schedule fixes the layout of the shards, so ``shard_batch`` and the model's attention must
+    agree on it.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}; pass one of them (the same to "
-                         f"use_distattn and shard_batch), e.g. schedule='balanced'")
+    if schedule not in SCHEDULES + ("auto",):
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES + ('auto',)}; pass one of them (the same "
+                         f"to use_distattn and shard_batch), e.g. schedule='balanced'")
     return schedule
 
 

@@ -415,7 +415,7 @@ def _why(win: Candidate, other: Candidate, partials: str, heads_q: int) -> str:
 
 
 def choose(world_size: int, shapes: Shapes, causal: bool = True, mask: MaskSpec | None = None,
-           cluster: Cluster = Cluster(), partials: str = "fp32", allow=None) -> Choice:
+           cluster: Cluster = Cluster(), partials: str = "fp32", allow=None, ulysses: int | None = None) -> Choice:
     """Predict every candidate (flat ring/balanced/zigzag; Ulysses x ring for every ``U <= gpus_per_node``
     dividing P whose heads split) and rank them by predicted forward + backward time.
 
@@ -428,6 +428,8 @@ def choose(world_size: int, shapes: Shapes, causal: bool = True, mask: MaskSpec 
         allow: ``None`` (everything) or a set of schedule names and ``"2d"``: e.g. ``{"ring", "balanced"}``
             for callers that shard contiguously before choosing (the functional API); ``"2d"`` admits
             Ulysses x ring with the allowed ring-level schedules.
+        ulysses: ``None`` (every degree) or the one Ulysses degree ``U`` the group already has (1: flat); with
+            ``U > 1`` the ring-level schedules ring/balanced/zigzag are all candidates.
 
     Returns:
         A :class:`Choice`; ``.best`` is the argmin, ties broken by :data:`TIE_ORDER` then U. Deterministic.
@@ -436,7 +438,20 @@ def choose(world_size: int, shapes: Shapes, causal: bool = True, mask: MaskSpec 
         raise ValueError(f"world_size={world_size!r} must be a positive int (ranks in the group)")
     allow = _check_allow(allow)
     causal = mask.causal if mask is not None else causal
-    found = _candidates(world_size, shapes, causal, mask, cluster, partials, allow)
+    if ulysses is None:
+        found = _candidates(world_size, shapes, causal, mask, cluster, partials, allow)
+    else:
+        if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world_size % ulysses:
+            raise ValueError(f"ulysses={ulysses!r} must be a positive int dividing world_size={world_size}")
+        found = []
+        for schedule in TIE_ORDER:
+            if allow is not None and schedule not in allow:
+                continue
+            try:
+                found.append(predict(world_size, shapes, schedule, ulysses, causal=causal, mask=mask,
+                                     cluster=cluster, partials=partials))
+            except ValueError as err:
+                found.append(Candidate(world_size=world_size, schedule=schedule, ulysses=ulysses, reason=_short(err)))
     runnable = sorted((c for c in found if c.runnable), key=lambda c: (round(c.total, 12), c.order()))
     if not runnable:
         why = "; ".join(f"{c.label}: {c.reason}" for c in found) or "allow admits nothing"
