@@ -117,8 +117,8 @@ def _dense_case(rank, world, group, U, case, seed, *, gather=True, batch=2):
             f"bytes sent/recv {(sent, recv)} != simulator {(rep.bytes_sent[index], rep.bytes_recv[index])}"
         assert_all_close_by_rule(NAMES, ours, base, ref, dtype)
         if full is not None:  # every rank's shard back in sequence order
-            assert full.shape == q.shape
-            assert torch.equal(shard(full), out.detach())
+            assert full.shape == q.shape, f"gathered shape {tuple(full.shape)} != {tuple(q.shape)}"
+            assert torch.equal(shard(full), out.detach()), "shard(gather_sequence(out)) != out"
             assert_close_by_rule("gathered out", full, base_full[0], ref_full[0], dtype)
 
     errs = [finite_err(o, r) for o, r in zip(ours, ref)]
