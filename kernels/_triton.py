@@ -75,30 +75,52 @@ def _max_shared_mem(device) -> int:
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); for dkdv BLOCK_N is the resident key block. Picked from sm_90
 # compiles of these kernels (ptxas register/spill report): every (head dim, dtype) has configs that do not
-# spill, e.g. fwd d=128 (128, 64, 8, 3), d=256 (64, 32, 8, 2); dkdv d=128 (16, 64, 8, 3), d=64 (32, 64, 4, 3);
+# spill, e.g. fwd d=128 (128, 64, 8, 3), d=256 (64, 32, 8, 2); dkdv d=64 (64, 128, 8, 1), d=128 (16, 64, 8, 3);
 # fp32 only 32x32 tiles (its "ieee" dots run on FMA units and need far more registers).
 _CONFIGS = {
     "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 2),
             (64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)],
     "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 8, 2), (64, 32, 8, 2),
            (32, 32, 4, 2), (32, 32, 8, 2)],
-    "dkdv": [(32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2), (64, 64, 8, 3), (32, 32, 8, 2),
-             (16, 32, 4, 2), (32, 32, 4, 2)],
+    "dkdv": [(64, 128, 8, 1), (32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2), (64, 64, 8, 3),
+             (32, 32, 8, 2), (16, 32, 4, 2), (32, 32, 4, 2)],
 }
 # Largest tile (BLOCK_M * BLOCK_N) kept for d = 256 with 2-byte inputs: bigger ones spill registers heavily.
 _MAX_TILE_D256 = {"fwd": 64 * 64, "dq": 64 * 64, "dkdv": 32 * 64}
 # Configs that spill registers with 2-byte inputs, by BLOCK_D, from the sm_90a compile report
 # (bench/results/compile-sm90/bf16-d64-d128.md; ptxas spill stores in bytes, the worst of causal/dense, MHA and
 # GQA 32/8 heads, which share one autotune key). BLOCK_D = 128 also serves d = 80 and 96 (padded to 128).
-#   128: fwd (128, 64, 4, 3) 588 B, fwd (128, 128, 8, 2) 52 B; dkdv (32, 64, 4, 3) 756 B, (64, 64, 8, 3) 492 B,
-#        (32, 128, 8, 3) 380 B, (32, 64, 8, 2) 40 B, (32, 32, 4, 2) 32 B
+#   128: fwd (128, 64, 4, 3) 588 B, fwd (128, 128, 8, 2) 52 B; dkdv (64, 128, 8, 1) 708 B, (32, 64, 4, 3) 756 B,
+#        (64, 64, 8, 3) 492 B, (32, 128, 8, 3) 380 B, (32, 64, 8, 2) 40 B, (32, 32, 4, 2) 32 B
 #   64:  dkdv (32, 32, 4, 2) 4 B
 # Pruned here rather than left to the autotuner (a spilling config can still win a noisy benchmark).
 _SPILLS = {
-    128: {("fwd", 128, 64, 4, 3), ("fwd", 128, 128, 8, 2), ("dkdv", 32, 64, 4, 3), ("dkdv", 64, 64, 8, 3),
-          ("dkdv", 32, 128, 8, 3), ("dkdv", 32, 64, 8, 2), ("dkdv", 32, 32, 4, 2)},
+    128: {("fwd", 128, 64, 4, 3), ("fwd", 128, 128, 8, 2), ("dkdv", 64, 128, 8, 1), ("dkdv", 32, 64, 4, 3),
+          ("dkdv", 64, 64, 8, 3), ("dkdv", 32, 128, 8, 3), ("dkdv", 32, 64, 8, 2), ("dkdv", 32, 32, 4, 2)},
     64: {("dkdv", 32, 32, 4, 2)},
 }
+# (kind, BLOCK_D) where no config with wide MMAs fits in registers, so narrow ones stay allowed: dK/dV at d=128
+# keeps two fp32 [keys, 128] accumulators, and every wide shape tried spills on sm_90a (GQA, causal, bf16):
+# (64, 64, 4, 1) 512 B, (64, 128, 8, 1) 708 B, (128, 64, 8, 1) 1296 B; with the query rows on M instead
+# (S = Q K^T, dV += P^T dO on transposed register tiles) 380 B and more.
+_NARROW_ONLY = {("dkdv", 128)}
+
+
+def _mma_n(m: int, n: int, warps: int) -> int:
+    """N of the wgmma Triton (sm_90) emits for an [m, n] product on ``warps`` warps; 0 when it is not wgmma.
+
+    A warpgroup covers 64 rows; warps left over once the rows are covered (16 rows a warp) split the columns."""
+    if m % 64 or warps % 4:
+        return 0  # mma.sync
+    return n // max(warps // (m // 16), 1)
+
+
+def _wide(kind: str, bm: int, bn: int, warps: int, block_d: int) -> bool:
+    """Every matmul product of the kernel is a wgmma with N >= 64 (what keeps Hopper's tensor cores busy)."""
+    products = {"fwd": [(bm, bn), (bm, block_d)],                     # S = Q K^T, O += P V
+                "dq": [(bm, bn), (bm, block_d)],                      # S, dP = dO V^T; dQ += dS K
+                "dkdv": [(bn, bm), (bn, block_d)]}[kind]              # S^T = K Q^T, dP^T; dV += P^T dO, dK
+    return all(_mma_n(m, n, warps) >= 64 for m, n in products)
 
 
 def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int) -> int:
@@ -109,7 +131,8 @@ def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int
     return rows * block_d * elt
 
 
-def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=None) -> bool:
+def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=None, narrow_ok=False) -> bool:
+    """narrow_ok: second pass when no wide config is kept (short sequences: a bucket smaller than every wide tile)."""
     if _smem_bytes(kind, bm, bn, stages, block_d, elt) > smem_limit:
         return False  # would fail to launch (OutOfResources)
     if max(bm, bn) > bucket:
@@ -120,6 +143,9 @@ def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=N
         return bm * bn <= _MAX_TILE_D256[kind]
     if (kind, bm, bn, warps, stages) in _SPILLS.get(block_d, ()):
         return False
+    if warps is not None and not narrow_ok and 64 <= block_d <= 128 and (kind, block_d) not in _NARROW_ONLY \
+            and not _wide(kind, bm, bn, warps, block_d):
+        return False  # a narrow wgmma or mma.sync where a wide config exists (bench/compile_report.py)
     return bm * bn >= 1024  # 2-byte inputs: tiny tiles leave the tensor cores idle
 
 
@@ -128,9 +154,12 @@ def _prune(kind: str, configs, named_args, **kwargs):
     block_d = kwargs["BLOCK_D"] if "BLOCK_D" in kwargs else named_args["BLOCK_D"]
     ref = named_args["Q"]
     limit = _max_shared_mem(ref.device)
-    kept = [c for c in configs if _keep_config(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
-                                               block_d, ref.element_size(), named_args["LEN_BUCKET"], limit,
-                                               warps=c.num_warps)]
+    for narrow_ok in (False, True):
+        kept = [c for c in configs if _keep_config(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
+                                                   block_d, ref.element_size(), named_args["LEN_BUCKET"], limit,
+                                                   warps=c.num_warps, narrow_ok=narrow_ok)]
+        if kept:
+            break
     # Never empty: fall back to the config with the smallest shared-memory footprint.
     return kept or [min(configs, key=lambda c: _smem_bytes(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
                                                            c.num_stages, block_d, ref.element_size()))]
@@ -155,9 +184,13 @@ class _Heuristic:
 
     def pick(self, named: dict) -> tuple[int, int, int, int]:
         ref = named["Q"]
-        kept = [c for c in _CONFIGS[self.name]
-                if _keep_config(self.name, c[0], c[1], c[3], named["BLOCK_D"], ref.element_size(),
-                                named["LEN_BUCKET"], _max_shared_mem_cached(ref.device), warps=c[2])]
+        for narrow_ok in (False, True):  # wide MMAs first; narrow ones only when no wide config fits
+            kept = [c for c in _CONFIGS[self.name]
+                    if _keep_config(self.name, c[0], c[1], c[3], named["BLOCK_D"], ref.element_size(),
+                                    named["LEN_BUCKET"], _max_shared_mem_cached(ref.device), warps=c[2],
+                                    narrow_ok=narrow_ok)]
+            if kept:
+                break
         smallest = min(_CONFIGS[self.name], key=lambda c: _smem_bytes(self.name, c[0], c[1], c[3], named["BLOCK_D"],
                                                                         ref.element_size()))
         return kept[0] if kept else smallest

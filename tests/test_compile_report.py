@@ -16,12 +16,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import compile_report  # noqa: E402
 
-# Kept configs (of 46) with a product on wgmma N < 64 or on mma.sync today (bench/results/compile-sm90/): every
-# dK/dV config (keys resident, 16-64 query rows streaming on N: K Q^T and V dO^T are m64n8..m64n32), and the
-# forward / dQ configs whose tile is too small for a warpgroup's m64nN>=64 (BLOCK_M = 32: mma.sync; 8 warps on
-# 64 rows or BLOCK_N = 32: N split to 16-32). A ratchet, not a goal: the Hopper rebuild of the backward and a
-# Hopper-aware config set (issue 12, item 2) must bring it to 0, and nothing may add narrow products meanwhile.
-KNOWN_NARROW = 28
+# Kept configs (of 21) with a product on wgmma N < 64 or on mma.sync (bench/results/compile-sm90/quick-wide.md):
+# the two dK/dV configs of d=128, where every wide shape spills (kernels/_triton.py _NARROW_ONLY; its key block on
+# M streams 16-32 query rows on N: K Q^T and V dO^T are m64n8 / mma.sync). Every other kept config is wide
+# (_keep_config drops narrow ones for 2-byte d 64..128). A ratchet: nothing may add narrow products.
+KNOWN_NARROW = 2
 
 _WHY = compile_report.sm90_unavailable()
 

@@ -65,3 +65,22 @@ def test_autotune_is_opt_in(monkeypatch):
     assert not tr.autotune_enabled()
     monkeypatch.setenv("DISTATTN_AUTOTUNE", "1")
     assert tr.autotune_enabled()
+
+
+def test_mma_width_rule_matches_the_sm90_compile_report():
+    # Shapes ptxas reported (bench/results/compile-sm90/): m64n32 for 64 rows on 8 warps, m64n64 for 128 rows,
+    # mma.sync below a warpgroup's 64 rows.
+    assert tr._mma_n(64, 64, 8) == 32 and tr._mma_n(128, 64, 8) == 64 and tr._mma_n(64, 128, 4) == 128
+    assert tr._mma_n(32, 64, 4) == 0 and tr._mma_n(16, 64, 8) == 0
+    assert tr._wide("dkdv", 64, 128, 8, 64) and not tr._wide("dkdv", 16, 64, 8, 128)
+
+
+@pytest.mark.parametrize("name", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("block_d", [64, 128])
+def test_two_byte_picks_are_wide_where_a_wide_config_fits(name, block_d):
+    for bucket in (64, 4096):
+        pick = tr._Heuristic(name, _Raw()).pick({"Q": torch.empty(1, dtype=torch.bfloat16), "BLOCK_D": block_d,
+                                                 "LEN_BUCKET": bucket})
+        if (name, block_d) in tr._NARROW_ONLY or (name == "dkdv" and bucket == 64):
+            continue  # dK/dV d=128: every wide config spills; a 64-token bucket: no wide dK/dV tile fits
+        assert tr._wide(name, pick[0], pick[1], pick[2], block_d), (name, block_d, bucket, pick)
