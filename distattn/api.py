@@ -248,7 +248,7 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
             ``None``: the ``DISTATTN_TIMEOUT`` environment variable, else 300.
         partials: (distattn) dtype of the partial results sent back between ranks (helper outputs, dq/dk/dv
             partials): ``"fp32"`` (default) or ``"input"`` (q's dtype, half the bytes; accumulation stays fp32;
-            ``bench/partials.py`` measures the error).
+            ``bench/results/partials-cpu`` has the error at P = 2..8).
 
     Returns:
         This rank's ``out (b, n, h_q, d)`` in the input dtype; or the tuples of :func:`flash_attn_func`.
