@@ -68,8 +68,8 @@ def _is_mesh(group) -> bool:
 def split(group) -> tuple[object, object]:
     """``(ulysses_group, ring_group)`` of a group spec (``ulysses_group`` None for a flat one). Raises on a
     malformed spec; no communication."""
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return None, group
+    if group is None or isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None, group  # NON_GROUP_MEMBER: new_group's answer on a non-member (its calls then say so)
     if isinstance(group, tuple):
         if len(group) != 2 or not all(g is None or isinstance(g, dist.ProcessGroup) for g in group):
             raise TypeError(f"group=(ulysses_group, ring_group) must be a pair of ProcessGroups, got {group!r}")
