@@ -48,8 +48,11 @@ Causal attention over ``P`` chunks has ``P(P+1)/2`` chunk pairs. Counting every 
 * Megatron: ring all-gather / reduce-scatter, ``(P-1) * (latency + n H e / bw)`` each, bw of the slowest
   link the ring crosses; not overlapped with compute (an upper bound: Megatron overlaps part of backward).
   Attention over ``N`` tokens with ``ceil(h_q/P)`` heads (dummy heads cost compute).
-* Ulysses: 4 all-to-alls forward and 4 backward, each rank sending ``(P-1)/P`` of its tensor, intra-node
-  and inter-node shares over their own links; not overlapped. Runs only when ``P`` divides the heads.
+* Ulysses: distattn's two-dimensional path with ``U = P``, ``R = 1`` (``bench/baselines/ulysses.py``): 5
+  all-to-alls forward (q, k, v in; out, lse back) and 9 backward (q, k, v, dout, lse, delta in; dq, dk, dv
+  back), each rank sending ``(P-1)/P`` of each tensor (:func:`distattn.schedule.a2a_bytes`), intra-node and
+  inter-node shares over their own links; not overlapped. Runs where the library splits the heads
+  (``ulysses_heads``: ``P | h_q``, and ``P | h_kv`` or ``h_kv | P`` with kv heads replicated).
 * Checkpointing: ``"hf"`` recomputes the layer forward (compute and communication) in backward; DistFlashAttn's
   ``"remat"`` recomputes all but the attention core (no communication). Megatron/Ulysses use ``"hf"``.
 
@@ -71,7 +74,8 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and ``distattn`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines.layers import LayerShape, flops_per_layer  # noqa: E402
-from distattn.schedule import Plan, Shapes, make_plan, payload_bytes, simulate  # noqa: E402
+from distattn.schedule import (Plan, Shapes, a2a_bytes, make_plan, payload_bytes, simulate,  # noqa: E402
+                               ulysses_heads)
 
 __all__ = ["Link", "Cluster", "Compute", "Workload", "NVLINK", "IB_100G", "IB_400G", "A100_ASSUMED",
            "DISTATTN_METHODS", "MODELS", "megatron_bytes", "ulysses_bytes", "distattn_bytes", "method_bytes",
@@ -206,21 +210,25 @@ def megatron_bytes(world: int, batch: int, n: int, hidden: int, dtype_bytes: int
 
 def ulysses_bytes(world: int, batch: int, n: int, shape: LayerShape, dtype_bytes: int, *,
                   recompute: bool = False) -> int:
-    """Bytes each rank sends per layer: all-to-alls of q, k, v, out forward and of dout, dq, dk, dv backward,
-    ``(P-1)/P`` of each local tensor (the MLP is local). Checkpointing repeats the forward's four."""
-    q_elems, kv_elems = batch * n * shape.heads_q * shape.head_dim, batch * n * shape.heads_kv * shape.head_dim
-    per_pass = (2 * q_elems + 2 * kv_elems) * dtype_bytes  # q, out + k, v (or dout, dq + dk, dv)
-    passes = 3 if recompute else 2
-    return passes * per_pass * (world - 1) // world
+    """Bytes each rank sends per layer: the library's all-to-alls with ``U = P``, ``R = 1``
+    (:func:`distattn.schedule.a2a_bytes`): q, k, v in and out, lse back forward; q, k, v, dout, lse, delta in and
+    dq, dk, dv back backward (kv heads replicated when fewer than ``P``). The MLP is local. Checkpointing
+    repeats the forward's. Raises ``ValueError`` where the heads cannot split (``ulysses_heads``)."""
+    shapes = _shapes(batch, n, shape, dtype_bytes)
+    fwd, bwd = a2a_bytes("forward", shapes, world), a2a_bytes("backward", shapes, world)
+    return fwd * (2 if recompute else 1) + bwd
+
+
+def _shapes(batch: int, n: int, shape: LayerShape, dtype_bytes: int) -> Shapes:
+    return Shapes(batch=batch, seq_per_rank=n, heads_q=shape.heads_q, heads_kv=shape.heads_kv,
+                  head_dim=shape.head_dim, dtype_bytes=dtype_bytes)
 
 
 def distattn_bytes(world: int, batch: int, n: int, shape: LayerShape, dtype_bytes: int, *, causal: bool = True,
                    schedule: str = "balanced") -> tuple[int, ...]:
     """Bytes each rank sends per layer (forward + backward), read off the plan by the simulator; the
     rematerialization-aware checkpoint adds nothing (the attention forward is never recomputed)."""
-    shapes = Shapes(batch=batch, seq_per_rank=n, heads_q=shape.heads_q, heads_kv=shape.heads_kv,
-                    head_dim=shape.head_dim, dtype_bytes=dtype_bytes)
-    return _simulate(world, causal, schedule, shapes).bytes_sent
+    return _simulate(world, causal, schedule, _shapes(batch, n, shape, dtype_bytes)).bytes_sent
 
 
 @functools.lru_cache(maxsize=256)
@@ -381,15 +389,6 @@ def _collective_time(world: int, chunk_bytes: float, cluster: Cluster) -> float:
     return (world - 1) * (link.latency + chunk_bytes / link.bandwidth)
 
 
-def _all_to_all_time(world: int, total_bytes: float, cluster: Cluster) -> float:
-    """Each rank sends ``total_bytes / P`` to every other rank; intra- and inter-node shares in parallel."""
-    per_peer = total_bytes / world
-    intra_peers = min(world, cluster.gpus_per_node) - 1
-    inter_peers = world - 1 - intra_peers
-    return (world - 1) * cluster.intra.latency + max(intra_peers * per_peer / cluster.intra.bandwidth,
-                                                      inter_peers * per_peer / cluster.inter.bandwidth)
-
-
 def predict(method: str, world: int, w: Workload, *, cluster: Cluster = Cluster(),
             compute: Compute = A100_ASSUMED) -> dict:
     """Modelled seconds per iteration of ``w`` on ``world`` ranks (``nan`` where the method cannot run).
@@ -410,7 +409,7 @@ def predict(method: str, world: int, w: Workload, *, cluster: Cluster = Cluster(
         per_layer = fwd + bwd + recompute
         compute_only = mm * (1 + _MATMUL_BWD_FLOP_FACTOR) + recompute + pure
     elif method in ("megatron", "ulysses"):
-        if method == "ulysses" and (shape.heads_q % world or shape.heads_kv % world):
+        if method == "ulysses" and not _ulysses_runs(shape, world):
             nan = float("nan")
             return {"total": nan, "compute": nan, "comm_exposed": nan, "per_layer": nan}
         heads_local = -(-shape.heads_q // world) if method == "megatron" else shape.heads_q // world
@@ -442,10 +441,34 @@ def _baseline_comm(method: str, world: int, w: Workload, cluster: Cluster) -> tu
     if method == "megatron":
         one = _collective_time(world, b * n * shape.hidden * e, cluster)
         return blocks * 2 * one, blocks * 3 * one
-    q_bytes = b * n * shape.heads_q * shape.head_dim * e
-    kv_bytes = b * n * shape.heads_kv * shape.head_dim * e
-    per_pass = 2 * _all_to_all_time(world, q_bytes, cluster) + 2 * _all_to_all_time(world, kv_bytes, cluster)
-    return per_pass, per_pass
+    shapes = _shapes(b, n, shape, e)
+    return tuple(_a2a_phase_time(world, a2a_bytes(phase, shapes, world), _A2A_CALLS[phase], cluster)
+                 for phase in ("forward", "backward"))
+
+
+_A2A_CALLS = {"forward": 5, "backward": 9}
+"""All-to-alls per pass in ``distattn.ulysses`` (forward: q, k, v, out, lse; backward: q, dout, k, v, lse, delta,
+dq, dk, dv): each pays a latency per peer."""
+
+
+def _ulysses_runs(shape: LayerShape, world: int) -> bool:
+    try:
+        ulysses_heads(shape.heads_q, shape.heads_kv, world)
+    except ValueError:
+        return False
+    return True
+
+
+def _a2a_phase_time(world: int, sent: int, calls: int, cluster: Cluster) -> float:
+    """``calls`` all-to-alls in which a rank sends ``sent`` bytes in all, ``sent / (P-1)`` to each peer; the
+    intra- and inter-node shares travel in parallel over their own links."""
+    if world == 1:
+        return 0.0
+    per_peer = sent / (world - 1)
+    intra_peers = min(world, cluster.gpus_per_node) - 1
+    inter_peers = world - 1 - intra_peers
+    return calls * (world - 1) * cluster.intra.latency + max(intra_peers * per_peer / cluster.intra.bandwidth,
+                                                              inter_peers * per_peer / cluster.inter.bandwidth)
 
 
 if __name__ == "__main__":

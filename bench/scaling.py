@@ -13,8 +13,8 @@ no_overlap) it measures one forward + backward: median time per iteration (slowe
 per rank (useful FLOPs: matmuls x3, attention core x3.5 fwd+bwd, causal halved -- padding not counted),
 bytes each rank sent (the methods' own counters; max over ranks, next to ``bench/model.py``'s formula),
 peak memory per rank (CUDA only), and with ``--find-max`` (CUDA only) the longest tokens per rank that
-ran, doubling from the largest given. Methods that cannot run a shape (Ulysses when heads do not divide
-by the world size) get a row saying why. No activation checkpointing (one layer, forward + backward).
+ran, doubling from the largest given. Methods that cannot run a shape (Ulysses when the library cannot
+split the heads over the world size) get a row saying why. No activation checkpointing (one layer, forward + backward).
 Without matplotlib the table and CSV are written and the plots are skipped (one line says so). On a
 machine without CUDA the default models and sizes are the tiny ones (GPU-sized shapes would take hours).
 """

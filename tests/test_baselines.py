@@ -6,8 +6,10 @@ The accuracy rule is tests/attn_ref.py's, applied to whole layers: the error of 
 input/weight gradients against the same layer in fp64 (plain PyTorch attention) is at most twice that of
 the plain fp32 layer, plus a floor. Each case's bytes sent per rank, from the methods' own counters, must
 equal the cost model's formula (``bench/model.py``) within 1%, and distattn's executor must run the model's
-plan: as many fetch rounds as the plan has steps, as many kernel calls per rank as its tasks. Ulysses must
-refuse head counts that do not divide by the world size with a clear ValueError on every rank.
+plan: as many fetch rounds as the plan has steps, as many kernel calls per rank as its tasks. Ulysses (the
+library's 2-D path with ``U = P``, ``R = 1``) must refuse exactly the head counts the library cannot split
+(``distattn.schedule.ulysses_heads``; GQA with ``h_kv | P`` replicates kv heads) with a clear ValueError on every
+rank.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from distattn.schedule import make_plan  # noqa: E402
 SHAPES = {
     "mha": LayerShape(heads_q=4, heads_kv=4, head_dim=8, ffn=24),
     "gqa": LayerShape(heads_q=4, heads_kv=2, head_dim=8, ffn=24),
-    "odd": LayerShape(heads_q=3, heads_kv=3, head_dim=8, ffn=20),  # Megatron pads; Ulysses refuses
+    "odd": LayerShape(heads_q=3, heads_kv=3, head_dim=8, ffn=20),  # Megatron pads; Ulysses refuses (P=2, 4)
 }
 BATCH, N_PER_RANK = 2, 5  # odd n: no accidental alignment with head or block sizes
 BYTES_REL_TOL = 0.01  # the acceptance criterion: counters match the model within 1%
@@ -107,16 +109,20 @@ def _reference(shape: LayerShape, world: int, case_seed: int, full: bool, causal
     return y.detach(), x.grad, grads
 
 
+def _ulysses_splits(shape: LayerShape, world: int) -> bool:
+    """What the library accepts with ``U = P``: ``P | h_q``, and ``P | h_kv`` or ``h_kv | P`` (kv replicated)."""
+    return shape.heads_q % world == 0 and (shape.heads_kv % world == 0 or world % shape.heads_kv == 0)
+
+
 def _check_case(world, case, case_seed, per_rank):
     method_name, shape_name, full, causal = case
     shape = SHAPES[shape_name]
     label = f"P={world} {method_name} {shape_name} {'layer' if full else 'attn'} causal={causal}"
-    heads_fit = shape.heads_q % world == 0 and shape.heads_kv % world == 0
-    if method_name == "ulysses" and not heads_fit:
+    if method_name == "ulysses" and not _ulysses_splits(shape, world):
         for r in per_rank:  # every rank refuses, before any communication, with the same message
             assert "error" in r, f"{label}: Ulysses should refuse"
             assert r["error"] == per_rank[0]["error"]
-        assert "must be a multiple of the group size" in per_rank[0]["error"], per_rank[0]["error"]
+        assert "cannot be split over ulysses=" in per_rank[0]["error"], per_rank[0]["error"]
         return
     errors = [r["error"] for r in per_rank if "error" in r]
     assert not errors, f"{label}: {errors[0]}"
@@ -170,11 +176,24 @@ def test_megatron_partition_pads_heads():
     assert mixed.q_heads == (2, 3) and mixed.kv_heads == (1,) and mixed.native_gqa
 
 
-def test_ulysses_refuses_before_communication():
+def test_ulysses_refuses_what_the_library_refuses():
     from bench.baselines.ulysses import Ulysses
 
-    with pytest.raises(ValueError, match=r"heads_q=4 on 3 ranks.*multiple of the group size"):
+    with pytest.raises(ValueError, match=r"heads_q=4 on 3 ranks.*4 query heads cannot be split over ulysses=3"):
         Ulysses().check(SHAPES["mha"], 3)
-    with pytest.raises(ValueError, match=r"heads_kv=2 on 4 ranks"):
-        Ulysses().check(SHAPES["gqa"], 4)
+    with pytest.raises(ValueError, match=r"heads_q=3 on 2 ranks"):
+        Ulysses().check(SHAPES["odd"], 2)
+    wide = LayerShape(heads_q=12, heads_kv=3, head_dim=8, ffn=24)
+    with pytest.raises(ValueError, match=r"heads_kv=3 on 4 ranks.*3 kv heads cannot be split over ulysses=4"):
+        Ulysses().check(wide, 4)  # 3 kv heads neither split over 4 ranks nor divide 4
     Ulysses().check(SHAPES["gqa"], 2)
+    Ulysses().check(SHAPES["gqa"], 4)  # 2 kv heads on 4 ranks: each replicated on 2 (the library's GQA path)
+    for world in (2, 3, 4, 6, 8):  # exactly the library's rule
+        for shape in (*SHAPES.values(), wide):
+            accepted = _ulysses_splits(shape, world)
+            try:
+                Ulysses().check(shape, world)
+            except ValueError:
+                assert not accepted, (shape, world)
+            else:
+                assert accepted, (shape, world)

@@ -20,7 +20,7 @@ from bench.model import (MODELS, Cluster, Compute, IB_100G, Workload, balance_sp
                          paper_comm_ratio, paper_units, predict, ulysses_bytes, wire_comm_ratio)
 from bench.model_report import CPU_DEFAULTS, claims_markdown, measure  # noqa: E402
 from bench.model_report import main as model_report_main  # noqa: E402
-from distattn.schedule import make_plan  # noqa: E402
+from distattn.schedule import Shapes, a2a_bytes, make_plan  # noqa: E402
 
 WORLDS = (2, 3, 4, 5, 8, 16, 33, 64)
 
@@ -63,8 +63,19 @@ def test_baseline_byte_formulas():
     assert megatron_bytes(world, 1, n, hidden, 2, recompute=True) == 14 * one
     assert megatron_bytes(world, 1, n, hidden, 2, full_layer=False) == 5 * one
     shape = LayerShape(heads_q=32, heads_kv=8)
-    q, kv = n * 32 * 128 * 2, n * 8 * 128 * 2
-    assert ulysses_bytes(world, 1, n, shape, 2) == 2 * (2 * q + 2 * kv) * (world - 1) // world
+    q, kv, stat = n * 32 * 128 * 2, n * 8 * 128 * 2, n * 32 * 4  # bf16 tensors, fp32 lse / delta
+    fwd = (2 * q + 2 * kv + stat) * (world - 1) // world  # q, k, v in; out, lse back
+    bwd = (3 * q + 4 * kv + 2 * stat) * (world - 1) // world  # q, dout, k, v, lse, delta in; dq, dk, dv back
+    assert ulysses_bytes(world, 1, n, shape, 2) == fwd + bwd
+    assert ulysses_bytes(world, 1, n, shape, 2, recompute=True) == 2 * fwd + bwd
+    shapes = Shapes(batch=1, seq_per_rank=n, heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
+    assert ulysses_bytes(world, 1, n, shape, 2) == a2a_bytes("forward", shapes, world) + a2a_bytes(
+        "backward", shapes, world)  # the library's all-to-alls with U = P, R = 1
+    # 8 kv heads on 16 ranks: each replicated twice, so k, v (and dk, dv) travel with 16 heads
+    wide = Shapes(batch=1, seq_per_rank=n, heads_q=32, heads_kv=16, head_dim=128, dtype_bytes=2)
+    assert ulysses_bytes(16, 1, n, shape, 2) == a2a_bytes("forward", wide, 16) + a2a_bytes("backward", wide, 16)
+    with pytest.raises(ValueError, match="cannot be split"):
+        ulysses_bytes(3, 1, n, shape, 2)
 
 
 def test_claims_table():
@@ -87,6 +98,7 @@ def test_time_model_orders_methods():
     assert all(v > 0 for v in t.values())
     odd = _times("llama-33h", 8)
     assert math.isnan(odd["ulysses"])  # 33 heads on 8 ranks: Ulysses cannot run
+    assert not math.isnan(_times("llama-gqa", 16)["ulysses"])  # 8 kv heads on 16 ranks: replicated, runs
     # Megatron pads 33 heads to 40: its attention costs more per head than for 32 heads
     assert odd["megatron"] / t["megatron"] > 33 / 32
     slow = _times("llama-7b", 16, cluster=Cluster(inter=IB_100G))

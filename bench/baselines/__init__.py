@@ -4,7 +4,8 @@
 
 * ``megatron``  — Megatron-LM tensor + sequence parallelism (all-gather / reduce-scatter around the
   projections, heads split across ranks, dummy heads padded in);
-* ``ulysses``   — DeepSpeed-Ulysses (all-to-all sequence <-> heads; heads must divide by the group size);
+* ``ulysses``   — DeepSpeed-Ulysses: distattn's 2-D path with ``U = P``, ``R = 1`` (all-to-all sequence <->
+  heads; query heads must divide by the group size, kv heads divide by it or divide it);
 * ``ring``      — ring attention without load balancing (distattn with ``schedule="ring"``);
 * ``balanced``  — DistFlashAttn (load-balanced schedule, overlapped kv prefetch);
 * ``no_overlap``— DistFlashAttn waiting for each transfer before computing (ablation).

@@ -1,39 +1,64 @@
-"""DeepSpeed-Ulysses (Jacobs et al. 2023): all-to-all from sequence-sharded to head-sharded and back.
+"""DeepSpeed-Ulysses (Jacobs et al. 2023) as the ``R = 1`` case of distattn's two-dimensional path.
 
 Legend: ``b`` batch, ``n`` tokens per rank, ``N = P*n``, ``h_q``/``h_kv`` heads, ``d`` head dim.
 
-Projections, RoPE and the MLP run on this rank's tokens (weights replicated). Around the attention core::
+Projections, RoPE and the MLP run on this rank's tokens (weights replicated). The attention core is
+``distattn.dist_flash_attn_func`` over ``group=(ulysses_group, ring_of_one)`` with ``U = P``, ``R = 1``
+(``distattn.ulysses``)::
 
     q (b, n, h_q, d) --all-to-all: scatter heads, gather seq--> (b, N, h_q/P, d)    (same for k, v)
-    out (b, N, h_q/P, d) = attention over all N tokens, this rank's heads (same kernel as every method)
-    out --all-to-all: scatter seq, gather heads--> (b, n, h_q, d)
+    out (b, N, h_q/P, d) = attention over all N tokens, this rank's heads (a ring of one rank: no ring traffic)
+    out, lse --all-to-all: scatter seq, gather heads--> (b, n, h_q, d), (b, h_q, n)
 
-Backward runs the same four all-to-alls in reverse (dout in, dq/dk/dv out). Heads are split in contiguous
-blocks, so query block ``j`` reads exactly kv block ``j`` (GQA) — which needs ``h_q % P == 0`` and
-``h_kv % P == 0``; anything else raises ``ValueError`` before any communication.
+Backward sends q, k, v, dout, lse and ``delta`` in and dq, dk, dv back (the library keeps no head-sharded
+copies). GQA with ``h_kv < P`` replicates each kv head ``P / h_kv`` times (``P % h_kv == 0``). Heads that cannot
+split (``distattn.schedule.ulysses_heads``) raise ``ValueError`` before any communication. Bytes are counted by
+``distattn.comm.COUNTERS`` and predicted by ``distattn.schedule.a2a_bytes`` (``bench/model.py``).
+
+The pair of groups is built once per process and parent group by :func:`distattn.make_2d_groups`, a collective
+over the whole job (``dist.new_group``): :meth:`Ulysses.core` builds it on its first call, which every rank
+reaches together (``check`` raises on every rank or on none).
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 import distattn
 from bench.baselines.base import SequenceParallelMethod
-from bench.baselines.collectives import all_to_all
+from distattn.schedule import ulysses_heads
 
 __all__ = ["Ulysses"]
+
+_GROUPS: dict[int, tuple] = {}
+"""id(parent group) -> (parent group, default group it was built under, (ulysses_group, ring_of_one))."""
+
+
+def row_groups(group=None) -> tuple:
+    """``(ulysses_group, ring_group)`` with ``U = P``, ``R = 1`` over ``group`` (default: the world), cached.
+
+    The first call for a parent group is a collective over every process of the job (same order everywhere);
+    a re-initialised default group gets new groups."""
+    world_pg = dist.group.WORLD
+    cached = _GROUPS.get(id(group))
+    if cached is not None and cached[0] is group and cached[1] is world_pg:
+        return cached[2]
+    pair = distattn.make_2d_groups(dist.get_world_size(group), group)
+    _GROUPS[id(group)] = (group, world_pg, pair)
+    return pair
 
 
 class Ulysses(SequenceParallelMethod):
     name = "ulysses"
 
     def check(self, shape, world):
-        for what, heads in (("heads_q", shape.heads_q), ("heads_kv", shape.heads_kv)):
-            if heads % world:
-                raise ValueError(f"Ulysses cannot run {what}={heads} on {world} ranks: the all-to-all splits "
-                                 f"heads across ranks, so {what} must be a multiple of the group size; use a "
-                                 f"group size dividing {heads}, or a method without this limit (distattn)")
+        """Refuse exactly what the library refuses (``ulysses_heads``); no communication."""
+        try:
+            ulysses_heads(shape.heads_q, shape.heads_kv, world)
+        except ValueError as exc:
+            what, heads = (("heads_q", shape.heads_q) if shape.heads_q % world else ("heads_kv", shape.heads_kv))
+            raise ValueError(f"Ulysses cannot run {what}={heads} on {world} ranks: {exc}; or use a method "
+                             f"without this limit (distattn)") from None
 
     def core(self, q, k, v, *, group, causal, backend):
-        # (b, n, h, d) -> (b, N, h/P, d): heads scattered (dim 2), sequence gathered (dim 1)
-        q_h, k_h, v_h = (all_to_all(t, 2, 1, group) for t in (q, k, v))
-        out_h = distattn.flash_attn_func(q_h, k_h, v_h, causal=causal, backend=backend)
-        return all_to_all(out_h, 1, 2, group)  # (b, N, h_q/P, d) -> (b, n, h_q, d)
+        return distattn.dist_flash_attn_func(q, k, v, causal=causal, backend=backend, group=row_groups(group))
