@@ -73,25 +73,19 @@ def assert_one_clean_error(name, rc, out, err, reason, before_init=True):
 
 
 def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
-    """Each fault fails before step 1 (before the process group even exists); plain --resume with nothing
-    to resume warns and trains. All side by side."""
-    afile = tmp_path / "afile"
-    afile.write_text("x")
+    """The output contract end to end, side by side: a fault fails before step 1 (before the process group even
+    exists) with one reason line and exit status 2; plain --resume with nothing to resume warns and trains.
+    Every other preflight fault goes through the same path (``prepare`` raising ``UsageError``): checked
+    in-process below, without a torchrun job each."""
     save = ["--steps", "2", "--save-every", "1", "--seq-len", "256"]
     cases = {
         "bad flag": (["--bogus"], {}, "unrecognized arguments: --bogus (see --help)"),
-        "seq-len": (["--seq-len", "255"], {}, "--seq-len 255 is not divisible by the sequence-parallel size 2"),
-        "preset": (["--model", "llama-99b"], {}, "unknown --model 'llama-99b'"),
-        "missing data": (["--data", str(tmp_path / "none.txt")], {}, f"--data {tmp_path / 'none.txt'}: no such file"),
-        "unwritable ckpt dir": ([*save, "--ckpt-dir", str(afile / "ckpt")], {},
-                                f"--ckpt-dir {afile / 'ckpt'} is not writable (Not a directory)"),
-        "read-only ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "ro")], {"DISTATTN_CKPT_READ_ONLY": "1"},
-                               "is not writable (Read-only file system)"),
         "full ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "full")], {"DISTATTN_CKPT_FREE_BYTES": "1000000"},
                           "has 1.0 MB free but this run's checkpoints need about 23.1 MB (2 x 11.6 MB"),
-        "resume must, nothing": (["--resume=must", "--ckpt-dir", str(tmp_path / "typo")], {},
-                                 f"--resume must: nothing to resume in --ckpt-dir {tmp_path / 'typo'} "
-                                 f"(the directory does not exist)"),
+        "ulysses heads": (["--ulysses", "2", "--seq-len", "64", "--model", str(_three_head_model(tmp_path)),
+                           "--data", str(tmp_path / "three" / "text.txt")], {},
+                          "--ulysses 2 with --model {} (3 query heads, 3 key/value heads): 3 query heads cannot be "
+                          "split over ulysses=2 ranks".format(tmp_path / "three")),
     }
     fresh = [*JOB, "--ckpt-dir", str(tmp_path / "empty"), "--resume"]
     fresh[fresh.index("--steps") + 1] = "1"
@@ -106,20 +100,43 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
             f"(it holds no finished checkpoint); starting from step 0") in err
 
 
-def test_layout_and_group_errors_are_one_line_and_exit_2(tmp_path):
-    """--ulysses that does not divide the group or the model's heads, and a --seq-len zigzag cannot split."""
-    cases = {
+def _prepare_error(monkeypatch, argv, env=None) -> str:
+    """The ``UsageError`` that rank 0 of a 2-rank job would print for ``argv`` (``train.prepare``, in-process:
+    it runs before any process group exists, so it needs no torchrun)."""
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                       **(env or {})}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train
+    import train_config
+
+    with pytest.raises(train_config.UsageError) as err:
+        train.prepare(["--device", "cpu", *argv])
+    return str(err.value)
+
+
+@pytest.mark.parametrize("name", ["seq-len", "preset", "missing data", "unwritable ckpt dir", "read-only ckpt dir",
+                                  "resume must, nothing", "ulysses", "zigzag seq-len"])
+def test_preflight_errors_in_process(name, tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    save = ["--steps", "2", "--save-every", "1", "--seq-len", "256"]
+    argv, env, reason = {
+        "seq-len": (["--seq-len", "255"], {}, "--seq-len 255 is not divisible by the sequence-parallel size 2"),
+        "preset": (["--model", "llama-99b"], {}, "unknown --model 'llama-99b'"),
+        "missing data": (["--data", str(tmp_path / "none.txt")], {}, f"--data {tmp_path / 'none.txt'}: no such file"),
+        "unwritable ckpt dir": ([*save, "--ckpt-dir", str(afile / "ckpt")], {},
+                                f"--ckpt-dir {afile / 'ckpt'} is not writable (Not a directory)"),
+        "read-only ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "ro")], {"DISTATTN_CKPT_READ_ONLY": "1"},
+                               "is not writable (Read-only file system)"),
+        "resume must, nothing": (["--resume=must", "--ckpt-dir", str(tmp_path / "typo")], {},
+                                 f"--resume must: nothing to resume in --ckpt-dir {tmp_path / 'typo'} "
+                                 f"(the directory does not exist)"),
         "ulysses": (["--ulysses", "3"], {}, "--ulysses 3 does not divide the sequence-parallel size 2 (world 2)"),
         "zigzag seq-len": (["--schedule", "zigzag", "--seq-len", "258"], {},
                            "--seq-len 258 is not divisible by twice the sequence-parallel size 2 (--schedule zigzag"),
-        "ulysses heads": (["--ulysses", "2", "--seq-len", "64", "--model", str(_three_head_model(tmp_path)),
-                           "--data", str(tmp_path / "three" / "text.txt")], {},
-                          "--ulysses 2 with --model {} (3 query heads, 3 key/value heads): 3 query heads cannot be "
-                          "split over ulysses=2 ranks".format(tmp_path / "three")),
-    }
-    results = run_side_by_side({name: (args, env) for name, (args, env, _) in cases.items()})
-    for name, (_, _, reason) in cases.items():
-        assert_one_clean_error(name, *results[name], reason)
+    }[name]
+    assert reason in _prepare_error(monkeypatch, argv, env)
 
 
 def _three_head_model(tmp_path):
