@@ -400,17 +400,27 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
                           timeout=check_timeout(timeout), partials=partials)
 
 
-def _cluster():
-    """The cluster ``schedule="auto"`` assumes: ``DISTATTN_LINK`` (``ib`` default: NVLink inside a node of
-    ``DISTATTN_GPUS_PER_NODE`` = 8 GPUs, 100 Gb/s InfiniBand across; ``nvlink``: one NVLink domain)."""
+def _cluster(link: str | None = None, gpus_per_node: int | None = None):
+    """The cluster the cost model assumes; unset parts from ``DISTATTN_LINK`` (``ib`` default: NVLink inside a
+    node of ``DISTATTN_GPUS_PER_NODE`` = 8 GPUs, 100 Gb/s InfiniBand across; ``nvlink``: one NVLink domain)."""
     import os
 
     from distattn.schedule.cost import Cluster
 
-    gpus = os.environ.get("DISTATTN_GPUS_PER_NODE", "8")
-    if not gpus.isdigit() or int(gpus) < 1:
-        raise ValueError(f"DISTATTN_GPUS_PER_NODE={gpus!r} must be a positive integer")
-    return Cluster.preset(os.environ.get("DISTATTN_LINK", "ib"), gpus_per_node=int(gpus))
+    if gpus_per_node is None:
+        gpus = os.environ.get("DISTATTN_GPUS_PER_NODE", "8")
+        if not gpus.isdigit() or int(gpus) < 1:
+            raise ValueError(f"DISTATTN_GPUS_PER_NODE={gpus!r} must be a positive integer")
+        gpus_per_node = int(gpus)
+    return Cluster.preset(link or os.environ.get("DISTATTN_LINK", "ib"), gpus_per_node=gpus_per_node)
+
+
+def _mask(causal: bool, window: tuple[int, int], cu_seqlens):
+    """The call's ``MaskSpec`` for the cost model (``None``: dense)."""
+    from distattn.schedule import MaskSpec
+
+    cu = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
+    return MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
 
 
 def _shapes(q, k):
@@ -426,11 +436,9 @@ def resolve_auto(q, k, topo, *, causal, window, documents, partials) -> str:
     layout (contiguous shards: ring or balanced; the zigzag layout is chosen before sharding), for this group's
     Ulysses degree. Deterministic from the call's shapes, mask, options and ``DISTATTN_LINK``, so every rank
     resolves the same (and the agreement check compares the resolved name)."""
-    from distattn.schedule import MaskSpec
     from distattn.schedule.cost import choose
 
-    cu = tuple(int(x) for x in documents.tolist()) if documents is not None else None
-    mask = MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
+    mask = _mask(causal, window, documents.tolist() if documents is not None else None)
     choice = choose(topo.world_size, _shapes(q, k), causal=causal, mask=mask, cluster=_cluster(),
                     partials=partials, allow={"ring", "balanced"}, ulysses=topo.U)
     return choice.best.schedule
@@ -438,23 +446,23 @@ def resolve_auto(q, k, topo, *, causal, window, documents, partials) -> str:
 
 def choose_schedule(world_size: int, heads_q: int, heads_kv: int, head_dim: int, seq_per_rank: int, *,
                     batch: int = 1, dtype: torch.dtype = torch.bfloat16, causal: bool = True, cu_seqlens=None,
-                    window_size=(-1, -1), link: str = "ib", gpus_per_node: int = 8, partials: str = "fp32",
+                    window_size=(-1, -1), link: str | None = None, gpus_per_node: int | None = None,
+                    partials: str = "fp32",
                     allow=None, ulysses: int | None = None):
     """The cost model's choice for a layer, made before sharding (so it may pick the zigzag layout or a
     two-dimensional group): ``choice.best.schedule`` and ``choice.best.ulysses`` (``U``; > 1: build the groups
     with ``make_2d_groups(U)``); ``print(choice.explain())`` shows every candidate's predicted time.
 
     ``link``: ``"ib"`` (NVLink in a node of ``gpus_per_node`` GPUs, 100 Gb/s InfiniBand across) or ``"nvlink"``
-    (one NVLink domain). ``allow``: restrict the candidates (``distattn.schedule.cost.choose``); ``ulysses``: the
+    (one NVLink domain); ``None``: ``DISTATTN_LINK`` / ``DISTATTN_GPUS_PER_NODE`` (defaults ``ib``, 8), as
+    ``schedule="auto"`` at call time. ``allow``: restrict the candidates (``distattn.schedule.cost.choose``); ``ulysses``: the
     Ulysses degree the group already has (``None``: let the model pick it too).
     """
-    from distattn.schedule import MaskSpec, Shapes
-    from distattn.schedule.cost import Cluster, choose
+    from distattn.schedule import Shapes
+    from distattn.schedule.cost import choose
 
     shapes = Shapes(batch=batch, seq_per_rank=seq_per_rank, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                     dtype_bytes=torch.empty(0, dtype=dtype).element_size())
-    window = check_window(window_size)
-    cu = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
-    mask = MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
-    return choose(world_size, shapes, causal=causal, mask=mask, cluster=Cluster.preset(link, gpus_per_node),
+    mask = _mask(causal, check_window(window_size), cu_seqlens)
+    return choose(world_size, shapes, causal=causal, mask=mask, cluster=_cluster(link, gpus_per_node),
                   partials=partials, allow=allow, ulysses=ulysses)

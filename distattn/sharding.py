@@ -122,13 +122,10 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         # Every rank may use the whole gathered tensor, so the gradient of a shard is the sum over ranks
         # of their gradients for its slice (a reduce-scatter; all-reduce + slice also works on gloo).
-        from distattn.topology import split
+        from distattn.topology import all_reduce
 
         grad = grad.contiguous()
-        ug, rg = split(ctx.group)
-        if ug is not None:  # the sum over all U * R ranks: over the Ulysses row, then over the ring
-            dist.all_reduce(grad, group=ug)
-        dist.all_reduce(grad, group=rg)
+        all_reduce(grad, ctx.group)  # all U * R ranks of a two-dimensional group
         return shard_sequence(grad, ctx.dim, ctx.group, schedule=ctx.schedule), None, None, None
 
 

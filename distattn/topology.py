@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Topology", "topology", "make_2d_groups", "is_2d"]
+__all__ = ["Topology", "topology", "make_2d_groups", "is_2d", "all_reduce"]
 
 ULYSSES, RING = "ulysses", "ring"
 
@@ -121,6 +121,15 @@ def _gather_int(value: int, group) -> list[int]:
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
     return [int(p.item()) for p in parts]
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """All-reduce ``t`` in place over every rank of ``group``; a two-dimensional group reduces over its Ulysses
+    row, then over its ring: all ``U * R`` ranks."""
+    ulysses_group, ring_group = split(group)
+    if ulysses_group is not None:
+        dist.all_reduce(t, op=op, group=ulysses_group)
+    dist.all_reduce(t, op=op, group=ring_group)
 
 
 def make_2d_groups(ulysses: int, group=None) -> tuple[object, object]:

@@ -263,17 +263,13 @@ def resolve_schedule(cfg: "RunConfig", config) -> None:
     Deterministic: every rank picks the same. Rank 0 logs the choice and why."""
     if cfg.args.schedule != "auto":
         return
-    import os
-
     import distattn
 
     heads_q = config.num_attention_heads
     heads_kv = getattr(config, "num_key_value_heads", None) or heads_q
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads_q
     choice = distattn.choose_schedule(cfg.sp_size, heads_q, heads_kv, head_dim, cfg.args.seq_len // cfg.sp_size,
-                                      dtype=cfg.dtype, link=os.environ.get("DISTATTN_LINK", "ib"),
-                                      gpus_per_node=int(os.environ.get("DISTATTN_GPUS_PER_NODE", "8")),
-                                      allow={"ring", "balanced", "zigzag"}, ulysses=cfg.ulysses)
+                                      dtype=cfg.dtype, allow={"ring", "balanced", "zigzag"}, ulysses=cfg.ulysses)
     cfg.args.schedule = choice.best.schedule
     if cfg.env.rank == 0:
         print(f"--schedule auto: {choice.why()}", flush=True)

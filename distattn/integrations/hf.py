@@ -83,6 +83,7 @@ from distattn.schedule import ulysses_heads
 from distattn.sharding import group_size as _group_size
 from distattn.sharding import layout as _layout
 from distattn.sharding import shard_sequence
+from distattn.topology import all_reduce as all_reduce_group
 from distattn.topology import split as _split_group
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "ATTN_IMPLEMENTATION",
@@ -221,7 +222,7 @@ def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
     group = group_of(options.group_key)
     padded = torch.tensor([0 if bool(attention_mask.all()) else 1], device=attention_mask.device)
     if _group_size(group) > 1:
-        _all_reduce(padded, group, dist.ReduceOp.MAX)
+        all_reduce_group(padded, group, dist.ReduceOp.MAX)
     if padded.item():
         zeros = int((~attention_mask.bool()).sum())
         raise ValueError(f"distattn cannot apply a padding attention_mask: the mask has zeros on some rank of the "
@@ -230,15 +231,6 @@ def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
                          f"sequence with no per-token mask, so padded tokens would be attended to; "
                          f"{NO_PADDING_FIX} (an all-ones mask is accepted)")
     return None
-
-
-def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
-    """All-reduce ``t`` in place over every rank of ``group``; a two-dimensional group (a pair or a 2-D mesh,
-    ``distattn.topology``) reduces over its Ulysses row, then over its ring: all ``U * R`` ranks."""
-    ulysses_group, ring_group = _split_group(group)
-    if ulysses_group is not None:
-        dist.all_reduce(t, op=op, group=ulysses_group)
-    dist.all_reduce(t, op=op, group=ring_group)
 
 
 def _resolve_schedule(schedule, group=None) -> str:
@@ -465,7 +457,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
     # Sum and count in fp64 across ranks: exact token counts, and one value that every rank agrees on.
     stats = torch.stack([local_sum.detach().double(), (labels != IGNORE_INDEX).sum().double()])
     if _group_size(group) > 1:
-        _all_reduce(stats, group)  # every rank of the group: U * R of a two-dimensional one
+        all_reduce_group(stats, group)  # every rank of the group: U * R of a two-dimensional one
     total, count = stats[0], stats[1].clamp(min=1.0)
     # Value: the global mean (identical bits on every rank). Gradient: d(local_sum)/count, this rank's share.
     return (total / count).float() + (local_sum - local_sum.detach()) / count.float()
