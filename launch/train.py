@@ -411,13 +411,6 @@ def fail(message: str, code: int) -> int:
     (train_ckpt), so none is left waiting in a collective.
     """
     train_config.report_error(message)
-    if not dist.is_initialized():
-        # Before the process group: leave at once. A normal interpreter shutdown (torch, transformers) can take
-        # seconds under load, and torchrun SIGTERMs a rank still shutting down when its peer exits first, then
-        # names that rank's SIGTERM, not its exit status 2, as the root cause (seen in CI: "full ckpt dir").
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     return finish(code)
 
 
