@@ -276,7 +276,7 @@ def jobs(quick: bool, ds, dtypes, causals, gqa: bool) -> list[Job]:
                             if quick and name == "fwd":
                                 continue  # the fold (carried state) is the distributed path; fwd is its subset
                             cfgs = [((bm, bn, w, s), tr._keep_config(kind, bm, bn, s, kw["BLOCK_D"], elt, SEQ,
-                                                                     SMEM_SM90, warps=w))
+                                                                     SMEM_SM90, warps=w, tma=kw.get("TMA", False)))
                                     for bm, bn, w, s in tr._CONFIGS[kind]]
                             if quick or elt >= 4:  # fp32: only 32x32 tiles are ever kept (FMA, not MMA)
                                 cfgs = [c for c in cfgs if c[1]]
@@ -325,12 +325,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=None, choices=sorted(DTYPES))
     ap.add_argument("--causal", type=int, nargs="+", default=None, choices=[0, 1])
     ap.add_argument("--no-gqa", action="store_true", help="skip the GQA (32/8 heads) dK/dV compiles")
+    ap.add_argument("--no-tma", action="store_true",
+                    help="the dK/dV kernel's pointer path (what the launcher uses without descriptors: unaligned "
+                         "inputs, DISTATTN_TMA=0, GPUs before sm_90)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
     args = ap.parse_args(argv)
     # Compile for the GPU target: the kernels must not be decorated as interpreted (read at first import).
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if args.no_tma:
+        os.environ["DISTATTN_TMA"] = "0"  # before the launcher is imported (it reads it once)
     why = sm90_unavailable()
     if why:
         print(f"SKIP: {why}")

@@ -82,7 +82,7 @@ _CONFIGS = {
             (64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)],
     "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 8, 2), (64, 32, 8, 2),
            (32, 32, 4, 2), (32, 32, 8, 2)],
-    "dkdv": [(64, 128, 8, 1), (32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2), (64, 64, 8, 3),
+    "dkdv": [(64, 128, 8, 2), (64, 128, 8, 1), (32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2), (64, 64, 8, 3),
              (32, 32, 8, 2), (16, 32, 4, 2), (32, 32, 4, 2)],
 }
 # Largest tile (BLOCK_M * BLOCK_N) kept for d = 256 with 2-byte inputs: bigger ones spill registers heavily.
@@ -104,6 +104,9 @@ _SPILLS = {
 # (64, 64, 4, 1) 512 B, (64, 128, 8, 1) 708 B, (128, 64, 8, 1) 1296 B; with the query rows on M instead
 # (S = Q K^T, dV += P^T dO on transposed register tiles) 380 B and more.
 _NARROW_ONLY = {("dkdv", 128)}
+# The dK/dV kernel with tensor descriptors (sm_90+, aligned inputs; ``TMA`` in the launcher): q, do, lse and
+# delta need no address registers and dk, dv leave by reduction, so the wide shapes fit at d=128 too.
+_SPILLS_TMA: dict = {128: set(), 64: set()}
 
 
 def _mma_n(m: int, n: int, warps: int) -> int:
@@ -131,8 +134,10 @@ def _smem_bytes(kind: str, bm: int, bn: int, stages: int, block_d: int, elt: int
     return rows * block_d * elt
 
 
-def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=None, narrow_ok=False) -> bool:
-    """narrow_ok: second pass when no wide config is kept (short sequences: a bucket smaller than every wide tile)."""
+def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=None, narrow_ok=False,
+                 tma=False) -> bool:
+    """narrow_ok: second pass when no wide config is kept (short sequences: a bucket smaller than every wide tile).
+    tma: the dK/dV kernel reads q, do, lse, delta through tensor descriptors (its own spill table)."""
     if _smem_bytes(kind, bm, bn, stages, block_d, elt) > smem_limit:
         return False  # would fail to launch (OutOfResources)
     if max(bm, bn) > bucket:
@@ -141,9 +146,10 @@ def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=N
         return bm * bn <= 32 * 32
     if block_d >= 256:
         return bm * bn <= _MAX_TILE_D256[kind]
-    if (kind, bm, bn, warps, stages) in _SPILLS.get(block_d, ()):
+    if (kind, bm, bn, warps, stages) in (_SPILLS_TMA if tma and kind == "dkdv" else _SPILLS).get(block_d, ()):
         return False
-    if warps is not None and not narrow_ok and 64 <= block_d <= 128 and (kind, block_d) not in _NARROW_ONLY \
+    narrow_only = (kind, block_d) in _NARROW_ONLY and not (tma and kind == "dkdv")
+    if warps is not None and not narrow_ok and 64 <= block_d <= 128 and not narrow_only \
             and not _wide(kind, bm, bn, warps, block_d):
         return False  # a narrow wgmma or mma.sync where a wide config exists (bench/compile_report.py)
     return bm * bn >= 1024  # 2-byte inputs: tiny tiles leave the tensor cores idle
@@ -152,12 +158,13 @@ def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=N
 def _prune(kind: str, configs, named_args, **kwargs):
     """Autotune filter (Hopper-aware): drop configs over the device's shared memory or known to spill."""
     block_d = kwargs["BLOCK_D"] if "BLOCK_D" in kwargs else named_args["BLOCK_D"]
+    tma = bool(kwargs["TMA"] if "TMA" in kwargs else named_args.get("TMA", False))
     ref = named_args["Q"]
     limit = _max_shared_mem(ref.device)
     for narrow_ok in (False, True):
         kept = [c for c in configs if _keep_config(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
                                                    block_d, ref.element_size(), named_args["LEN_BUCKET"], limit,
-                                                   warps=c.num_warps, narrow_ok=narrow_ok)]
+                                                   warps=c.num_warps, narrow_ok=narrow_ok, tma=tma)]
         if kept:
             break
     # Never empty: fall back to the config with the smallest shared-memory footprint.
@@ -188,7 +195,7 @@ class _Heuristic:
             kept = [c for c in _CONFIGS[self.name]
                     if _keep_config(self.name, c[0], c[1], c[3], named["BLOCK_D"], ref.element_size(),
                                     named["LEN_BUCKET"], _max_shared_mem_cached(ref.device), warps=c[2],
-                                    narrow_ok=narrow_ok)]
+                                    narrow_ok=narrow_ok, tma=bool(named.get("TMA", False)))]
             if kept:
                 break
         smallest = min(_CONFIGS[self.name], key=lambda c: _smem_bytes(self.name, c[0], c[1], c[3], named["BLOCK_D"],
@@ -235,6 +242,62 @@ def _blocks() -> dict:
 def _unit_d(t: torch.Tensor) -> torch.Tensor:
     """The kernels address d with unit stride; everything else goes through explicit strides."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ----------------------------------------------------------------------------- TMA (dK/dV kernel)
+
+_TMA_MODE = os.environ.get("DISTATTN_TMA", "auto")  # "0": never use tensor descriptors (the pointer path)
+
+
+def _tma_device(device) -> bool:
+    """``DISTATTN_TMA=0`` turns the descriptor path off (read at import; tests patch ``_TMA_MODE``)."""
+    return _TMA_MODE != "0" and _tma_device_cached(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_device_cached(device) -> bool:
+    """Whether the dK/dV kernel may read through tensor descriptors on this device: sm_90 and newer (TMA), the
+    interpreter (which emulates them, so CPU tests cover that path), and ``meta`` tensors (only
+    ``bench/compile_report.py`` launches on those, and it compiles for sm_90)."""
+    if not hasattr(triton.language, "make_tensor_descriptor"):
+        return False
+    if _INTERPRET or device.type == "meta":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_aligned(t: torch.Tensor, unit_dim: int) -> bool:
+    """A descriptor can address ``t``: 16-byte aligned base and strides, unit stride in ``unit_dim``."""
+    elt = t.element_size()
+    return t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0 and \
+        all(st * elt % 16 == 0 for i, st in enumerate(t.stride()) if i != unit_dim)
+
+
+def _tma_stats(t: torch.Tensor) -> torch.Tensor:
+    """lse / delta (b, h, s) fp32 as a descriptor can read them: a copy with s padded to a multiple of 4 when
+    the rows are not 16-byte aligned (odd lengths); 1/(2d) of the bytes q and do move, once per call."""
+    if _tma_aligned(t, 2):
+        return t
+    b, h, s = t.shape
+    out = torch.empty((b, h, -(-s // 4) * 4), dtype=t.dtype, device=t.device)[:, :, :s]
+    return out.copy_(t)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for kernels that build tensor descriptors on the device (128 B each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side descriptors need a Triton scratch allocator in the launching thread's context (a ContextVar:
+    autograd's backward threads start without one). Sets ours only where none is set."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # a Triton that keeps it elsewhere: set ours
+        pass
+    triton.set_allocator(_scratch)
 
 
 def _bsh(t: Optional[torch.Tensor]) -> tuple:
@@ -387,12 +450,16 @@ class TritonBackend:
                       DOT_PREC=_dot_prec(q.dtype), **_blocks())
         qk_scale, cap_in, cap_out = mask.scales()
         scalars = (s_q, s_k, mask.diag, mask.k_start, qk_scale, scale, cap_in, cap_out, _len_bucket(s_q, s_k))
+        tma = _tma_device(q.device) and _tma_aligned(q, 3) and _tma_aligned(dout, 3)
+        lse_k, delta_k = (_tma_stats(lse), _tma_stats(delta)) if tma else (lse, delta)
+        if tma and q.device.type == "cuda" and not _INTERPRET:
+            _ensure_allocator()
         with _WritableUnitD(dk_acc) as dk, _WritableUnitD(dv_acc) as dv:
             grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
             _kernel("dkdv")[grid](
-                q, k, v, dout, lse, delta, dk, dv, mask.lo, mask.hi, rlo, rhi,
-                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *lse.stride(), *delta.stride(), *_bsh(dk), *_bsh(dv),
-                h_kv, h_q // h_kv, *scalars, **common,
+                q, k, v, dout, lse_k, delta_k, dk, dv, mask.lo, mask.hi, rlo, rhi,
+                *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *lse_k.stride(), *delta_k.stride(), *_bsh(dk),
+                *_bsh(dv), h_kv, h_q // h_kv, *scalars, TMA=tma, **common,
             )
         with _WritableUnitD(dq_acc) as dq:
             grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h_q)  # noqa: E731

@@ -17,7 +17,7 @@ A row that saw no key (lse = -inf) gets its lse replaced by +inf, which makes ev
 import triton
 import triton.language as tl
 
-from ._triton_fwd import LOG2E, _key_range, _load_tile, _logits, _row_bounds, _store_tile, _visible
+from ._triton_fwd import LOG2E, _key_range, _load_tile, _logits, _row_bounds, _store_tile, _visible, _visible_t
 
 
 @triton.jit
@@ -55,40 +55,65 @@ def _load_row_stats(LSE_ptrs, DELTA_ptrs, rows, S_Q):
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI, K_START,
-                    stride_qs, stride_ds, stride_ls, stride_es, start, stop, offs_m, offs_n, offs_d,
+def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, LSE_src, DELTA_src, LO, HI, K_START,
+                    stride_qs, stride_qh, stride_ds, stride_dh, stride_ls, stride_lh, stride_es, stride_eh,
+                    GROUP, start, stop, offs_m, offs_n, offs_d,
                     S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    MASK: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
-    """Accumulate dk, dv of one resident key block over query rows [start, stop) of one query head.
+                    BLOCK_D: tl.constexpr, MASK: tl.constexpr, MASKED: tl.constexpr, MASK_D: tl.constexpr,
+                    SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    """Accumulate dk, dv of one resident key block over query rows [start, stop) of the GROUP query heads that
+    read it (GQA). Heads are the inner loop, so a query block's rows and mask are computed once for all of them
+    and only dk, dv are carried from head to head.
 
     Works on transposed tiles (keys on rows): S^T = K Q^T. MASKED: apply the mask (an edge of the visible band).
+    ``*_src``: with TMA, tensor descriptors over [S_Q, GROUP, HEAD_DIM] (q, do) and [GROUP, S_Q] (lse, delta)
+    that zero-fill past their ends; without, pointers to head 0 of the group.
     """
-    q_ptrs = Q_head + start.to(tl.int64) * stride_qs + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :]
-    do_ptrs = DO_head + start.to(tl.int64) * stride_ds + offs_m.to(tl.int64)[:, None] * stride_ds + offs_d[None, :]
+    if not TMA:
+        q_tile = offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :]  # 64-bit: s * stride can pass 2^31
+        do_tile = offs_m.to(tl.int64)[:, None] * stride_ds + offs_d[None, :]
+        Q_row = Q_src + start.to(tl.int64) * stride_qs  # scalar pointers to the block's first row
+        DO_row = DO_src + start.to(tl.int64) * stride_ds
+        LSE_row = LSE_src + start.to(tl.int64) * stride_ls
+        DELTA_row = DELTA_src + start.to(tl.int64) * stride_es
     for start_m in range(start, stop, BLOCK_M):
         rows = start_m + offs_m
-        q = _load_tile(q_ptrs, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
-        do = _load_tile(do_ptrs, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
-        rows64 = rows.to(tl.int64)  # row offsets x strides in 64 bits: s * stride can pass 2^31
-        lse2, delta = _load_row_stats(LSE_head + rows64 * stride_ls, DELTA_head + rows64 * stride_es, rows, S_Q)
-        # -- recompute P^T --
-        s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), qk_scale, cap_in, cap_out, SOFTCAP)
-        p_t = tl.math.exp2(s_t - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             lo_r, hi_r = _row_bounds(LO, HI, K_START, rows, S_Q, MASK)
-            keep = tl.trans(_visible(rows, offs_n, S_K, DIAG, lo_r, hi_r, MASK))
-            p_t = tl.where(keep, p_t, 0.0)
-        # -- dV += P^T dO --
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        # -- dS^T = P^T * (dP^T - delta) (x (1 - tanh^2) when soft-capped), dK += dS^T Q --
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-        q_ptrs += BLOCK_M * stride_qs
-        do_ptrs += BLOCK_M * stride_ds
+            keep = _visible_t(rows, offs_n, S_K, DIAG, lo_r, hi_r, MASK)
+        for g in range(GROUP):
+            if TMA:
+                q = tl.reshape(Q_src.load([start_m, g, 0]), [BLOCK_M, BLOCK_D])
+                do = tl.reshape(DO_src.load([start_m, g, 0]), [BLOCK_M, BLOCK_D])
+                lse = tl.reshape(LSE_src.load([g, start_m]), [BLOCK_M])
+                # Rows past S_Q read lse 0 and zero q, do: their P is 1 but every product with them is 0.
+                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                delta = tl.reshape(DELTA_src.load([g, start_m]), [BLOCK_M])
+            else:
+                q = _load_tile(Q_row + g * stride_qh + q_tile, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
+                do = _load_tile(DO_row + g * stride_dh + do_tile, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
+                lse2, delta = _load_row_stats(LSE_row + g * stride_lh + offs_m.to(tl.int64) * stride_ls,
+                                              DELTA_row + g * stride_eh + offs_m.to(tl.int64) * stride_es, rows,
+                                              S_Q)
+            # -- recompute P^T --
+            s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), qk_scale, cap_in, cap_out,
+                               SOFTCAP)
+            p_t = tl.math.exp2(s_t - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+            if MASKED:
+                p_t = tl.where(keep, p_t, 0.0)
+            # -- dV += P^T dO --
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            # -- dS^T = P^T * (dP^T - delta) (x (1 - tanh^2) when soft-capped), dK += dS^T Q --
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - t_t * t_t)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        if not TMA:
+            Q_row += BLOCK_M * stride_qs
+            DO_row += BLOCK_M * stride_ds
+            LSE_row += BLOCK_M * stride_ls
+            DELTA_row += BLOCK_M * stride_es
     return dk, dv
 
 
@@ -138,9 +163,12 @@ def _bwd_dkdv_kernel(
     H_KV, GROUP, S_Q, S_K, DIAG, K_START, qk_scale, sm_scale, cap_in, cap_out,
     LEN_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
 ):
-    """One program: BLOCK_N keys of one (batch, kv head); adds their dk, dv into DK, DV (fp32)."""
+    """One program: BLOCK_N keys of one (batch, kv head); adds their dk, dv into DK, DV (fp32).
+
+    TMA: the launcher checked that q, do (16-byte aligned rows and head strides) and lse, delta (unit stride in s,
+    16-byte aligned head strides) can be read through tensor descriptors (sm_90+, or the interpreter)."""
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
     off_bh = tl.program_id(1)
     off_b = (off_bh // H_KV).to(tl.int64)
@@ -160,34 +188,44 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Keys past S_K were loaded as 0: their rows of dk/dv hold garbage but are never stored.
-    for g in range(GROUP):
-        off_h = off_hk * GROUP + g  # GQA: the query heads that read this kv head
-        Q_head = Q + off_b * stride_qb + off_h * stride_qh
-        DO_head = DO + off_b * stride_db + off_h * stride_dh
-        LSE_head = LSE + off_b * stride_lb + off_h * stride_lh
-        DELTA_head = DELTA + off_b * stride_eb + off_h * stride_eh
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI, K_START,
-                                 stride_qs, stride_ds, stride_ls, stride_es, start, full_lo, offs_m, offs_n,
-                                 offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_M, MASK, True,
-                                 MASK_D, SOFTCAP, DOT_PREC)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI, K_START,
-                                 stride_qs, stride_ds, stride_ls, stride_es, full_lo, full_hi, offs_m, offs_n,
-                                 offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_M, MASK, False,
-                                 MASK_D, SOFTCAP, DOT_PREC)
-        if MASK == 2:  # only bounds can end masked: causal and dense blocks are seen by every later row
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, LO, HI, K_START,
-                                     stride_qs, stride_ds, stride_ls, stride_es, full_hi, end, offs_m, offs_n,
-                                     offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_M, MASK,
-                                     True, MASK_D, SOFTCAP, DOT_PREC)
+    off_h0 = off_hk * GROUP  # GQA: query heads off_h0 .. off_h0 + GROUP - 1 read this kv head
+    Q_src = Q + off_b * stride_qb + off_h0 * stride_qh
+    DO_src = DO + off_b * stride_db + off_h0 * stride_dh
+    LSE_src = LSE + off_b * stride_lb + off_h0 * stride_lh
+    DELTA_src = DELTA + off_b * stride_eb + off_h0 * stride_eh
+    if TMA:  # q, do, lse, delta stream through the tensor memory accelerator: no address registers, no masks
+        Q_src = tl.make_tensor_descriptor(Q_src, shape=[S_Q, GROUP, HEAD_DIM], strides=[stride_qs, stride_qh, 1],
+                                          block_shape=[BLOCK_M, 1, BLOCK_D])
+        DO_src = tl.make_tensor_descriptor(DO_src, shape=[S_Q, GROUP, HEAD_DIM], strides=[stride_ds, stride_dh, 1],
+                                           block_shape=[BLOCK_M, 1, BLOCK_D])
+        LSE_src = tl.make_tensor_descriptor(LSE_src, shape=[GROUP, S_Q], strides=[stride_lh, 1],
+                                            block_shape=[1, BLOCK_M])
+        DELTA_src = tl.make_tensor_descriptor(DELTA_src, shape=[GROUP, S_Q], strides=[stride_eh, 1],
+                                              block_shape=[1, BLOCK_M])
+    inner_args = (LO, HI, K_START, stride_qs, stride_qh, stride_ds, stride_dh, stride_ls, stride_lh, stride_es,
+                  stride_eh, GROUP)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, LSE_src, DELTA_src, *inner_args, start, full_lo,
+                             offs_m, offs_n, offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_M,
+                             BLOCK_D, MASK, True, MASK_D, SOFTCAP, DOT_PREC, TMA)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, LSE_src, DELTA_src, *inner_args, full_lo, full_hi,
+                             offs_m, offs_n, offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM, BLOCK_M,
+                             BLOCK_D, MASK, False, MASK_D, SOFTCAP, DOT_PREC, TMA)
+    if MASK == 2:  # only bounds can end masked: causal and dense blocks are seen by every later row
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, LSE_src, DELTA_src, *inner_args, full_hi, end,
+                                 offs_m, offs_n, offs_d, S_Q, S_K, DIAG, qk_scale, cap_in, cap_out, HEAD_DIM,
+                                 BLOCK_M, BLOCK_D, MASK, True, MASK_D, SOFTCAP, DOT_PREC, TMA)
 
     # -- add into the fp32 accumulators (this program owns these rows: deterministic) --
     keys64 = offs_n.to(tl.int64)[:, None]
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + keys64 * stride_dks + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + keys64 * stride_dvs + offs_d[None, :]
-    dk = dk * sm_scale + _load_tile(dk_ptrs, offs_n, S_K, offs_d, HEAD_DIM, True, MASK_D)
-    dv = dv + _load_tile(dv_ptrs, offs_n, S_K, offs_d, HEAD_DIM, True, MASK_D)
-    _store_tile(dk_ptrs, dk, offs_n, S_K, offs_d, HEAD_DIM, MASK_D)
-    _store_tile(dv_ptrs, dv, offs_n, S_K, offs_d, HEAD_DIM, MASK_D)
+    # One fp32 add per element, as a reduction (no value comes back: dk, dv and a loaded tile are never live
+    # together); each element is added exactly once per launch, so the result is load + add + store's, bit for bit.
+    ok = offs_n[:, None] < S_K
+    if MASK_D:
+        ok = ok & (offs_d[None, :] < HEAD_DIM)
+    tl.atomic_add(dk_ptrs, dk * sm_scale, mask=ok, sem="relaxed")
+    tl.atomic_add(dv_ptrs, dv, mask=ok, sem="relaxed")
 
 
 @triton.jit

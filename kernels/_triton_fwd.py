@@ -102,6 +102,17 @@ def _visible(rows, cols, S_K, DIAG, lo_r, hi_r, MASK: tl.constexpr):
 
 
 @triton.jit
+def _visible_t(rows, cols, S_K, DIAG, lo_r, hi_r, MASK: tl.constexpr):
+    """``_visible`` built in the transposed orientation, a Boolean [cols, rows] tile (no tl.trans)."""
+    keep = cols[:, None] < S_K
+    if MASK == 1:
+        keep = keep & (cols[:, None] <= rows[None, :] + DIAG)
+    if MASK == 2:
+        keep = keep & (cols[:, None] >= lo_r[None, :]) & (cols[:, None] <= hi_r[None, :])
+    return keep
+
+
+@triton.jit
 def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr,
                MASK_D: tl.constexpr):
     """Load a [rows, BLOCK_D] tile, zero-filling rows >= n_rows and columns >= HEAD_DIM."""

@@ -104,8 +104,15 @@ def _case_id(c):
     return f"b{b}-q{s_q}-k{s_k}-h{h_q}:{h_kv}-d{d}-{'causal' if causal else 'full'}-{str(dt)[6:]}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_forward_backward_against_fp64(case):
+# The dK/dV kernel's pointer path (unaligned inputs, GPUs before sm_90, DISTATTN_TMA=0) on the padded head dims
+# and MQA; test_dkdv_descriptor_path_is_bit_identical_to_pointer_path covers the rest.
+GRID = [(c, "desc") for c in CASES] + [(CASES[i], "ptr") for i in (1, 2, 3, 5)]
+
+
+@pytest.mark.parametrize("case,path", GRID, ids=[f"{_case_id(c)}-{p}" for c, p in GRID])
+def test_forward_backward_against_fp64(case, path, monkeypatch):
+    if path == "ptr":  # the dK/dV kernel's pointer path (unaligned inputs, GPUs before sm_90, DISTATTN_TMA=0)
+        monkeypatch.setattr(_triton, "_TMA_MODE", "0")
     b, s_q, s_k, h_q, h_kv, d, causal, dtype = case
     q, k, v, dout = make_qkv(b, s_q, s_k, h_q, h_kv, d, dtype, seed=s_q + s_k + d)
     scale, q_start = d ** -0.5, s_k - s_q  # bottom-right alignment, as flash_attn_func
@@ -213,6 +220,95 @@ def test_backward_is_deterministic():
     second = _backward(dout, q, k, v, out, lse, **kw)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- dK/dV through tensor descriptors
+
+def _spy_dkdv(monkeypatch):
+    """Record the TMA flag of every dK/dV launch."""
+    seen, real = [], _triton._kernel
+
+    def kernel(name):
+        k = real(name)
+        if name != "dkdv":
+            return k
+
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    seen.append(kw["TMA"])
+                    return k[grid](*a, **kw)
+                return launch
+        return Spy()
+    monkeypatch.setattr(_triton, "_kernel", kernel)
+    return seen
+
+
+# (b, s_q, s_k, h_q, h_kv, d, dtype, mask): odd lengths (lse/delta rows padded for the descriptor), GQA, d 80,
+# packed documents with a window (MASK 2, three query segments), softcap.
+TMA_CASES = [
+    (2, 45, 70, 8, 2, 32, F32, "causal"),
+    (1, 33, 33, 6, 3, 80, F16, "full"),
+    (1, 64, 64, 4, 1, 16, F16, "causal"),
+    (1, 61, 61, 4, 2, 16, F32, "docs"),
+    (1, 50, 50, 2, 1, 16, F32, "softcap"),
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-{c[7]}")
+def test_dkdv_descriptor_path_is_bit_identical_to_pointer_path(case, monkeypatch):
+    """The descriptor path only changes how tiles reach the kernel: the same sums in the same order."""
+    b, s_q, s_k, h_q, h_kv, d, dtype, mask = case
+    q, k, v, dout = (t.to(DEVICE) for t in make_qkv(b, s_q, s_k, h_q, h_kv, d, dtype, seed=s_q + d))
+    kw = dict(scale=d ** -0.5, q_start=s_k - s_q, k_start=0, causal=mask == "causal")
+    if mask == "docs":
+        cu = torch.tensor([0, 1, 20, 47, s_q], dtype=torch.int32, device=DEVICE)
+        kw["bounds"] = kernels.varlen_bounds(cu, cu, (0, s_q), causal=True, window=(9, 0))
+    if mask == "softcap":
+        kw["softcap"] = 2.0
+    fwd_kw = {key: val for key, val in kw.items()}
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=DEVICE)
+    BE.fold_(None, lse, q, k, v, fresh=True, out_final=out, **fwd_kw)
+    delta = BE.delta(dout, out)
+
+    def grads():
+        dq, dk, dv = _zeros_like_f32(q), _zeros_like_f32(k), _zeros_like_f32(v)
+        BE.backward_chunk_(dout, q, k, v, lse, delta, dq, dk, dv, **kw)
+        return dq, dk, dv
+
+    seen = _spy_dkdv(monkeypatch)
+    with_desc = grads()
+    monkeypatch.setattr(_triton, "_TMA_MODE", "0")
+    with_ptr = grads()
+    assert seen == [True, False]
+    for a, w in zip(with_desc, with_ptr):
+        assert torch.equal(a, w)
+    assert all(torch.isfinite(t).all() for t in with_desc)
+
+
+def test_dkdv_descriptor_path_needs_aligned_inputs(monkeypatch):
+    """16-byte aligned rows and heads take descriptors; anything else (d=20 in fp16: 40-byte heads; a base one
+    element off) takes the pointer path and still gets the right answer. lse/delta with odd lengths are copied
+    into 16-byte aligned rows."""
+    seen = _spy_dkdv(monkeypatch)
+    kw = dict(scale=0.3, q_start=0, k_start=0, causal=True)
+    for d, offset in ((16, 0), (20, 0), (16, 1)):
+        q, k, v, dout = (t.to(DEVICE) for t in make_qkv(1, 23, 23, 2, 1, d, F16, seed=d + offset))
+        if offset:
+            q = torch.cat([q.flatten(), q.flatten()[:offset]])[offset:].view(q.shape)  # data_ptr % 16 == 2
+        out, lse = _forward(q, k, v, **kw)
+        got = _backward(dout, q, k, v, out, lse, **kw)
+        ref = reference_grads(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), torch.float64, causal=True, scale=0.3,
+                              q_start=0)
+        base = reference_grads(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), F16, causal=True, scale=0.3, q_start=0)
+        assert_all_close_by_rule(("dq", "dk", "dv"), [t.cpu() for t in got], base[2:], ref[2:], F16)
+    assert seen == [True, False, False]
+    lse = torch.randn(2, 3, 23)
+    padded = _triton._tma_stats(lse)
+    assert torch.equal(padded, lse) and padded.stride() == (3 * 24, 24, 1) and _triton._tma_aligned(padded, 2)
+    even = torch.randn(2, 3, 24)
+    assert _triton._tma_stats(even) is even
 
 
 def test_strided_inputs_and_accumulators():
