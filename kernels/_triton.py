@@ -74,39 +74,50 @@ def _max_shared_mem(device) -> int:
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); for dkdv BLOCK_N is the resident key block. Picked from sm_90
-# compiles of these kernels (ptxas register/spill report): every (head dim, dtype) has configs that do not
-# spill, e.g. fwd d=128 (128, 64, 8, 3), d=256 (64, 32, 8, 2); dkdv d=64 (64, 128, 8, 1), d=128 (16, 64, 8, 3);
-# fp32 only 32x32 tiles (its "ieee" dots run on FMA units and need far more registers).
+# compiles of these kernels (ptxas register/spill report, bench/results/compile-sm90/): every (head dim, dtype)
+# has configs that do not spill, e.g. fwd d=128 (128, 64, 8, 3), d=256 (64, 32, 8, 2); dkdv d=64 and d=128
+# (64, 128, 8, 2) through descriptors; fp32 only 32x32 tiles (its "ieee" dots run on FMA units and need far
+# more registers).
 _CONFIGS = {
     "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 2),
             (64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)],
     "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 8, 2), (64, 32, 8, 2),
            (32, 32, 4, 2), (32, 32, 8, 2)],
-    "dkdv": [(64, 128, 8, 2), (64, 128, 8, 1), (32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2), (64, 64, 8, 3),
-             (32, 32, 8, 2), (16, 32, 4, 2), (32, 32, 4, 2)],
+    "dkdv": [(64, 128, 8, 2), (64, 128, 8, 1), (32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2),
+             (64, 64, 8, 3), (32, 32, 8, 2), (16, 32, 4, 2), (32, 32, 4, 2)],
 }
 # Largest tile (BLOCK_M * BLOCK_N) kept for d = 256 with 2-byte inputs: bigger ones spill registers heavily.
 _MAX_TILE_D256 = {"fwd": 64 * 64, "dq": 64 * 64, "dkdv": 32 * 64}
-# Configs that spill registers with 2-byte inputs, by BLOCK_D, from the sm_90a compile report
-# (bench/results/compile-sm90/bf16-d64-d128.md; ptxas spill stores in bytes, the worst of causal/dense, MHA and
-# GQA 32/8 heads, which share one autotune key). BLOCK_D = 128 also serves d = 80 and 96 (padded to 128).
-#   128: fwd (128, 64, 4, 3) 588 B, fwd (128, 128, 8, 2) 52 B; dkdv (64, 128, 8, 1) 708 B, (32, 64, 4, 3) 756 B,
-#        (64, 64, 8, 3) 492 B, (32, 128, 8, 3) 380 B, (32, 64, 8, 2) 40 B, (32, 32, 4, 2) 32 B
-#   64:  dkdv (32, 32, 4, 2) 4 B
-# Pruned here rather than left to the autotuner (a spilling config can still win a noisy benchmark).
+# Configs that spill registers with 2-byte inputs, by BLOCK_D, from the sm_90a compile report (ptxas spill stores
+# in bytes, the worst of causal/dense, MHA and GQA 32/8 heads, which share one key). BLOCK_D = 128 also serves
+# d = 80 and 96 (padded to 128). dkdv here is its pointer path (bench/results/compile-sm90/pointer-bf16.md);
+# with descriptors see _SPILLS_TMA.
+#   128: fwd (128, 64, 4, 3) 588 B, fwd (128, 128, 8, 2) 52 B; dkdv (64, 128, 8, 2) 248 B, (64, 128, 8, 1) 24 B,
+#        (64, 64, 8, 3) 100 B, (32, 64, 4, 3) 32 B; (32, 128, 8, 3), (32, 64, 8, 2), (32, 32, 4, 2) spilled
+#        before the kernel's rewrite and stay out (narrow anyway)
+#   64:  dkdv (32, 32, 4, 2) 4 B (before the rewrite)
+# Pruned here rather than left to chance (a spilling config can still win a noisy benchmark).
 _SPILLS = {
-    128: {("fwd", 128, 64, 4, 3), ("fwd", 128, 128, 8, 2), ("dkdv", 64, 128, 8, 1), ("dkdv", 32, 64, 4, 3),
-          ("dkdv", 64, 64, 8, 3), ("dkdv", 32, 128, 8, 3), ("dkdv", 32, 64, 8, 2), ("dkdv", 32, 32, 4, 2)},
+    128: {("fwd", 128, 64, 4, 3), ("fwd", 128, 128, 8, 2), ("dkdv", 64, 128, 8, 2), ("dkdv", 64, 128, 8, 1),
+          ("dkdv", 32, 64, 4, 3), ("dkdv", 64, 64, 8, 3), ("dkdv", 32, 128, 8, 3), ("dkdv", 32, 64, 8, 2),
+          ("dkdv", 32, 32, 4, 2)},
     64: {("dkdv", 32, 32, 4, 2)},
+    # 256 (full-tma.md, bf16 and fp16 alike): fwd (64, 64, 4, 3) 376 B, (128, 32, 8, 2) 228 B (the carried fold);
+    # dq (64, 32, 4, 3) 488 B
+    256: {("fwd", 64, 64, 4, 3), ("fwd", 128, 32, 8, 2), ("dq", 64, 32, 4, 3)},
 }
-# (kind, BLOCK_D) where no config with wide MMAs fits in registers, so narrow ones stay allowed: dK/dV at d=128
-# keeps two fp32 [keys, 128] accumulators, and every wide shape tried spills on sm_90a (GQA, causal, bf16):
-# (64, 64, 4, 1) 512 B, (64, 128, 8, 1) 708 B, (128, 64, 8, 1) 1296 B; with the query rows on M instead
-# (S = Q K^T, dV += P^T dO on transposed register tiles) 380 B and more.
+# (kind, BLOCK_D) where, without descriptors, no config with wide MMAs fits in registers, so narrow ones stay
+# allowed: dK/dV at d=128 keeps two fp32 [128 keys, 128] accumulators (128 registers a thread at 8 warps), and
+# the per-element addresses of the streamed q, do, lse, delta tiles push every wide shape over 255 registers.
 _NARROW_ONLY = {("dkdv", 128)}
-# The dK/dV kernel with tensor descriptors (sm_90+, aligned inputs; ``TMA`` in the launcher): q, do, lse and
-# delta need no address registers and dk, dv leave by reduction, so the wide shapes fit at d=128 too.
-_SPILLS_TMA: dict = {128: set(), 64: set()}
+# The dK/dV kernel through tensor descriptors (sm_90+, aligned inputs; ``TMA`` in the launcher): q, do, lse and
+# delta need no address registers and dk, dv leave by reduction, so every dK/dV config of _CONFIGS compiles
+# without spills at d 64 and 128, bf16, MHA and GQA, causal and dense (bench/results/compile-sm90/tma-bf16.md).
+# d=256 stays narrow (two fp32 [keys, 256] accumulators leave room for 32-64 keys only) and these spill there:
+# (32, 64, 4, 3) 3744 B, (32, 32, 4, 2) 448 B, (32, 64, 8, 2) 112 B, (16, 64, 8, 3) 12 B, (16, 32, 4, 2) 8 B.
+_SPILLS_TMA: dict = {128: set(), 64: set(),
+                     256: {("dkdv", 32, 64, 4, 3), ("dkdv", 32, 32, 4, 2), ("dkdv", 32, 64, 8, 2),
+                           ("dkdv", 16, 64, 8, 3), ("dkdv", 16, 32, 4, 2)}}
 
 
 def _mma_n(m: int, n: int, warps: int) -> int:
@@ -144,10 +155,10 @@ def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=N
         return False  # a tile longer than the sequence only adds masked work
     if elt >= 4:
         return bm * bn <= 32 * 32
-    if block_d >= 256:
-        return bm * bn <= _MAX_TILE_D256[kind]
     if (kind, bm, bn, warps, stages) in (_SPILLS_TMA if tma and kind == "dkdv" else _SPILLS).get(block_d, ()):
         return False
+    if block_d >= 256:
+        return bm * bn <= _MAX_TILE_D256[kind]
     narrow_only = (kind, block_d) in _NARROW_ONLY and not (tma and kind == "dkdv")
     if warps is not None and not narrow_ok and 64 <= block_d <= 128 and not narrow_only \
             and not _wide(kind, bm, bn, warps, block_d):
@@ -397,7 +408,7 @@ class TritonBackend:
             acc_arg = acc if acc is not None else lse  # never dereferenced when FRESH and LAST
             out_arg = out if out is not None else acc  # never written unless LAST
             kernel = _kernel("fwd")
-            grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h_q)  # noqa: E731
+            grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), h_q, b)  # noqa: E731
             kernel[grid](
                 q, k, v, acc_arg, lse, out_arg, mask.lo, mask.hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(acc), *_bsh(out), *lse.stride(),
@@ -415,7 +426,7 @@ class TritonBackend:
         out_part = _unit_d(out_part)
         block_m = _row_block(d)
         with _WritableUnitD(out_f32) as acc:
-            _fwd._merge_kernel[(triton.cdiv(s_q, block_m), b * h)](
+            _fwd._merge_kernel[(triton.cdiv(s_q, block_m), h, b)](
                 acc, lse, out_part, lse_part, *_bsh(acc), *_bsh(out_part), *lse.stride(), *lse_part.stride(),
                 h, s_q, HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=block_m,
             )
@@ -429,7 +440,7 @@ class TritonBackend:
             return delta
         dout, out = _unit_d(dout), _unit_d(out)
         block_m = _row_block(d)
-        _bwd._bwd_preprocess_kernel[(triton.cdiv(s_q, block_m), b * h)](
+        _bwd._bwd_preprocess_kernel[(triton.cdiv(s_q, block_m), h, b)](
             out, dout, delta, *_bsh(out), *_bsh(dout), *delta.stride(), h, s_q,
             HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=block_m,
         )
@@ -450,19 +461,20 @@ class TritonBackend:
                       DOT_PREC=_dot_prec(q.dtype), **_blocks())
         qk_scale, cap_in, cap_out = mask.scales()
         scalars = (s_q, s_k, mask.diag, mask.k_start, qk_scale, scale, cap_in, cap_out, _len_bucket(s_q, s_k))
-        tma = _tma_device(q.device) and _tma_aligned(q, 3) and _tma_aligned(dout, 3)
+        # 2-byte inputs only: fp32's FMA ("ieee") dots spill far more with descriptors than without (full-tma.md)
+        tma = q.element_size() == 2 and _tma_device(q.device) and _tma_aligned(q, 3) and _tma_aligned(dout, 3)
         lse_k, delta_k = (_tma_stats(lse), _tma_stats(delta)) if tma else (lse, delta)
         if tma and q.device.type == "cuda" and not _INTERPRET:
             _ensure_allocator()
         with _WritableUnitD(dk_acc) as dk, _WritableUnitD(dv_acc) as dv:
-            grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
+            grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), h_kv, b)  # noqa: E731
             _kernel("dkdv")[grid](
                 q, k, v, dout, lse_k, delta_k, dk, dv, mask.lo, mask.hi, rlo, rhi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *lse_k.stride(), *delta_k.stride(), *_bsh(dk),
                 *_bsh(dv), h_kv, h_q // h_kv, *scalars, TMA=tma, **common,
             )
         with _WritableUnitD(dq_acc) as dq:
-            grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h_q)  # noqa: E731
+            grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), h_q, b)  # noqa: E731
             _kernel("dq")[grid](
                 q, k, v, dout, lse, delta, dq, mask.lo, mask.hi,
                 *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *lse.stride(), *delta.stride(), *_bsh(dq),

@@ -31,9 +31,8 @@ def _bwd_preprocess_kernel(
 ):
     """DELTA[b, h, i] = sum_d OUT[b, i, h, d] * DO[b, i, h, d], accumulated in fp32."""
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H_Q).to(tl.int64)
-    off_h = (off_bh % H_Q).to(tl.int64)
+    off_h = tl.program_id(1).to(tl.int64)  # grid (blocks, heads, batch): each axis below CUDA's limits
+    off_b = tl.program_id(2).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o_ptrs = OUT + off_b * stride_ob + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :]
@@ -170,9 +169,8 @@ def _bwd_dkdv_kernel(
     TMA: the launcher checked that q, do (16-byte aligned rows and head strides) and lse, delta (unit stride in s,
     16-byte aligned head strides) can be read through tensor descriptors (sm_90+, or the interpreter)."""
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H_KV).to(tl.int64)
-    off_hk = (off_bh % H_KV).to(tl.int64)
+    off_hk = tl.program_id(1).to(tl.int64)  # grid (blocks, heads, batch): each axis below CUDA's limits
+    off_b = tl.program_id(2).to(tl.int64)
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -274,9 +272,8 @@ def _bwd_dq_kernel(
 ):
     """One program: BLOCK_M query rows of one (batch, query head); adds their dq into DQ (fp32)."""
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H_Q).to(tl.int64)
-    off_h = (off_bh % H_Q).to(tl.int64)
+    off_h = tl.program_id(1).to(tl.int64)  # grid (blocks, heads, batch): each axis below CUDA's limits
+    off_b = tl.program_id(2).to(tl.int64)
     off_hk = off_h // GROUP
     m0 = tl.program_id(0) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)

@@ -205,9 +205,8 @@ def _fwd_kernel(
     """
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H_Q).to(tl.int64)
-    off_h = (off_bh % H_Q).to(tl.int64)
+    off_h = tl.program_id(1).to(tl.int64)  # grid (blocks, heads, batch): each axis below CUDA's limits
+    off_b = tl.program_id(2).to(tl.int64)
     off_hk = off_h // GROUP  # GQA: query head h reads kv head h // (h_q // h_kv)
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -284,9 +283,8 @@ def _merge_kernel(
     """
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = (off_bh % H).to(tl.int64)
+    off_h = tl.program_id(1).to(tl.int64)  # grid (blocks, heads, batch): each axis below CUDA's limits
+    off_b = tl.program_id(2).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < S_Q

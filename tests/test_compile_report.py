@@ -1,6 +1,6 @@
 """The sm_90a compile report (bench/compile_report.py --quick): no spills, 64-bit sequence offsets.
 
-Compiles the configs the launcher may pick for d 64/128 (bf16, causal) for Hopper with the bundled ptxas: no GPU
+Compiles the configs the launcher may pick for d 64/128 (bf16, causal, MHA; GQA for dK/dV) for Hopper with the bundled ptxas: no GPU
 needed, about a minute on two idle cores. Skipped when the installed Triton cannot target sm_90.
 """
 
@@ -16,12 +16,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import compile_report  # noqa: E402
 
-# Kept configs (of 21) with a product on wgmma N < 64 or on mma.sync (bench/results/compile-sm90/quick-wide.md):
-# the two dK/dV configs of d=128, where every wide shape spills (kernels/_triton.py _NARROW_ONLY; its key block on
-# M streams 16-32 query rows on N: K Q^T and V dO^T are m64n8 / mma.sync). Every other kept config is wide
-# (_keep_config drops narrow ones for 2-byte d 64..128). A ratchet: nothing may add narrow products.
-KNOWN_NARROW = 2
-
+# Every kept config of the subset compiles to wgmma with N >= 64 on every product (bench/results/compile-sm90/
+# quick-tma.md): since the dK/dV kernel reads through tensor descriptors, d=128 fits wide too (it was the last
+# narrow kernel: m64n8, see quick-wide.md).
 _WHY = compile_report.sm90_unavailable()
 
 
@@ -39,7 +36,7 @@ def test_quick_report_no_spills_64bit_offsets():
     assert configs > 0
     assert spilling == 0, f"{spilling} kept configs spill registers: prune them in kernels/_triton.py _keep_config"
     assert i32 == 0, f"{i32} compiled kernels multiply a sequence stride in int32 (wraps at 2^31)"
-    assert narrow <= KNOWN_NARROW, f"{narrow} kept configs use narrow MMAs, more than the known {KNOWN_NARROW}"
+    assert narrow == 0, f"{narrow} kept configs use narrow MMAs (wgmma N < 64 or mma.sync): see _keep_config"
 
 
 def test_int32_offset_check_sees_a_wrapping_product():
