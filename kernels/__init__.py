@@ -47,6 +47,10 @@ Backends share one protocol (see ``_torch.TorchBackend``): ``"torch"`` (pure PyT
 reference), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``"sdpa"`` (PyTorch's fused attention
 ops, one call per dense or diagonal-causal piece of a chunk, the torch reference for other masks and softcap;
 the default on CPU, selectable on CUDA; ``_sdpa.py``).
+
+Launch configs of the Triton kernels on CUDA: deterministic per shape class (``_triton.py``), or tuned once before
+training by ``autotune(cases)`` (``_tune.py``): rank 0 of the process group benchmarks (or reads its disk cache)
+and every rank installs rank 0's choice; this is the one place here that talks to other ranks.
 """
 
 from __future__ import annotations
@@ -73,7 +77,22 @@ __all__ = [
     "KeyBounds",
     "window_bounds",
     "varlen_bounds",
+    "autotune",
+    "autotune_enabled",
+    "TuneCase",
 ]
+
+_TUNE_NAMES = ("autotune", "autotune_enabled", "TuneCase")
+
+
+def __getattr__(name: str):
+    # Lazily: _tune imports the Triton launcher, whose kernels are decorated on import (TRITON_INTERPRET must be
+    # set before that), so ``import distattn.kernels`` alone never imports it.
+    if name in _TUNE_NAMES:
+        from . import _tune
+
+        return getattr(_tune, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 BACKENDS = ("torch", "triton", "sdpa")
 
