@@ -131,6 +131,9 @@ def autotune(cases, *, device=None, group=None, cache_dir=None, timer=None,
     """
     pg = _process_group(group)
     try:
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"autotune timeout={timeout!r} must be a positive number of seconds (default "
+                             f"{DEFAULT_TIMEOUT_S:g})")
         dev = _device(device, timer)
         todo = [_as_case(c) for c in cases]
         mine = {"cases": [c.as_json() for c in todo]}

@@ -213,6 +213,8 @@ def test_bad_arguments_name_the_value_and_the_fix(tmp_path):
         kernels.autotune([dict(CASE, seq=3)], device=DEVICE, cache_dir=tmp_path, timer=PreferLast())
     with pytest.raises(ValueError, match=r"group=\.\.\.\) needs torch.distributed to be initialized"):
         kernels.autotune([CASE], device=DEVICE, group=object(), cache_dir=tmp_path, timer=PreferLast())
+    with pytest.raises(ValueError, match=r"timeout=0 must be a positive number of seconds"):
+        kernels.autotune([CASE], device=DEVICE, cache_dir=tmp_path, timer=PreferLast(), timeout=0)
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match=r"nothing to time: pass timer="):
             kernels.autotune([CASE], device="cpu", cache_dir=tmp_path)
