@@ -1,7 +1,8 @@
 """Single-device attention math with carried softmax statistics (installed as ``distattn.kernels``).
 
-Nothing here imports ``torch.distributed``: this layer only knows how to fold key/value chunks, one after
-another, into an exact attention result for one block of queries.
+The attention math never touches ``torch.distributed``: this layer only knows how to fold key/value chunks, one
+after another, into an exact attention result for one block of queries. The one exception is ``autotune``, which
+exchanges its small table of launch configs over a process group (importing ``torch.distributed`` lazily).
 
 Legend: ``b`` batch, ``s_q``/``s_k`` query/key length, ``h_q``/``h_kv`` query/key-value heads, ``d`` head dim.
 
@@ -50,7 +51,7 @@ the default on CPU, selectable on CUDA; ``_sdpa.py``).
 
 Launch configs of the Triton kernels on CUDA: deterministic per shape class (``_triton.py``), or tuned once before
 training by ``autotune(cases)`` (``_tune.py``): rank 0 of the process group benchmarks (or reads its disk cache)
-and every rank installs rank 0's choice; this is the one place here that talks to other ranks.
+and every rank installs rank 0's choice.
 """
 
 from __future__ import annotations

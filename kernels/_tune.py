@@ -387,7 +387,10 @@ def _process_group(group):
 
 
 def _shared_table(pg, mine: dict, tune, timeout: float) -> dict:
-    """Rank 0 of ``pg`` tunes the union of every rank's cases; every rank returns rank 0's table or raises."""
+    """Rank 0 of ``pg`` tunes the union of every rank's cases; every rank returns rank 0's table or raises.
+
+    Rank 0's table travels by an all-gather of JSON of which every rank reads rank 0's entry, not by
+    ``broadcast_object_list``: that has no asynchronous form (so its wait could not be bounded) and unpickles."""
     import torch.distributed as dist
 
     rank = dist.get_rank(pg)
