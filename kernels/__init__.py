@@ -1,8 +1,7 @@
 """Single-device attention math with carried softmax statistics (installed as ``distattn.kernels``).
 
-The attention math never touches ``torch.distributed``: this layer only knows how to fold key/value chunks, one
-after another, into an exact attention result for one block of queries. The one exception is ``autotune``, which
-exchanges its small table of launch configs over a process group (importing ``torch.distributed`` lazily).
+This layer never touches ``torch.distributed`` and never imports the layer above it (``distattn``): it only
+knows how to fold key/value chunks, one after another, into an exact attention result for one block of queries.
 
 Legend: ``b`` batch, ``s_q``/``s_k`` query/key length, ``h_q``/``h_kv`` query/key-value heads, ``d`` head dim.
 
@@ -50,8 +49,10 @@ ops, one call per dense or diagonal-causal piece of a chunk, the torch reference
 the default on CPU, selectable on CUDA; ``_sdpa.py``).
 
 Launch configs of the Triton kernels on CUDA: deterministic per shape class (``_triton.py``), or tuned once before
-training by ``autotune(cases)`` (``_tune.py``): rank 0 of the process group benchmarks (or reads its disk cache)
-and every rank installs rank 0's choice.
+training (``_tune.py``): ``autotune(cases)`` benchmarks (or reads its disk cache) and installs the result in this
+process; ``tune_table``, ``install_table`` and ``table_to_json``/``table_from_json`` are its parts. On the ranks of a
+process group call ``distattn.autotune`` (the layer above), which tunes on rank 0 and installs rank 0's table on
+every rank.
 """
 
 from __future__ import annotations
@@ -81,9 +82,15 @@ __all__ = [
     "autotune",
     "autotune_enabled",
     "TuneCase",
+    "check_tune_args",
+    "tune_table",
+    "install_table",
+    "table_to_json",
+    "table_from_json",
 ]
 
-_TUNE_NAMES = ("autotune", "autotune_enabled", "TuneCase")
+_TUNE_NAMES = ("autotune", "autotune_enabled", "TuneCase", "check_tune_args", "tune_table", "install_table",
+               "table_to_json", "table_from_json")
 
 
 def __getattr__(name: str):

@@ -1,18 +1,20 @@
-"""Tune the Triton kernels' launch configs once, outside the distributed step, and give every rank rank 0's choice.
+"""Tune the Triton kernels' launch configs once, before training, in this process (no process group here).
 
-By default each launch takes a deterministic config (``_triton._Heuristic``). ``autotune(cases)`` replaces it, for
-the pick keys that ``cases`` launch (``_triton._PickKey``: kernel, BLOCK_D, dtype, MASK, length bucket, TMA,
-shared memory), by the fastest of the configs the filter keeps (``_triton._kept``), measured on real tensors of
-each case's shape:
+By default each launch takes a deterministic config (``_triton._Heuristic``). A tuned table replaces it, for the
+pick keys that ``cases`` launch (``_triton._PickKey``: kernel, BLOCK_D, dtype, MASK, length bucket, TMA, shared
+memory), by the fastest of the configs the filter keeps (``_triton._kept``), measured on real tensors of each
+case's shape. What this module does, all in one process:
 
-1. every rank sends its cases (or its validation error) to every other rank (all-gather);
-2. rank 0 of the group reads its disk cache, benchmarks only the keys the cache lacks, writes the cache back;
-3. rank 0's table (or its error) goes to every rank (all-gather, rank 0's entry read); every rank installs it in
-   ``_triton._CHOSEN``, so every rank launches the same config no matter how its own timings would have come out.
+* ``check_tune_args(cases, device=, timer=)``: validate the cases and the device (``TuneCase``s, the device);
+* ``tune_table(cases, ...)``: read the disk cache, benchmark only the keys it lacks (``timer``), write it back,
+  return ``{_PickKey: config}`` without installing it;
+* ``install_table(table)``: every later launch in this process uses it (``_triton._CHOSEN``);
+* ``table_to_json`` / ``table_from_json``: a table as plain JSON values (what a process group sends);
+* ``autotune(cases, ...)``: ``tune_table`` then ``install_table``.
 
-Every wait is bounded (``timeout``), and a rank that fails sends its error instead of its part, so its peers
-raise at once with that rank's message rather than wait. Only rank 0 reads or writes the cache, so ranks cannot
-disagree because of different files. ``launch/train.py`` calls this when ``DISTATTN_AUTOTUNE=1``.
+A process group must launch the same configs on every rank, which timings taken on each rank would not give:
+``distattn.autotune`` (``distattn/tune.py``, the layer above) lets rank 0 tune the union of the ranks' cases with
+``tune_table`` and installs rank 0's table on every rank. This module never imports ``torch.distributed``.
 
 Cache: one JSON file per (GPU name, Triton version, hash of the kernel sources) under ``cache_dir``, else
 ``$DISTATTN_TUNE_CACHE``, else ``~/.cache/distattn/tune/``; a change to a kernel or to the config tables changes
@@ -23,7 +25,6 @@ Legend: ``b`` batch, ``s_q``/``s_k`` query/key length, ``h_q``/``h_kv`` heads, `
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
 import json
@@ -31,7 +32,6 @@ import math
 import os
 import re
 import tempfile
-import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,17 +41,17 @@ import torch
 from . import _masks
 from . import _triton as tr
 
-__all__ = ["TuneCase", "autotune", "autotune_enabled", "AUTOTUNE_ENV", "CACHE_ENV"]
+__all__ = ["TuneCase", "autotune", "autotune_enabled", "check_tune_args", "tune_table", "install_table",
+           "table_to_json", "table_from_json", "AUTOTUNE_ENV", "CACHE_ENV"]
 
 AUTOTUNE_ENV = "DISTATTN_AUTOTUNE"
 CACHE_ENV = "DISTATTN_TUNE_CACHE"
-DEFAULT_TIMEOUT_S = 600.0  # rank 0 compiles and times every kept config of every key while the others wait
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float32": torch.float32, "fp32": torch.float32}
 
 
 def autotune_enabled() -> bool:
-    """``DISTATTN_AUTOTUNE=1``: ``launch/train.py`` tunes the configs before its first step (``autotune``);
+    """``DISTATTN_AUTOTUNE=1``: ``launch/train.py`` tunes the configs before its first step (``distattn.autotune``);
     ``0`` or unset: the heuristic's configs. Raises ``ValueError`` for any other value."""
     raw = os.environ.get(AUTOTUNE_ENV, "0")
     if raw not in ("0", "1", ""):
@@ -104,49 +104,62 @@ class TuneCase:
         return dict(asdict(self), dtype=str(self.dtype).removeprefix("torch."))
 
 
-def autotune(cases, *, device=None, group=None, cache_dir=None, timer=None,
-             timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Tune the Triton kernels' configs for ``cases`` once and install rank 0's choice on every rank.
+def autotune(cases, *, device=None, cache_dir=None, timer=None) -> dict:
+    """Tune the Triton kernels' configs for ``cases`` in this process and install the result here.
 
-    Call it after the process group exists and before the first step, on every rank of ``group``. Nothing is
-    benchmarked later, at launch time.
+    One process only: on the ranks of a process group call ``distattn.autotune`` instead, which tunes on rank 0
+    and installs rank 0's table on every rank (this function on every rank would benchmark on every rank, and
+    the ranks could launch different configs). Nothing is benchmarked later, at launch time.
 
     Args:
-        cases: ``TuneCase``s (or dicts of its fields); the union over the ranks is tuned.
+        cases: ``TuneCase``s (or dicts of its fields).
         device: the CUDA device to tune on (default: the current one). A CPU device works only under
             ``TRITON_INTERPRET=1``, as a test vehicle (the interpreter's launches ignore the table).
-        group: the process group whose ranks must agree (default: the world if ``torch.distributed`` is
-            initialized, else this process alone). Only its rank 0 benchmarks and touches the cache.
         cache_dir: directory of the JSON cache (default ``$DISTATTN_TUNE_CACHE``, else ``~/.cache/distattn/tune``).
         timer: ``timer(fn) -> milliseconds`` for one launch ``fn()`` (default ``triton.testing.do_bench``);
             ``fn.kernel``, ``fn.config`` and ``fn.key`` say what it launches.
-        timeout: seconds any rank waits for the others (rank 0's benchmarking included).
 
     Returns:
         ``{_PickKey: (BLOCK_M, BLOCK_N, num_warps, num_stages)}`` for the cases' launches (installed).
 
     Raises:
-        ValueError: a bad case, device or group, on every rank of the group alike.
-        RuntimeError: rank 0 failed while tuning, or a rank did not answer within ``timeout``.
+        ValueError, TypeError: a bad case or device (before anything is benchmarked or installed).
+        RuntimeError: no kept config of a launch could run on this device (all out of resources).
     """
-    pg = _process_group(group)
-    try:
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"autotune timeout={timeout!r} must be a positive number of seconds (default "
-                             f"{DEFAULT_TIMEOUT_S:g})")
-        dev = _device(device, timer)
-        todo = [_as_case(c) for c in cases]
-        mine = {"cases": [c.as_json() for c in todo]}
-    except (ValueError, TypeError) as exc:
-        if pg is None:
-            raise
-        mine = {"error": str(exc), "type": type(exc).__name__}
-    if pg is None:
-        table = _tune_table(todo, dev, cache_dir, timer)
-    else:
-        table = _shared_table(pg, mine, lambda union: _tune_table(union, dev, cache_dir, timer), timeout)
-    tr._CHOSEN.update(table)
+    table = tune_table(cases, device=device, cache_dir=cache_dir, timer=timer)
+    install_table(table)
     return table
+
+
+def check_tune_args(cases, *, device=None, timer=None) -> tuple[list[TuneCase], torch.device]:
+    """``(cases as TuneCases, the device to tune on)``; ``ValueError``/``TypeError`` naming a bad case or device.
+
+    Cheap and deterministic: ``distattn.autotune`` runs it on every rank before the ranks exchange anything."""
+    dev = _device(device, timer)
+    return [_as_case(c) for c in cases], dev
+
+
+def tune_table(cases, *, device=None, cache_dir=None, timer=None) -> dict:
+    """This process's table for ``cases``, not installed: cached choices, the rest benchmarked (then cached).
+
+    Arguments and return value as ``autotune``."""
+    todo, dev = check_tune_args(cases, device=device, timer=timer)
+    return _tune_table(todo, dev, cache_dir, timer)
+
+
+def install_table(table: dict) -> None:
+    """Launches of this process use ``table``'s config for its keys from now on (other keys: the heuristic)."""
+    tr._CHOSEN.update(table)
+
+
+def table_to_json(table: dict) -> dict[str, list[int]]:
+    """``table`` as JSON values: ``{key text: [BLOCK_M, BLOCK_N, num_warps, num_stages]}``."""
+    return {k.text(): list(v) for k, v in table.items()}
+
+
+def table_from_json(data: dict) -> dict:
+    """The inverse of ``table_to_json``."""
+    return {tr._PickKey.from_text(k): tuple(v) for k, v in data.items()}
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -351,7 +364,7 @@ def _write_cache(path: Path, device, new: dict) -> None:
     """Merge ``new`` into the cache file: a temporary file in the same directory, renamed over the old one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        merged = {k.text(): list(v) for k, v in {**_read_cache(path, device), **new}.items()}
+        merged = table_to_json({**_read_cache(path, device), **new})
         head = json.dumps(_cache_header(device))[:-1]
         # One choice a line: a person can read (and a diff can show) what was tuned.
         body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(merged.items()))
@@ -366,89 +379,3 @@ def _write_cache(path: Path, device, new: dict) -> None:
     except OSError as exc:  # the choices are installed all the same; only the next run will tune again
         warnings.warn(f"distattn autotune: could not write the cache {path} ({exc}); set {CACHE_ENV} or "
                       f"cache_dir= to a writable directory", stacklevel=3)
-
-
-# ----------------------------------------------------------------------------- process group (rank 0 decides)
-
-def _process_group(group):
-    """The group to agree over, or None when this process is alone."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("autotune(group=...) needs torch.distributed to be initialized; call "
-                             "init_process_group first, or pass group=None to tune this process alone")
-        return None
-    group = group if group is not None else dist.group.WORLD
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"autotune(group={group!r}): this process (global rank {dist.get_rank()}) is not a member "
-                         f"of the group; call it on the group's ranks only")
-    return group if dist.get_world_size(group) > 1 else None
-
-
-def _shared_table(pg, mine: dict, tune, timeout: float) -> dict:
-    """Rank 0 of ``pg`` tunes the union of every rank's cases; every rank returns rank 0's table or raises.
-
-    Rank 0's table travels by an all-gather of JSON of which every rank reads rank 0's entry, not by
-    ``broadcast_object_list``: that has no asynchronous form (so its wait could not be bounded) and unpickles."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank(pg)
-    everyone = _all_gather_json(pg, mine, timeout, "exchanging the cases to tune")
-    failed = [(r, e) for r, e in enumerate(everyone) if "error" in e]
-    if failed:
-        cls = ValueError if all(e["type"] == "ValueError" for _, e in failed) else TypeError
-        raise cls("distattn.kernels.autotune: bad arguments on " + "; ".join(
-            f"rank {r}: {e['error']}" for r, e in failed))
-    union = list({json.dumps(c, sort_keys=True): c for e in everyone for c in e["cases"]}.values())
-    result, error = {}, None
-    if rank == 0:
-        try:
-            table = tune([TuneCase(**c) for c in union])
-            result = {"table": {k.text(): list(v) for k, v in table.items()}}
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or they wait for the table
-            error = exc
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-    first = _all_gather_json(pg, result, timeout, "waiting for rank 0's tuned configs")[0]
-    if error is not None:
-        raise error
-    if "error" in first:
-        raise RuntimeError(f"distattn.kernels.autotune: rank 0 of the group failed while tuning ({first['error']}); "
-                           f"every rank raises, none installs a table")
-    return {tr._PickKey.from_text(k): tuple(v) for k, v in first["table"].items()}
-
-
-def _all_gather_json(pg, obj: dict, timeout: float, what: str) -> list[dict]:
-    """Every rank's ``obj`` (JSON, never pickle): byte lengths first, then the zero-padded UTF-8 bytes."""
-    import torch.distributed as dist
-
-    nccl = dist.get_backend(pg) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-    n = dist.get_world_size(pg)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    _wait(dist.all_gather(lengths, torch.tensor([data.numel()], device=device), group=pg, async_op=True),
-          timeout, what, nccl)
-    longest = max(int(t.item()) for t in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(n)]
-    _wait(dist.all_gather(bufs, padded.to(device), group=pg, async_op=True), timeout, what, nccl)
-    return [json.loads(bytes(b[:int(m.item())].tolist()).decode()) for b, m in zip(bufs, lengths)]
-
-
-def _wait(work, timeout: float, what: str, nccl: bool) -> None:
-    """Wait at most ``timeout`` s (NCCL: polled on the host, a hung collective never returns from a wait)."""
-    try:
-        if nccl:
-            deadline = time.monotonic() + timeout
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"timed out after {timeout:g} s")
-                time.sleep(1e-3)
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001
-        reason = str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else type(exc).__name__
-        raise RuntimeError(f"distattn.kernels.autotune: {what}: a rank of the group did not answer within "
-                           f"{timeout:g} s or failed ({reason}); every rank must call autotune, with the same "
-                           f"group (raise timeout= if rank 0's benchmarking needs longer)") from None

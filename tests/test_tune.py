@@ -1,4 +1,5 @@
-"""distattn.kernels.autotune: configs tuned once, outside the distributed step, rank 0's choice on every rank.
+"""Configs tuned once, outside the distributed step: ``distattn.kernels.autotune`` (one process: validation, trials,
+disk cache, installing a table) and ``distattn.autotune`` (a process group: rank 0's choice on every rank).
 
 CPU tier: the launcher runs through the Triton interpreter (conftest.py sets TRITON_INTERPRET=1), where timing
 measures nothing, so the timers here are fakes with deterministic preferences; each still launches the config
@@ -21,6 +22,7 @@ tr = pytest.importorskip("distattn.kernels._triton")
 if tr._IMPORT_ERROR is not None:
     pytest.skip(f"triton not importable: {tr._IMPORT_ERROR}", allow_module_level=True)
 
+import distattn  # noqa: E402
 from distattn import kernels  # noqa: E402
 from distattn.kernels import TuneCase, _tune  # noqa: E402
 
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.skipif(not _OK, reason=f"triton backend unavailable: {_
 
 H100_SMEM = 232448  # sm_90 opt-in shared memory per block
 SPAWN_TIMEOUT_S = 120
+ABSENT_TIMEOUT_S = 1  # autotune's bound when a rank never calls (the test waits this long)
 # fp32 inputs, fp32 accumulation in both backends, another tile order: a few ulps of O(1) values.
 TRIAL_TOL_F32 = 2e-5
 # fp16 d=64, 64 tokens: the filter keeps several configs for fwd and dK/dV (so a timer's preference shows).
@@ -173,6 +176,9 @@ def test_the_cache_answers_a_second_call_and_misses_on_new_sources_or_gpu(tmp_pa
     data = json.loads(files[0].read_text())
     assert data["gpu"] == _tune._device_name(torch.device(DEVICE)) and len(data["choices"]) == len(first)
     tr._CHOSEN.clear()  # as in a new process
+    assert kernels.tune_table([CASE], device=DEVICE, cache_dir=tmp_path, timer=_raising_timer) == first
+    assert not tr._CHOSEN  # tune_table does not install
+    assert kernels.table_from_json(json.loads(json.dumps(kernels.table_to_json(first)))) == first
     assert kernels.autotune([CASE], device=DEVICE, cache_dir=tmp_path, timer=_raising_timer) == first
     assert tr._CHOSEN == first
     for patch in ("_kernel_source_hash", "_device_name"):
@@ -211,17 +217,28 @@ def test_bad_arguments_name_the_value_and_the_fix(tmp_path):
         TuneCase(**dict(CASE, bounds=True))
     with pytest.raises(TypeError, match=r"unknown keys \['seq'\]"):
         kernels.autotune([dict(CASE, seq=3)], device=DEVICE, cache_dir=tmp_path, timer=PreferLast())
-    with pytest.raises(ValueError, match=r"group=\.\.\.\) needs torch.distributed to be initialized"):
-        kernels.autotune([CASE], device=DEVICE, group=object(), cache_dir=tmp_path, timer=PreferLast())
-    with pytest.raises(ValueError, match=r"timeout=0 must be a positive number of seconds"):
-        kernels.autotune([CASE], device=DEVICE, cache_dir=tmp_path, timer=PreferLast(), timeout=0)
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match=r"nothing to time: pass timer="):
             kernels.autotune([CASE], device="cpu", cache_dir=tmp_path)
     assert not tr._CHOSEN
 
 
-# ----------------------------------------------------------------------------- process groups
+def test_distattn_autotune_without_a_process_group_tunes_this_process(tmp_path):
+    """No ``torch.distributed``: ``distattn.autotune`` is ``distattn.kernels.autotune`` (after checking its own
+    arguments, which name the fix)."""
+    with pytest.raises(ValueError, match=r"autotune\(group=\.\.\.\) needs torch.distributed to be initialized"):
+        distattn.autotune([CASE], device=DEVICE, group=object(), cache_dir=tmp_path, timer=PreferLast())
+    with pytest.raises(ValueError, match=r"timeout=0 must be a positive number of seconds"):
+        distattn.autotune([CASE], device=DEVICE, cache_dir=tmp_path, timer=PreferLast(), timeout=0)
+    with pytest.raises(TypeError, match=r"unknown keys \['seq'\]"):
+        distattn.autotune([dict(CASE, seq=3)], device=DEVICE, cache_dir=tmp_path, timer=PreferLast())
+    assert not tr._CHOSEN
+    table = distattn.autotune([CASE], device=DEVICE, cache_dir=tmp_path, timer=PreferLast())
+    assert tr._CHOSEN == table
+    assert kernels.tune_table([CASE], device=DEVICE, cache_dir=tmp_path, timer=_raising_timer) == table  # cached
+
+
+# ----------------------------------------------------------------------------- process groups (distattn.autotune)
 
 def _ranks_agree(rank, world_size, cache_root):
     """Every rank's timer prefers another config; rank 0's table lands everywhere; failures reach every rank."""
@@ -229,34 +246,39 @@ def _ranks_agree(rank, world_size, cache_root):
     timer = PreferLast(sign=-1.0 if rank == 0 else 1.0)
     cases = [CASE] if rank != 1 else [CASE, dict(CASE, seq_q=128, seq_k=128)]  # the union is tuned
     cache = Path(cache_root) / f"rank{rank}"
-    table = kernels.autotune(cases, device=DEVICE, cache_dir=cache, timer=timer, timeout=60)
+    table = distattn.autotune(cases, device=DEVICE, cache_dir=cache, timer=timer, timeout=60)
     out = {"table": {k.text(): v for k, v in table.items()}, "installed": tr._CHOSEN == table,
            "timed": len(timer.calls), "cache": cache.exists()}
     # what this rank's own timer would have chosen (a process of its own, no cache): not the table, for rank > 0
     tr._CHOSEN.clear()
-    own = _tune._tune_table([TuneCase(**CASE)], torch.device(DEVICE), Path(cache_root) / f"own{rank}", timer)
+    own = kernels.tune_table([CASE], device=DEVICE, cache_dir=Path(cache_root) / f"own{rank}", timer=timer)
     out["differs_from_own"] = any(table[k] != v for k, v in own.items())
 
     # rank 0 fails while tuning (a fresh cache: it must benchmark): every rank raises, within seconds
     t0 = time.monotonic()
     try:
-        kernels.autotune([dict(CASE, seq_q=256, seq_k=256)], device=DEVICE, cache_dir=Path(cache_root) / "fail",
-                         timer=_raising_timer, timeout=60)
-    except (AssertionError, RuntimeError) as exc:
+        distattn.autotune([dict(CASE, seq_q=256, seq_k=256)], device=DEVICE, cache_dir=Path(cache_root) / "fail",
+                          timer=_raising_timer, timeout=60)
+    except (AssertionError, distattn.DistAttnError) as exc:
         out["rank0_failure"] = (type(exc).__name__, str(exc), time.monotonic() - t0)
     # one rank passes a bad case: every rank raises the same ValueError naming it
     try:
-        kernels.autotune([dict(CASE, heads_q=3, heads_kv=2) if rank == world_size - 1 else CASE], device=DEVICE,
-                         cache_dir=cache, timer=timer, timeout=60)
+        distattn.autotune([dict(CASE, heads_q=3, heads_kv=2) if rank == world_size - 1 else CASE], device=DEVICE,
+                          cache_dir=cache, timer=timer, timeout=60)
     except ValueError as exc:
         out["bad_case"] = str(exc)
-    # the last rank never calls: the others give up after the timeout instead of waiting forever
+    # the last rank is alive but never calls: the others give up after the timeout instead of waiting forever
     if rank != world_size - 1:
         t0 = time.monotonic()
         try:
-            kernels.autotune([CASE], device=DEVICE, cache_dir=cache, timer=timer, timeout=2)
-        except RuntimeError as exc:
-            out["absent_peer"] = (str(exc), time.monotonic() - t0)
+            distattn.autotune([CASE], device=DEVICE, cache_dir=cache, timer=timer, timeout=ABSENT_TIMEOUT_S)
+        except distattn.DistAttnError as exc:
+            out["absent_peer"] = (str(exc), exc.timed_out, time.monotonic() - t0)
+        (Path(cache_root) / f"gave-up{rank}").touch()
+    else:  # stay in the group until the others gave up (a rank that left would fail its peers at once)
+        deadline = time.monotonic() + 30
+        while len(list(Path(cache_root).glob("gave-up*"))) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
     return out
 
 
@@ -276,11 +298,13 @@ def test_every_rank_installs_rank0s_table(world_size, tmp_path):
         if rank == 0:
             assert kind == "AssertionError" and "expected the cache to answer" in message
         else:
-            assert kind == "RuntimeError" and "rank 0 of the group failed while tuning (AssertionError" in message
+            assert kind == "DistAttnError" and "rank 0 of the group failed while tuning (AssertionError" in message
         assert f"rank {world_size - 1}: TuneCase heads_q (3) must be a multiple of heads_kv (2)" in r["bad_case"]
         if rank != world_size - 1:
-            message, seconds = r["absent_peer"]
-            assert "did not answer within 2 s" in message and seconds < 10, (rank, seconds)
+            message, timed_out, seconds = r["absent_peer"]
+            assert timed_out and f"rank {rank}: exchanging the cases to tune: a rank of the group did not answer " \
+                                 f"within {ABSENT_TIMEOUT_S:g} s" in message, (rank, message)
+            assert "must call distattn.autotune" in message and seconds < 10, (rank, seconds)
 
 
 # ----------------------------------------------------------------------------- GPU tier
