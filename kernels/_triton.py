@@ -4,11 +4,12 @@ Legend: q_bshd (b, s_q, h_q, d), k_bshd / v_bshd (b, s_k, h_kv, d), lse_bhs (b, 
 
 On CUDA each attention kernel launches with a config chosen deterministically per pick key (``_PickKey``: kernel,
 BLOCK_D, dtype, MASK kind, power-of-two bucket of the chunk lengths, TMA, shared memory): the config that
-``distattn.kernels.autotune`` installed for that key in ``_CHOSEN``, else the first config of ``_CONFIGS`` that
-the filter keeps. Every rank therefore launches the same config, and nothing is ever benchmarked at launch time,
-inside a distributed step. ``autotune`` (``_tune.py``) benchmarks the kept configs once, before training, on
-rank 0 only, caches its choices on disk per GPU name, Triton version and kernel sources, and installs rank 0's
-table on every rank; ``launch/train.py`` calls it when ``DISTATTN_AUTOTUNE=1``. MASK: 0 none, 1 causal on
+a tuning installed for that key in ``_CHOSEN`` (``_tune.install_table``), else the first config of ``_CONFIGS``
+that the filter keeps. Every rank therefore launches the same config, and nothing is ever benchmarked at launch time,
+inside a distributed step. ``autotune`` (``_tune.py``) benchmarks the kept configs once, before training, caches
+its choices on disk per GPU name, Triton version and kernel sources, and installs the table in this process;
+``distattn.autotune`` has rank 0 of a process group do that and installs rank 0's table on every rank
+(``launch/train.py`` calls it when ``DISTATTN_AUTOTUNE=1``). MASK: 0 none, 1 causal on
 positions, 2 per-row key bounds (``_masks.KeyBounds``: packed documents, sliding windows). Under
 ``TRITON_INTERPRET=1`` (CPU tests) one fixed small configuration is used, because the interpreter is slow and
 timing it would measure nothing. Whether the kernels are interpreted is decided by Triton when they are
@@ -207,8 +208,8 @@ def _kept(name: str, named: dict) -> list:
     return [min(_CONFIGS[name], key=lambda c: _smem_bytes(name, c[0], c[1], c[3], key.block_d, elt))]
 
 
-# Configs installed by ``distattn.kernels.autotune`` (rank 0's choice on every rank): _PickKey -> (BLOCK_M,
-# BLOCK_N, num_warps, num_stages). Keys not in it fall back to the heuristic.
+# Configs installed by ``_tune.install_table`` (``distattn.autotune``: rank 0's choice on every rank): _PickKey ->
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Keys not in it fall back to the heuristic.
 _CHOSEN: dict = {}
 
 

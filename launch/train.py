@@ -39,7 +39,7 @@ none. The JSON summary adds ``real_tokens_per_s`` (every token is real: nothing 
 
 ``DISTATTN_AUTOTUNE=1`` (CUDA, Triton backend): before step 1, rank 0 benchmarks the Triton kernels' launch configs
 for this run's attention shapes (or reads them from its cache, ``DISTATTN_TUNE_CACHE``, default
-``~/.cache/distattn/tune``) and every rank uses rank 0's choice (``distattn.kernels.autotune``); on CPU it logs
+``~/.cache/distattn/tune``) and every rank uses rank 0's choice (``distattn.autotune``); on CPU it logs
 that it is skipped.
 
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).

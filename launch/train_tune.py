@@ -2,7 +2,7 @@
 
 Rank 0 benchmarks the configs the kernels' filter keeps for this run's attention shapes (or reads its choices from
 the disk cache, ``DISTATTN_TUNE_CACHE``, default ``~/.cache/distattn/tune``), and every rank installs rank 0's
-choice (``distattn.kernels.autotune``), so nothing is timed inside a distributed step and every rank launches the
+choice (``distattn.autotune``), so nothing is timed inside a distributed step and every rank launches the
 same configs. On CPU, or with another attention backend, there is nothing to tune: one line says so.
 """
 
@@ -48,6 +48,7 @@ def attention_cases(cfg: RunConfig, config) -> list[dict]:
 def autotune_attention(cfg: RunConfig, config, device, log) -> None:
     """``DISTATTN_AUTOTUNE=1``: tune the Triton configs for this run's attention once, before step 1 (never inside
     a step): rank 0 benchmarks or reads its cache, and every rank launches rank 0's choice."""
+    import distattn
     from distattn import kernels
 
     if not kernels.autotune_enabled():
@@ -58,7 +59,7 @@ def autotune_attention(cfg: RunConfig, config, device, log) -> None:
         return
     t0 = time.perf_counter()
     try:
-        table = kernels.autotune(attention_cases(cfg, config), device=device)
+        table = distattn.autotune(attention_cases(cfg, config), device=device)
     except Exception as exc:  # noqa: BLE001 - autotune raises on every rank alike (rank 0's error is shared)
         raise JobFailed(f"DISTATTN_AUTOTUNE=1: {type(exc).__name__}: {exc}") from None
     log(f"DISTATTN_AUTOTUNE=1: {len(table)} kernel configs from rank 0 in {time.perf_counter() - t0:.1f} s")
