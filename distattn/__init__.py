@@ -4,7 +4,9 @@ The sequence is split across the ranks of a process group; each rank keeps its o
 key/value chunks peer to peer while they compute (the DistFlashAttn system), on top of a FlashAttention-2
 kernel that carries softmax statistics across chunks.
 
-The public functions take flash-attn's arguments in flash-attn's order (``distattn.api``).
+The public functions take flash-attn's arguments in flash-attn's order (``distattn.api``). ``autotune`` tunes the
+Triton kernels' launch configs once for a process group (rank 0 benchmarks, every rank installs its choice;
+``distattn.tune``); ``distattn.kernels.autotune`` does the same for one process.
 """
 
 from distattn.api import (
@@ -18,7 +20,9 @@ from distattn.checkpoint import remat_checkpoint
 from distattn.comm import DistAttnError
 from distattn.sharding import gather_sequence, shard_sequence
 from distattn.topology import make_2d_groups
+from distattn.tune import autotune
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func",
-           "shard_sequence", "gather_sequence", "make_2d_groups", "choose_schedule", "remat_checkpoint", "DistAttnError"]
+           "shard_sequence", "gather_sequence", "make_2d_groups", "choose_schedule", "remat_checkpoint", "DistAttnError",
+           "autotune"]
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from distattn.comm import Communicator, bounded_wait
+from distattn.comm import Communicator, all_gather_text, bounded_wait
 
 __all__ = ["CHECK_ENV", "enabled", "call_fields", "agree", "confirm"]
 
@@ -85,19 +85,9 @@ def confirm(comm: Communicator, device: torch.device, timeout: float, where: str
 
 
 def _all_gather_text(comm: Communicator, text: str, device, timeout: float, where: str) -> list[str]:
-    """Every rank's ``text`` (JSON, no pickle): lengths first, then the zero-padded UTF-8 bytes."""
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(comm.world_size)]
-    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    """Every rank's ``text`` (JSON, no pickle), on the library's fetch group."""
     what = f"distattn: rank {comm.rank}, {where}: gathering the ranks' calls after a disagreement"
-    bounded_wait([dist.all_gather(lengths, mine, group=comm.fetch, async_op=True)], timeout, what, poll=comm.nccl)
-    longest = max(int(n.item()) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(comm.world_size)]
-    bounded_wait([dist.all_gather(bufs, padded.to(device), group=comm.fetch, async_op=True)], timeout, what,
-                 poll=comm.nccl)
-    return [bytes(b[:int(n.item())].tolist()).decode() for b, n in zip(bufs, lengths)]
+    return all_gather_text(comm.fetch, text, device, timeout, what)
 
 
 def describe_mismatch(per_rank: list[dict]) -> str:

@@ -225,6 +225,25 @@ def bounded_wait(works, timeout: float, what: str, *, poll: bool = False) -> Non
         raise DistAttnError(f"{what}: {_reason(error, timeout)}", timed_out=_timed_out(error)) from None
 
 
+def all_gather_text(group, text: str, device: torch.device, timeout: float, what: str) -> list[str]:
+    """Every rank's ``text``, in group-rank order: the UTF-8 lengths first, then the zero-padded bytes (no
+    pickle); each wait bounded by ``timeout`` (``DistAttnError`` naming ``what``).
+
+    ``device``: where the collective's tensors live (the current CUDA device on NCCL, CPU otherwise)."""
+    poll = "nccl" in str(dist.get_backend(group))
+    n = dist.get_world_size(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    bounded_wait([dist.all_gather(lengths, mine, group=group, async_op=True)], timeout, what, poll=poll)
+    longest = max(int(m.item()) for m in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    bounded_wait([dist.all_gather(bufs, padded.to(device), group=group, async_op=True)], timeout, what, poll=poll)
+    return [bytes(b[:int(m.item())].tolist()).decode() for b, m in zip(bufs, lengths)]
+
+
 def _timed_out(error: Exception) -> bool:
     return isinstance(error, TimeoutError) or "timed out" in str(error).lower()
 

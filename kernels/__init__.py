@@ -1,7 +1,7 @@
 """Single-device attention math with carried softmax statistics (installed as ``distattn.kernels``).
 
-Nothing here imports ``torch.distributed``: this layer only knows how to fold key/value chunks, one after
-another, into an exact attention result for one block of queries.
+This layer never touches ``torch.distributed`` and never imports the layer above it (``distattn``): it only
+knows how to fold key/value chunks, one after another, into an exact attention result for one block of queries.
 
 Legend: ``b`` batch, ``s_q``/``s_k`` query/key length, ``h_q``/``h_kv`` query/key-value heads, ``d`` head dim.
 
@@ -47,6 +47,12 @@ Backends share one protocol (see ``_torch.TorchBackend``): ``"torch"`` (pure PyT
 reference), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``"sdpa"`` (PyTorch's fused attention
 ops, one call per dense or diagonal-causal piece of a chunk, the torch reference for other masks and softcap;
 the default on CPU, selectable on CUDA; ``_sdpa.py``).
+
+Launch configs of the Triton kernels on CUDA: deterministic per shape class (``_triton.py``), or tuned once before
+training (``_tune.py``): ``autotune(cases)`` benchmarks (or reads its disk cache) and installs the result in this
+process; ``tune_table``, ``install_table`` and ``table_to_json``/``table_from_json`` are its parts. On the ranks of a
+process group call ``distattn.autotune`` (the layer above), which tunes on rank 0 and installs rank 0's table on
+every rank.
 """
 
 from __future__ import annotations
@@ -73,7 +79,28 @@ __all__ = [
     "KeyBounds",
     "window_bounds",
     "varlen_bounds",
+    "autotune",
+    "autotune_enabled",
+    "TuneCase",
+    "check_tune_args",
+    "tune_table",
+    "install_table",
+    "table_to_json",
+    "table_from_json",
 ]
+
+_TUNE_NAMES = ("autotune", "autotune_enabled", "TuneCase", "check_tune_args", "tune_table", "install_table",
+               "table_to_json", "table_from_json")
+
+
+def __getattr__(name: str):
+    # Lazily: _tune imports the Triton launcher, whose kernels are decorated on import (TRITON_INTERPRET must be
+    # set before that), so ``import distattn.kernels`` alone never imports it.
+    if name in _TUNE_NAMES:
+        from . import _tune
+
+        return getattr(_tune, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 BACKENDS = ("torch", "triton", "sdpa")
 

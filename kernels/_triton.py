@@ -2,18 +2,23 @@
 
 Legend: q_bshd (b, s_q, h_q, d), k_bshd / v_bshd (b, s_k, h_kv, d), lse_bhs (b, h_q, s_q) fp32 natural log.
 
-On CUDA each attention kernel launches with a config chosen deterministically from (HEAD_DIM, dtype, MASK kind,
-power-of-two bucket of the chunk lengths, shared memory): the first config of ``_CONFIGS`` that the filter keeps,
-so every rank picks the same and nothing is benchmarked inside a distributed step. ``DISTATTN_AUTOTUNE=1``
-autotunes instead, keyed on (HEAD_DIM, MASK kind, SOFTCAP, length bucket) plus the tensor dtypes, per process. MASK: 0 none, 1 causal on positions, 2 per-row key bounds
-(``_masks.KeyBounds``: packed documents, sliding windows). Under ``TRITON_INTERPRET=1`` (CPU tests) one fixed small configuration is
-used, because the interpreter is slow and autotuning there would measure nothing. Whether the kernels are
-interpreted is decided by Triton when they are *decorated*, i.e. when this module is first imported, so the
-environment variable must be set before that (tests/conftest.py and tests/test_triton.py do so).
+On CUDA each attention kernel launches with a config chosen deterministically per pick key (``_PickKey``: kernel,
+BLOCK_D, dtype, MASK kind, power-of-two bucket of the chunk lengths, TMA, shared memory): the config that
+a tuning installed for that key in ``_CHOSEN`` (``_tune.install_table``), else the first config of ``_CONFIGS``
+that the filter keeps. Every rank therefore launches the same config, and nothing is ever benchmarked at launch time,
+inside a distributed step. ``autotune`` (``_tune.py``) benchmarks the kept configs once, before training, caches
+its choices on disk per GPU name, Triton version and kernel sources, and installs the table in this process;
+``distattn.autotune`` has rank 0 of a process group do that and installs rank 0's table on every rank
+(``launch/train.py`` calls it when ``DISTATTN_AUTOTUNE=1``). MASK: 0 none, 1 causal on
+positions, 2 per-row key bounds (``_masks.KeyBounds``: packed documents, sliding windows). Under
+``TRITON_INTERPRET=1`` (CPU tests) one fixed small configuration is used, because the interpreter is slow and
+timing it would measure nothing. Whether the kernels are interpreted is decided by Triton when they are
+*decorated*, i.e. when this module is first imported, so the environment variable must be set before that
+(tests/conftest.py and tests/test_triton.py do so).
 """
 import functools
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -166,52 +171,71 @@ def _keep_config(kind, bm, bn, stages, block_d, elt, bucket, smem_limit, warps=N
     return bm * bn >= 1024  # 2-byte inputs: tiny tiles leave the tensor cores idle
 
 
-def _prune(kind: str, configs, named_args, **kwargs):
-    """Autotune filter (Hopper-aware): drop configs over the device's shared memory or known to spill."""
-    block_d = kwargs["BLOCK_D"] if "BLOCK_D" in kwargs else named_args["BLOCK_D"]
-    tma = bool(kwargs["TMA"] if "TMA" in kwargs else named_args.get("TMA", False))
-    ref = named_args["Q"]
-    limit = _max_shared_mem(ref.device)
+class _PickKey(NamedTuple):
+    """What a launch's config choice depends on: everything ``_keep_config`` reads, plus MASK (causal and dense
+    launches keep the same configs but may prefer different ones). Also the key of the tuned table."""
+
+    kernel: str  # "fwd", "dq" or "dkdv"
+    block_d: int
+    dtype: str  # "bfloat16", "float16", "float32" (sets the element size the filter reads)
+    mask: int
+    len_bucket: int
+    tma: bool  # dK/dV through tensor descriptors: its own spill table
+    smem: int  # bytes of shared memory per block on the launch's device
+
+    def text(self) -> str:
+        """``kernel=fwd,block_d=128,...``: the form of the JSON cache and of the table ranks exchange."""
+        return ",".join(f"{name}={int(v) if isinstance(v, bool) else v}" for name, v in self._asdict().items())
+
+    @classmethod
+    def from_text(cls, text: str) -> "_PickKey":
+        kv = dict(item.split("=", 1) for item in text.split(","))
+        if set(kv) != set(cls._fields):
+            raise ValueError(f"{text!r} is not a pick key: it needs exactly the fields {cls._fields}")
+        return cls(kv["kernel"], int(kv["block_d"]), kv["dtype"], int(kv["mask"]), int(kv["len_bucket"]),
+                   bool(int(kv["tma"])), int(kv["smem"]))
+
+
+def _pick_key(name: str, named: dict) -> _PickKey:
+    """The key of one launch (``named``: the kernel's arguments by name, as the launcher passes them)."""
+    ref = named["Q"]
+    return _PickKey(name, int(named["BLOCK_D"]), str(ref.dtype).removeprefix("torch."), int(named.get("MASK", 0)),
+                    int(named["LEN_BUCKET"]), bool(named.get("TMA", False)), _max_shared_mem_cached(ref.device))
+
+
+def _kept(name: str, named: dict) -> list:
+    """The configs of ``_CONFIGS[name]`` the filter keeps for this launch, in order of preference (never empty).
+
+    Wide MMAs first; narrow ones only when no wide config fits (short sequences); when nothing fits at all, the
+    config with the smallest shared-memory footprint. What ``autotune`` benchmarks, and the heuristic's list."""
+    key = _pick_key(name, named)
+    elt = named["Q"].element_size()
     for narrow_ok in (False, True):
-        kept = [c for c in configs if _keep_config(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
-                                                   block_d, ref.element_size(), named_args["LEN_BUCKET"], limit,
-                                                   warps=c.num_warps, narrow_ok=narrow_ok, tma=tma)]
+        kept = [c for c in _CONFIGS[name]
+                if _keep_config(name, c[0], c[1], c[3], key.block_d, elt, key.len_bucket, key.smem, warps=c[2],
+                                narrow_ok=narrow_ok, tma=key.tma)]
         if kept:
-            break
-    # Never empty: fall back to the config with the smallest shared-memory footprint.
-    return kept or [min(configs, key=lambda c: _smem_bytes(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
-                                                           c.num_stages, block_d, ref.element_size()))]
+            return kept
+    return [min(_CONFIGS[name], key=lambda c: _smem_bytes(name, c[0], c[1], c[3], key.block_d, elt))]
 
 
-_TUNED: dict = {}
-
-
-def autotune_enabled() -> bool:
-    """``DISTATTN_AUTOTUNE=1``: benchmark the kept configs per key (per process, not agreed across ranks);
-    default 0: the deterministic choice of :class:`_Heuristic`, the same on every rank and every restart."""
-    return os.environ.get("DISTATTN_AUTOTUNE", "0") == "1"
+# Configs installed by ``_tune.install_table`` (``distattn.autotune``: rank 0's choice on every rank): _PickKey ->
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Keys not in it fall back to the heuristic.
+_CHOSEN: dict = {}
 
 
 class _Heuristic:
-    """Launch with the first listed config (``_CONFIGS`` is in order of preference, from the sm_90 compile
-    report) that the filter keeps for these arguments: deterministic, so every rank of a process group picks
-    the same config, nothing is benchmarked inside a distributed step, and nothing needs a cache."""
+    """Launch with the config tuned for this launch's key (``_CHOSEN``), else the first listed config
+    (``_CONFIGS`` is in order of preference, from the sm_90 compile report) that the filter keeps:
+    deterministic, so every rank of a process group picks the same config and nothing is benchmarked inside a
+    distributed step."""
 
     def __init__(self, name: str, raw):
         self.name, self.raw = name, raw
 
     def pick(self, named: dict) -> tuple[int, int, int, int]:
-        ref = named["Q"]
-        for narrow_ok in (False, True):  # wide MMAs first; narrow ones only when no wide config fits
-            kept = [c for c in _CONFIGS[self.name]
-                    if _keep_config(self.name, c[0], c[1], c[3], named["BLOCK_D"], ref.element_size(),
-                                    named["LEN_BUCKET"], _max_shared_mem_cached(ref.device), warps=c[2],
-                                    narrow_ok=narrow_ok, tma=bool(named.get("TMA", False)))]
-            if kept:
-                break
-        smallest = min(_CONFIGS[self.name], key=lambda c: _smem_bytes(self.name, c[0], c[1], c[3], named["BLOCK_D"],
-                                                                        ref.element_size()))
-        return kept[0] if kept else smallest
+        chosen = _CHOSEN.get(_pick_key(self.name, named))
+        return chosen if chosen is not None else _kept(self.name, named)[0]
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -223,24 +247,16 @@ class _Heuristic:
         return launch
 
 
+def _raw_kernel(name: str):
+    """The jit function of kernel ``name`` ("fwd", "dq", "dkdv")."""
+    return {"fwd": _fwd._fwd_kernel, "dkdv": _bwd._bwd_dkdv_kernel, "dq": _bwd._bwd_dq_kernel}[name]
+
+
 def _kernel(name: str):
-    """The launchable kernel: a deterministic config on CUDA (``DISTATTN_AUTOTUNE=1``: autotuned), the raw jit
-    function under the interpreter."""
-    raw = {"fwd": _fwd._fwd_kernel, "dkdv": _bwd._bwd_dkdv_kernel, "dq": _bwd._bwd_dq_kernel}[name]
-    if _INTERPRET:
-        return raw
-    if not autotune_enabled():
-        return _Heuristic(name, raw)
-    if name not in _TUNED:
-        # The kernels read-modify-write their outputs, so autotuning restores them after each trial.
-        restore = {"fwd": ["O_ACC", "LSE"], "dkdv": ["DK", "DV"], "dq": ["DQ"]}[name]
-        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-                   for bm, bn, w, s in _CONFIGS[name]]
-        _TUNED[name] = triton.autotune(
-            configs=configs, key=["HEAD_DIM", "MASK", "SOFTCAP", "LEN_BUCKET"], restore_value=restore,
-            prune_configs_by={"early_config_prune": lambda c, a, **kw: _prune(name, c, a, **kw)},
-        )(raw)
-    return _TUNED[name]
+    """The launchable kernel: config from the tuned table or the heuristic on CUDA, the raw jit function under
+    the interpreter (the launcher passes its fixed tiles, ``_blocks``)."""
+    raw = _raw_kernel(name)
+    return raw if _INTERPRET else _Heuristic(name, raw)
 
 
 def _blocks() -> dict:

@@ -37,6 +37,11 @@ none. The JSON summary adds ``real_tokens_per_s`` (every token is real: nothing 
 
     torchrun --standalone --nproc-per-node 4 launch/train.py --pack --seq-len 8192 --batch-size 1
 
+``DISTATTN_AUTOTUNE=1`` (CUDA, Triton backend): before step 1, rank 0 benchmarks the Triton kernels' launch configs
+for this run's attention shapes (or reads them from its cache, ``DISTATTN_TUNE_CACHE``, default
+``~/.cache/distattn/tune``) and every rank uses rank 0's choice (``distattn.autotune``); on CPU it logs
+that it is skipped.
+
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint; its tokenizer is
 used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face tokenizer).
@@ -75,6 +80,7 @@ import train_data
 import train_log
 import train_memory
 import train_model
+import train_tune
 from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError
 
 
@@ -275,6 +281,7 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     state = train_ckpt.TrainState(model, optimizer, progress)
     damaged = maybe_resume(cfg, state)
     log(train_memory.describe(cfg, config))
+    train_tune.autotune_attention(cfg, config, device, log)
     return Job(cfg=cfg, device=device, group=group, model=model, mode=mode, optimizer=optimizer, state=state,
                damaged=damaged, first_step=progress["step"],
                predicted_activations=train_memory.predicted_activation_bytes(cfg, config),
@@ -389,6 +396,7 @@ def check_checkpoint_dir(cfg: RunConfig, config) -> None:
 def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
     """Everything that can fail from a bad argument, before any process-group communication."""
     cfg = train_config.resolve(train_config.build_parser().parse_args(argv), Env.from_environ())
+    train_tune.check_env()  # a bad DISTATTN_AUTOTUNE fails here, before the process group exists
     if cfg.env.rank != 0:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # warnings once, from rank 0
     tokenizer = train_data.make_tokenizer(cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from test_train import JOB, ROOT, TRAIN
 
@@ -116,7 +117,7 @@ def _prepare_error(monkeypatch, argv, env=None) -> str:
 
 
 @pytest.mark.parametrize("name", ["seq-len", "preset", "missing data", "unwritable ckpt dir", "read-only ckpt dir",
-                                  "resume must, nothing", "ulysses", "zigzag seq-len"])
+                                  "resume must, nothing", "ulysses", "zigzag seq-len", "autotune env"])
 def test_preflight_errors_in_process(name, tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -135,8 +136,43 @@ def test_preflight_errors_in_process(name, tmp_path, monkeypatch):
         "ulysses": (["--ulysses", "3"], {}, "--ulysses 3 does not divide the sequence-parallel size 2 (world 2)"),
         "zigzag seq-len": (["--schedule", "zigzag", "--seq-len", "258"], {},
                            "--seq-len 258 is not divisible by twice the sequence-parallel size 2 (--schedule zigzag"),
+        "autotune env": ([], {"DISTATTN_AUTOTUNE": "yes"}, "DISTATTN_AUTOTUNE='yes' must be 0 or 1"),
     }[name]
     assert reason in _prepare_error(monkeypatch, argv, env)
+
+
+def test_autotune_tunes_the_runs_attention_shapes_and_is_skipped_on_cpu(monkeypatch):
+    """``DISTATTN_AUTOTUNE=1``: the shapes a rank's attention kernels see (4 ranks, 2048 tokens, the tiny-gqa
+    preset: 4/2 heads of 32), and one line saying it is skipped on CPU (no process group needed for that)."""
+    for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train_config
+    import train_model
+    import train_tune
+
+    def cases(*argv):
+        args = train_config.build_parser().parse_args(["--device", "cpu", "--model", "tiny-gqa", "--seq-len", "2048",
+                                                       *argv])
+        cfg = train_config.resolve(args, train_config.Env.from_environ())
+        config = train_model.hf_config(cfg, 256)
+        return cfg, config, train_tune.attention_cases(cfg, config)
+
+    shape = dict(batch=2, seq_q=512, seq_k=512, heads_q=4, heads_kv=2, head_dim=32, dtype=torch.float32)
+    cfg, config, plain = cases("--batch-size", "2")
+    assert plain == [dict(shape, causal=True), dict(shape, causal=False)]  # diagonal pairs causal, others dense
+    assert cases("--batch-size", "2", "--schedule", "zigzag")[2] == [dict(shape, bounds=True)]
+    assert cases("--pack")[2] == [dict(shape, batch=1, bounds=True)]
+    two_d = dict(shape, seq_q=1024, seq_k=1024, heads_q=2, heads_kv=1)  # ring of 2, 2 heads per Ulysses rank
+    assert cases("--batch-size", "2", "--ulysses", "2")[2] == [dict(two_d, causal=True), dict(two_d, causal=False)]
+    lines = []
+    monkeypatch.setenv("DISTATTN_AUTOTUNE", "1")
+    train_tune.autotune_attention(cfg, config, torch.device("cpu"), lines.append)
+    assert lines == [f"DISTATTN_AUTOTUNE=1: skipped, attention runs with the {cfg.attn_backend} backend on cpu "
+                     f"(only the Triton kernels on CUDA have launch configs to tune)"]
+    monkeypatch.setenv("DISTATTN_AUTOTUNE", "0")
+    train_tune.autotune_attention(cfg, config, torch.device("cpu"), lines.append)
+    assert len(lines) == 1
 
 
 def _three_head_model(tmp_path):

@@ -357,29 +357,26 @@ HOPPER_SMEM = 232448  # bytes of shared memory per block on H100/H200 (227 KiB o
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
-def test_autotune_prune(kind, monkeypatch):
-    # The CUDA-only autotune filter is plain Python: check it here with Hopper's shared-memory limit.
-    import triton
-
-    monkeypatch.setattr(_triton, "_max_shared_mem", lambda device: HOPPER_SMEM)
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-               for bm, bn, w, s in _triton._CONFIGS[kind]]
-    tile = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])  # noqa: E731
+def test_config_filter(kind, monkeypatch):
+    # The CUDA-only config filter (the list the heuristic picks from and autotune benchmarks) is plain Python:
+    # check it here with Hopper's shared-memory limit.
+    monkeypatch.setattr(_triton, "_max_shared_mem_cached", lambda device: HOPPER_SMEM)
     for dtype in (torch.bfloat16, torch.float32):
         for d in (16, 64, 80, 128, 256):
             block_d = _triton._block_d(d)
             q = torch.empty(1, 1, 1, d, dtype=dtype)
-            kept = _triton._prune(kind, configs, {"Q": q, "LEN_BUCKET": 8192}, BLOCK_D=block_d)
+            kept = _triton._kept(kind, {"Q": q, "BLOCK_D": block_d, "LEN_BUCKET": 8192})
             assert kept, (dtype, d)
-            for c in kept:
-                assert _triton._smem_bytes(kind, *tile(c), c.num_stages, block_d, q.element_size()) <= HOPPER_SMEM
+            for bm, bn, warps, stages in kept:
+                assert (bm, bn, warps, stages) in _triton._CONFIGS[kind]
+                assert _triton._smem_bytes(kind, bm, bn, stages, block_d, q.element_size()) <= HOPPER_SMEM
                 if dtype == torch.float32:
-                    assert tile(c)[0] * tile(c)[1] <= 32 * 32
-    short = _triton._prune(kind, configs, {"Q": torch.empty(1, 1, 1, 64, dtype=torch.bfloat16), "LEN_BUCKET": 64},
-                           BLOCK_D=64)
-    assert short and all(max(tile(c)) <= 64 for c in short)
-    monkeypatch.setattr(_triton, "_max_shared_mem", lambda device: 1)  # nothing fits: still one config
-    assert len(_triton._prune(kind, configs, {"Q": torch.empty(1, 1, 1, 64), "LEN_BUCKET": 64}, BLOCK_D=64)) == 1
+                    assert bm * bn <= 32 * 32
+    short = _triton._kept(kind, {"Q": torch.empty(1, 1, 1, 64, dtype=torch.bfloat16), "BLOCK_D": 64,
+                                 "LEN_BUCKET": 64})
+    assert short and all(max(bm, bn) <= 64 for bm, bn, _, _ in short)
+    monkeypatch.setattr(_triton, "_max_shared_mem_cached", lambda device: 1)  # nothing fits: still one config
+    assert len(_triton._kept(kind, {"Q": torch.empty(1, 1, 1, 64), "BLOCK_D": 64, "LEN_BUCKET": 64})) == 1
 
 
 def test_is_available_reports_reason():

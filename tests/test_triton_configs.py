@@ -1,4 +1,4 @@
-"""The deterministic config choice of the Triton launcher (``DISTATTN_AUTOTUNE=0``, the default on CUDA).
+"""The deterministic config choice of the Triton launcher (the default on CUDA, for every key not tuned).
 
 Every rank of a process group must launch the same config, and nothing may be benchmarked inside a
 distributed step: the launcher takes the first config of ``_CONFIGS`` (ordered by preference from the sm_90
@@ -61,10 +61,15 @@ def test_launch_passes_the_chosen_config_and_resolves_the_grid():
 
 
 def test_autotune_is_opt_in(monkeypatch):
+    from distattn.kernels import autotune_enabled
+
     monkeypatch.delenv("DISTATTN_AUTOTUNE", raising=False)
-    assert not tr.autotune_enabled()
+    assert not autotune_enabled()
     monkeypatch.setenv("DISTATTN_AUTOTUNE", "1")
-    assert tr.autotune_enabled()
+    assert autotune_enabled()
+    monkeypatch.setenv("DISTATTN_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match=r"DISTATTN_AUTOTUNE='yes' must be 0 or 1"):
+        autotune_enabled()
 
 
 def test_mma_width_rule_matches_the_sm90_compile_report():
