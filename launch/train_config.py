@@ -119,15 +119,27 @@ def report_error(message: str) -> None:
     "traceback: To enable traceback see: <docs link>" lines, so the report ends with the reason too.
     """
     line = f"train.py: error: {message}"
-    if Env.from_environ().rank == 0:
+    rank = Env.from_environ().rank
+    if rank == 0:
         print(line, file=sys.stderr, flush=True)
+    # torchrun names as root cause the failure with the earliest error-file timestamp (whole seconds). When every
+    # rank fails alike (a preflight fault), that must be rank 0's exit with this status: the other ranks date
+    # their file later and, before any process group exists, leave a little after rank 0 (torchrun stops them
+    # as soon as rank 0 exits). A fault on another rank alone still reaches the report, after that short delay.
+    stamp = int(time.time()) + (0 if rank == 0 else _LATER_S)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
             with open(path, "w", encoding="utf-8") as f:
-                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(stamp)}}}, f)
         except OSError:
             pass  # the report keeps torchrun's default text; the line above was printed anyway
+    if rank != 0 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        time.sleep(_DEFER_S)
+
+
+_LATER_S = 5  # how much later a non-zero rank dates its error file
+_DEFER_S = 3.0  # how long a non-zero rank waits before exiting on an error found before the process group exists
 
 
 class _Parser(argparse.ArgumentParser):
