@@ -107,9 +107,10 @@ _SPILLS = {
           ("dkdv", 32, 64, 4, 3), ("dkdv", 64, 64, 8, 3), ("dkdv", 32, 128, 8, 3), ("dkdv", 32, 64, 8, 2),
           ("dkdv", 32, 32, 4, 2)},
     64: {("dkdv", 32, 32, 4, 2)},
-    # 256 (full-tma.md, bf16 and fp16 alike): fwd (64, 64, 4, 3) 376 B, (128, 32, 8, 2) 228 B (the carried fold);
-    # dq (64, 32, 4, 3) 488 B
-    256: {("fwd", 64, 64, 4, 3), ("fwd", 128, 32, 8, 2), ("dq", 64, 32, 4, 3)},
+    # 256 (full-tma.md and d256.md, bf16 and fp16 alike): fwd (64, 64, 4, 3) 376 B, (128, 32, 8, 2) 228 B,
+    # (32, 32, 8, 2) 60 B, (64, 64, 8, 2) 28 B (the carried fold); dq (64, 32, 4, 3) 488 B
+    256: {("fwd", 64, 64, 4, 3), ("fwd", 128, 32, 8, 2), ("fwd", 32, 32, 8, 2), ("fwd", 64, 64, 8, 2),
+          ("dq", 64, 32, 4, 3)},
 }
 # (kind, BLOCK_D) where, without descriptors, no config with wide MMAs fits in registers, so narrow ones stay
 # allowed: dK/dV at d=128 keeps two fp32 [128 keys, 128] accumulators (128 registers a thread at 8 warps), and
