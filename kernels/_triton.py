@@ -465,7 +465,7 @@ class TritonBackend:
 
     def backward_chunk_(self, dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *, scale: float,
                         q_start: int, k_start: int, causal: bool, bounds=None, softcap: float = 0.0) -> None:
-        """Add this chunk's dq, dk, dv into the fp32 accumulators (deterministic, no atomics)."""
+        """Add this chunk's dq, dk, dv into the fp32 accumulators (deterministic: one add per element per launch)."""
         _check_qkv(q, k, v)
         b, s_q, h_q, d = q.shape
         s_k, h_kv = k.shape[1], k.shape[2]

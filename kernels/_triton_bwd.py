@@ -6,11 +6,14 @@ Legend: b batch, s_q / s_k query / key length of this chunk, h_q / h_kv heads, d
 ``LSE`` and ``DELTA`` (b, h_q, s_q) fp32 are the *final* statistics over all key chunks, so the probabilities
 ``P = exp(S - lse)`` recomputed here are already the globally normalized ones and chunks simply add up.
 
-Three kernels, each owning its output tiles (load-add-store into fp32 accumulators, no atomics, so two
-runs on the same input are bit-identical):
+Three kernels, each owning its output tiles: every element of an fp32 accumulator receives exactly one add per
+launch (dq by load-add-store, dk / dv by one reduction each, ``red.global.add``, which returns nothing and so
+keeps registers free), never two programs' adds, so two runs on the same input are bit-identical:
   * ``_bwd_preprocess_kernel``: delta = rowsum(dout * out) in fp32.
-  * ``_bwd_dkdv_kernel``: one key block resident, loops over the query heads of its GQA group and over
-    the query blocks that see it, so dk / dv come out with h_kv heads, summed in registers.
+  * ``_bwd_dkdv_kernel``: one key block resident, loops over the query blocks that see it and, inside, over the
+    query heads of its GQA group, so dk / dv come out with h_kv heads, summed in registers. On sm_90+ q, do,
+    lse and delta arrive through TMA tensor descriptors (``TMA``), which is what leaves room for 128-key tiles
+    with wide ``wgmma`` at d=128.
   * ``_bwd_dq_kernel``: one query block resident, loops over the key blocks.
 A row that saw no key (lse = -inf) gets its lse replaced by +inf, which makes every P of that row exactly 0.
 """
