@@ -306,14 +306,16 @@ def run_step(job: Job, dataset, step: int) -> dict:
     record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
               "tokens_per_s": cfg.tokens_per_step / dt, "samples": progress["samples"], "peak_mem_bytes": peak}
     if cfg.args.pack:
-        record.update(packing_stats(batch[1], cfg.sp_size))
+        record.update(packing_stats(batch[1], cfg.sp_size, cfg.args.schedule, cfg.ulysses))
     if measured:
         record.update(measured, predicted_activation_bytes=job.predicted_activations)
     return record
 
 
-def packing_stats(positions: torch.Tensor, sp: int) -> dict:
-    """What document masking saves on this step's stream, read off the plan the executor runs.
+def packing_stats(positions: torch.Tensor, sp: int, schedule: str = "balanced", ulysses: int = 1) -> dict:
+    """What document masking saves on this step's stream, read off the plan the executor runs: the run's
+    schedule (already resolved from "auto") over its ring of ``sp / ulysses`` ranks, each holding ``ulysses``
+    ranks' tokens. ``pairs_skipped``: chunk pairs of that schedule's causal plan that no document reaches.
 
     Every token of a packed stream is real (documents are cut, never padded), so tokens/s counts real tokens.
     """
@@ -322,11 +324,12 @@ def packing_stats(positions: torch.Tensor, sp: int) -> dict:
     starts = (positions == 0).nonzero().flatten().tolist()
     total = positions.numel()
     spec = MaskSpec(causal=True, cu_seqlens=tuple(starts) + (total,))
-    n = total // sp
-    visible = sum(map(sum, pair_work(spec, sp, n)))
-    plan = make_plan(sp, True, "balanced", mask=spec, chunk=n)
+    visible = sum(map(sum, pair_work(spec, sp, total // sp)))
+    ring = sp // ulysses
+    plan = make_plan(ring, True, schedule, mask=spec, chunk=total // ring)
+    dense = make_plan(ring, True, schedule, mask=MaskSpec(causal=True), chunk=total // ring)
     return {"documents": len(starts), "attention_work_vs_causal": visible / (total * (total + 1) / 2),
-            "pairs_skipped": sp * (sp + 1) // 2 - len(plan.pairs())}
+            "pairs_skipped": len(dense.pairs()) - len(plan.pairs())}
 
 
 def train(job: Job, dataset) -> dict:

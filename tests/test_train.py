@@ -192,3 +192,21 @@ def test_zigzag_and_ulysses_give_the_same_losses(reference, tmp_path):
     assert summary["world_size"] == nproc and summary["schedule"] == "zigzag" and summary["ulysses"] == 2
     assert "sp 4 (ulysses 2 x ring 2)" in err
     _assert_close(_losses(log), _losses(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
+
+
+def test_packing_stats_reads_the_runs_schedule():
+    """``--pack``'s summary counts the chunk pairs that no document reaches in the plan the run executes: its
+    schedule, over its ring (``sp / ulysses`` ranks of ``ulysses`` ranks' tokens)."""
+    import train
+
+    # documents of 100, 28, 1 and 127 tokens on 4 ranks of 64: chunk 2 and 3 hold only the last two documents
+    pos = torch.cat([torch.arange(n) for n in (100, 28, 1, 127)])
+    got = {(s, u): train.packing_stats(pos, 4, s, u) for s in ("balanced", "ring", "zigzag") for u in (1, 2)}
+    assert {v["attention_work_vs_causal"] for v in got.values()} == {got["ring", 1]["attention_work_vs_causal"]}
+    # 10 causal pairs; (2,0), (2,1), (3,0), (3,1) see nothing
+    assert got["balanced", 1]["pairs_skipped"] == got["ring", 1]["pairs_skipped"] == 4
+    # ring of 2 ranks of 128 tokens: (1, 0) holds keys 0..127 for rows 128..255 of documents that start at 128
+    assert got["balanced", 2]["pairs_skipped"] == got["ring", 2]["pairs_skipped"] == 1
+    # zigzag: every rank holds an early and a late chunk, so every pair has work
+    assert got["zigzag", 1]["pairs_skipped"] == got["zigzag", 2]["pairs_skipped"] == 0
+    assert got["balanced", 1]["documents"] == 4
