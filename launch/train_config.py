@@ -110,6 +110,10 @@ class RunConfig:
         return self.args.batch_size * self.args.seq_len * self.dp_size
 
 
+_LATER_S = 5  # how much later a non-zero rank dates its error file
+_DEFER_S = 3.0  # how long a non-zero rank waits before exiting on an error found before the process group exists
+
+
 def report_error(message: str) -> None:
     """``train.py: error: <message>``: one line on rank 0's stderr, and the reason in torchrun's report.
 
@@ -137,9 +141,6 @@ def report_error(message: str) -> None:
     if rank != 0 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         time.sleep(_DEFER_S)
 
-
-_LATER_S = 5  # how much later a non-zero rank dates its error file
-_DEFER_S = 3.0  # how long a non-zero rank waits before exiting on an error found before the process group exists
 
 
 class _Parser(argparse.ArgumentParser):
