@@ -110,8 +110,12 @@ class RunConfig:
         return self.args.batch_size * self.args.seq_len * self.dp_size
 
 
-_LATER_S = 5  # how much later a non-zero rank dates its error file
-_DEFER_S = 3.0  # how long a non-zero rank waits before exiting on an error found before the process group exists
+# How much later a non-zero rank dates its error file, and how long it waits before exiting on an error found
+# before the process group exists. Both bound how far rank 0 may lag its peers (a loaded machine starting many
+# ranks at once: seconds) and still be named root cause; torchrun stops the waiting ranks as soon as rank 0
+# exits, so the wait delays only a fault that rank 0 does not share.
+_LATER_S = 60
+_DEFER_S = 10.0
 
 
 def report_error(message: str) -> None:
@@ -128,8 +132,8 @@ def report_error(message: str) -> None:
         print(line, file=sys.stderr, flush=True)
     # torchrun names as root cause the failure with the earliest error-file timestamp (whole seconds). When every
     # rank fails alike (a preflight fault), that must be rank 0's exit with this status: the other ranks date
-    # their file later and, before any process group exists, leave a little after rank 0 (torchrun stops them
-    # as soon as rank 0 exits). A fault on another rank alone still reaches the report, after that short delay.
+    # their file later and, before any process group exists, leave after rank 0 (torchrun stops them as soon as
+    # rank 0 exits). A fault on another rank alone still reaches the report, after that delay.
     stamp = int(time.time()) + (0 if rank == 0 else _LATER_S)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:

@@ -32,6 +32,10 @@ def _worker(rank, world_size, init_file, fn, args, results):
 
         torch.set_num_threads(1)  # N ranks share a couple of cores: oversubscription only slows them down
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        # gloo's init returns on a rank once its own pairs are up, possibly before a peer has finished its
+        # handshake; a rank whose fn needs no communication could then exit and close a socket the peer is still
+        # connecting through ("Connection closed by peer" in the peer's init). One barrier: every rank is in.
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
         finally:
