@@ -13,8 +13,8 @@ num_stages) is added.
 
 Per compiled config the table gives: registers per thread, spill stores/loads (bytes, ptxas -v), shared memory,
 the MMA instruction of every product (``wgmma m64nNk16``, ``mma.sync`` or FMA; found by the PTX ``.loc`` line of
-each instruction), and ``i32 offs``: int32 multiplications of a sequence stride by a non-constant in the TTIR,
-i.e. ``rows * stride`` that wraps at 2^31 (must be 0). ``kept``: the launcher's config filter
+each instruction), and ``i32 offs``: int32 multiplications of a sequence or head stride by a non-constant in
+the TTIR, i.e. ``rows * stride`` or ``head * stride`` that wraps at 2^31 (must be 0). ``kept``: the launcher's config filter
 (``_triton._keep_config``) keeps it on a 227 KB (sm_90) device at a 4096-token bucket.
 
 The ``--quick`` summary line: ``configs=N spilling=S narrow_mma=W int32_offsets=I`` (narrow: some product of a
@@ -185,7 +185,8 @@ _DEF = re.compile(r"^\s*%(\S+) = (tt\.splat|tt\.broadcast|tt\.expand_dims|arith\
 
 
 def int32_stride_products(ttir: str) -> int:
-    """Count ``x * stride_*s`` products computed in int32 where ``x`` is not a constant (a row index)."""
+    """Count ``x * stride_*s`` / ``x * stride_*h`` products computed in int32 where ``x`` is not a constant (a row
+    or head index)."""
     defs = {}
     for line in ttir.splitlines():
         m = _DEF.match(line)
@@ -210,7 +211,7 @@ def int32_stride_products(ttir: str) -> int:
         a, b = m.group(2), m.group(3)
         for x, y in ((a, b), (b, a)):
             r = root(x)
-            if re.match(r"stride_\w*s$", r) and not is_const(y):  # a sequence stride times a variable
+            if re.match(r"stride_\w*[sh]$", r) and not is_const(y):  # a sequence or head stride times a variable
                 count += 1
                 break
     return count

@@ -295,10 +295,12 @@ def _tma_device_cached(device) -> bool:
 
 
 def _tma_aligned(t: torch.Tensor, unit_dim: int) -> bool:
-    """A descriptor can address ``t``: 16-byte aligned base and strides, unit stride in ``unit_dim``."""
+    """A descriptor can address ``t``: 16-byte aligned base and strides, unit stride in ``unit_dim``, no
+    broadcast (stride-0) dimension (e.g. the gradient of ``out.sum(1)``: the pointer path reads those)."""
     elt = t.element_size()
     return t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0 and \
-        all(st * elt % 16 == 0 for i, st in enumerate(t.stride()) if i != unit_dim)
+        all(st * elt % 16 == 0 and (st > 0 or n == 1)
+            for i, (st, n) in enumerate(zip(t.stride(), t.shape)) if i != unit_dim)
 
 
 def _tma_stats(t: torch.Tensor) -> torch.Tensor:
@@ -313,7 +315,9 @@ def _tma_stats(t: torch.Tensor) -> torch.Tensor:
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for kernels that build tensor descriptors on the device (128 B each)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    buf = torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
+    assert buf.data_ptr() % alignment == 0, (buf.data_ptr(), alignment)  # the caching allocator aligns to 512 B
+    return buf
 
 
 def _ensure_allocator() -> None:
@@ -321,7 +325,8 @@ def _ensure_allocator() -> None:
     autograd's backward threads start without one). Sets ours only where none is set."""
     try:
         from triton.runtime._allocation import NullAllocator, _allocator
-        if not isinstance(_allocator.get(), NullAllocator):
+        current = _allocator.get() if hasattr(_allocator, "get") else _allocator  # Triton 3.4: a plain global
+        if not isinstance(current, NullAllocator):
             return
     except ImportError:  # a Triton that keeps it elsewhere: set ours
         pass

@@ -83,6 +83,11 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, LSE_src, DELTA_src, LO, HI, K_S
         if MASKED:
             lo_r, hi_r = _row_bounds(LO, HI, K_START, rows, S_Q, MASK)
             keep = _visible_t(rows, offs_n, S_K, DIAG, lo_r, hi_r, MASK)
+        if not TMA:  # head g's rows: step a pointer per head (g * stride_h in int32 could pass 2^31)
+            Q_g = Q_row
+            DO_g = DO_row
+            LSE_g = LSE_row
+            DELTA_g = DELTA_row
         for g in range(GROUP):
             if TMA:
                 q = tl.reshape(Q_src.load([start_m, g, 0]), [BLOCK_M, BLOCK_D])
@@ -92,11 +97,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, LSE_src, DELTA_src, LO, HI, K_S
                 lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
                 delta = tl.reshape(DELTA_src.load([g, start_m]), [BLOCK_M])
             else:
-                q = _load_tile(Q_row + g * stride_qh + q_tile, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
-                do = _load_tile(DO_row + g * stride_dh + do_tile, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
-                lse2, delta = _load_row_stats(LSE_row + g * stride_lh + offs_m.to(tl.int64) * stride_ls,
-                                              DELTA_row + g * stride_eh + offs_m.to(tl.int64) * stride_es, rows,
-                                              S_Q)
+                q = _load_tile(Q_g + q_tile, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
+                do = _load_tile(DO_g + do_tile, rows, S_Q, offs_d, HEAD_DIM, True, MASK_D)
+                lse2, delta = _load_row_stats(LSE_g + offs_m.to(tl.int64) * stride_ls,
+                                              DELTA_g + offs_m.to(tl.int64) * stride_es, rows, S_Q)
+                Q_g += stride_qh
+                DO_g += stride_dh
+                LSE_g += stride_lh
+                DELTA_g += stride_eh
             # -- recompute P^T --
             s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), qk_scale, cap_in, cap_out,
                                SOFTCAP)
@@ -221,7 +229,8 @@ def _bwd_dkdv_kernel(
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + keys64 * stride_dks + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + keys64 * stride_dvs + offs_d[None, :]
     # One fp32 add per element, as a reduction (no value comes back: dk, dv and a loaded tile are never live
-    # together); each element is added exactly once per launch, so the result is load + add + store's, bit for bit.
+    # together); each element is added exactly once per launch, so the result is load + add + store's, bit for bit
+    # (deterministic), except that a GPU's red.add.f32 flushes subnormal inputs and sums to zero.
     ok = offs_n[:, None] < S_K
     if MASK_D:
         ok = ok & (offs_d[None, :] < HEAD_DIM)

@@ -291,20 +291,27 @@ def test_dkdv_descriptor_path_is_bit_identical_to_pointer_path(case, monkeypatch
 def test_dkdv_descriptor_path_needs_aligned_inputs(monkeypatch):
     """16-byte aligned rows and heads in 2 bytes take descriptors; anything else (d=20 in fp16: 40-byte heads; a
     base one element off; fp32) takes the pointer path and still gets the right answer. lse/delta with odd
-    lengths are copied into 16-byte aligned rows."""
+    lengths are copied into 16-byte aligned rows. A broadcast dout (stride 0 over s: the gradient of
+    ``out.sum(1)``) takes the pointer path too; (b, h, s, d) memory viewed as (b, s, h, d) takes descriptors."""
     seen = _spy_dkdv(monkeypatch)
     kw = dict(scale=0.3, q_start=0, k_start=0, causal=True)
-    for d, offset, dtype in ((16, 0, F16), (20, 0, F16), (16, 1, F16), (16, 0, F32)):
+    cases = ((16, 0, F16, ""), (20, 0, F16, ""), (16, 1, F16, ""), (16, 0, F32, ""), (16, 0, F16, "broadcast"),
+             (16, 0, F16, "head-major"))
+    for d, offset, dtype, layout in cases:
         q, k, v, dout = (t.to(DEVICE) for t in make_qkv(1, 23, 23, 2, 1, d, dtype, seed=d + offset))
         if offset:
             q = torch.cat([q.flatten(), q.flatten()[:offset]])[offset:].view(q.shape)  # data_ptr % 16 == 2
+        if layout == "broadcast":
+            dout = dout[:, :1].expand_as(dout)
+        if layout == "head-major":
+            q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
         out, lse = _forward(q, k, v, **kw)
         got = _backward(dout, q, k, v, out, lse, **kw)
         ref = reference_grads(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), torch.float64, causal=True, scale=0.3,
                               q_start=0)
         base = reference_grads(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), dtype, causal=True, scale=0.3, q_start=0)
         assert_all_close_by_rule(("dq", "dk", "dv"), [t.cpu() for t in got], base[2:], ref[2:], dtype)
-    assert seen == [True, False, False, False]
+    assert seen == [True, False, False, False, False, True]
     lse = torch.randn(2, 3, 23)
     padded = _triton._tma_stats(lse)
     assert torch.equal(padded, lse) and padded.stride() == (3 * 24, 24, 1) and _triton._tma_aligned(padded, 2)
