@@ -14,8 +14,8 @@ num_stages) is added.
 Per compiled config the table gives: registers per thread, spill stores/loads (bytes, ptxas -v), shared memory,
 the MMA instruction of every product (``wgmma m64nNk16``, ``mma.sync`` or FMA; found by the PTX ``.loc`` line of
 each instruction), and ``i32 offs``: int32 multiplications of a sequence or head stride by a non-constant in
-the TTIR, i.e. ``rows * stride`` or ``head * stride`` that wraps at 2^31 (must be 0). ``kept``: the launcher's config filter
-(``_triton._keep_config``) keeps it on a 227 KB (sm_90) device at a 4096-token bucket.
+the TTIR, i.e. ``rows * stride`` or ``head * stride`` that wraps at 2^31 (must be 0). ``kept``: the launcher's
+config filter (``_triton._keep_config``) keeps it on a 227 KB (sm_90) device at a 4096-token bucket.
 
 The ``--quick`` summary line: ``configs=N spilling=S narrow_mma=W int32_offsets=I`` (narrow: some product of a
 2-byte config uses ``wgmma`` with N < 64 or falls back to ``mma.sync``).
