@@ -91,6 +91,13 @@ class _CpuOps:
         return q.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
     @staticmethod
+    def finite(*tensors) -> bool:
+        """The CPU op returns out 0 (a masked row) for a NaN query row at some sizes: chunks holding a NaN or an
+        infinity go to the reference, which propagates them as one device does. One reduction per tensor, on
+        the host already (no device synchronization on CPU)."""
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+    @staticmethod
     def forward(q, k, v, causal: bool, scale: float):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
@@ -110,6 +117,12 @@ class _CudaFlashOps:
     def usable(q: torch.Tensor) -> bool:
         d = q.shape[-1]
         return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+
+    @staticmethod
+    def finite(*tensors) -> bool:
+        """Not checked on CUDA: a check would synchronize the host with the device every chunk. How the CUDA op
+        carries NaN/Inf is what the GPU tier's non-finite test measures."""
+        return True
 
     @staticmethod
     def _repeat(k, v, h_q):
@@ -157,11 +170,13 @@ def _out_for_delta(dout: torch.Tensor, delta: torch.Tensor, dtype: torch.dtype) 
     The ops compute ``delta`` from ``out`` themselves; the contract hands us ``delta``. This ``out'`` is bounded
     by the real output's norm (Cauchy-Schwarz: ``|delta| <= |dout| |out|``), and rounding it to ``dtype``
     perturbs the row sum by at most one rounding of ``|delta|``, no more than rounding the real ``out`` would.
-    Rows with ``dout = 0`` have ``delta = 0`` and get ``out' = 0``.
+    Rows with ``dout = 0`` have ``delta = 0`` and get ``out' = 0``; a non-finite ``delta`` or ``dout`` stays
+    non-finite in ``out'`` (``delta * 0`` is NaN for a NaN/Inf delta), so the ops see the NaN one device would.
     """
     do = dout.float()
     norm2 = (do * do).sum(-1)  # (b, s, h)
-    c = torch.where(norm2 > 0, delta.transpose(1, 2) / torch.where(norm2 > 0, norm2, 1.0), 0.0)
+    dl = delta.transpose(1, 2)
+    c = torch.where(norm2 != 0, dl / torch.where(norm2 != 0, norm2, 1.0), dl * 0.0)
     return (do * c[..., None]).to(dtype)
 
 
@@ -173,10 +188,14 @@ class SdpaBackend:
     def __init__(self) -> None:
         self.ref = TorchBackend()
 
-    def pieces(self, q, k, *, q_start, k_start, causal, bounds, softcap):
-        """The op calls for this chunk, or ``None`` when the ops cannot express it (use the reference)."""
+    def pieces(self, q, k, *, q_start, k_start, causal, bounds, softcap, finite=()):
+        """The op calls for this chunk, or ``None`` when the ops cannot express it (use the reference).
+
+        ``finite``: tensors that must hold no NaN/Inf for the op to run (``_CpuOps.finite``)."""
         ops = _ops_for(q.device)
         if bounds is not None or softcap or ops is None or not ops.usable(q) or q.shape[0] * q.shape[2] == 0:
+            return None
+        if not ops.finite(*finite):
             return None
         return causal_pieces(q.shape[1], k.shape[1], q_start - k_start, causal)
 
@@ -184,7 +203,7 @@ class SdpaBackend:
     def fold_(self, out_f32, lse, q, k, v, *, scale, q_start, k_start, causal, fresh, out_final, bounds=None,
               softcap=0.0):
         kw = dict(q_start=q_start, k_start=k_start, causal=causal, bounds=bounds, softcap=softcap)
-        pieces = self.pieces(q, k, **kw)
+        pieces = self.pieces(q, k, **kw, finite=(q, k, v))
         if pieces is None:
             return self.ref.fold_(out_f32, lse, q, k, v, scale=scale, fresh=fresh, out_final=out_final, **kw)
         ops = _ops_for(q.device)
@@ -218,7 +237,8 @@ class SdpaBackend:
     def backward_chunk_(self, dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *, scale, q_start, k_start,
                         causal, bounds=None, softcap=0.0):
         kw = dict(q_start=q_start, k_start=k_start, causal=causal, bounds=bounds, softcap=softcap)
-        pieces = self.pieces(q, k, **kw)
+        # lse may be -inf (rows that see no key); NaN or +inf there is what the reference must handle
+        pieces = self.pieces(q, k, **kw, finite=(q, k, v, dout, delta, lse.masked_fill(lse == _NEG_INF, 0.0)))
         if pieces is None:
             return self.ref.backward_chunk_(dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, scale=scale, **kw)
         if not pieces:

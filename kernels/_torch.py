@@ -114,7 +114,9 @@ class TorchBackend:
             acc[:, i0:i1], m[..., i0:i1], l[..., i0:i1] = acc_i, m_i, l_i
 
         # -- normalize: out = acc / l, lse = m + ln l; rows that saw nothing stay (0, -inf) --
-        seen = l > 0  # m = -inf  =>  alpha = 0 and every p = 0, so l = 0 exactly
+        # m = -inf  =>  alpha = 0 and every p = 0, so l = 0 exactly. ``!= 0``, not ``> 0``: a NaN l (a NaN
+        # query, an infinite logit) is a row that saw something, and its NaN must come out, not a masked row.
+        seen = l != 0
         l_safe = torch.where(seen, l, 1.0)
         out5 = torch.where(seen.permute(0, 3, 1, 2)[..., None], acc / l_safe.permute(0, 3, 1, 2)[..., None], 0.0)
         new_lse = torch.where(seen, m + torch.log(l_safe), _NEG_INF).reshape(b, h_q, s_q)
@@ -131,12 +133,13 @@ class TorchBackend:
         m = torch.where(m == _NEG_INF, 0.0, m)
         w1, w2 = torch.exp(lse - m), torch.exp(lse_part.float() - m)
         total = w1 + w2
-        seen = total > 0
+        seen = total != 0  # NaN weights propagate (a NaN partial is not an empty one)
         total_safe = torch.where(seen, total, 1.0)
         to_bshd = lambda t: t.permute(0, 2, 1)[..., None]  # (b, h, s) -> (b, s, h, 1)  # noqa: E731
-        # An empty side may hold anything in its output (even NaN): select, never multiply by a zero weight.
-        part1 = torch.where(to_bshd(w1) > 0, to_bshd(w1) * out_f32, 0.0)
-        part2 = torch.where(to_bshd(w2) > 0, to_bshd(w2) * out_part.float(), 0.0)
+        # An empty side (weight exactly 0) may hold anything in its output: select, never multiply by a zero
+        # weight. A NaN weight is not zero: its NaN reaches the merged row.
+        part1 = torch.where(to_bshd(w1) != 0, to_bshd(w1) * out_f32, 0.0)
+        part2 = torch.where(to_bshd(w2) != 0, to_bshd(w2) * out_part.float(), 0.0)
         out_f32.copy_((part1 + part2) / to_bshd(total_safe))
         lse.copy_(torch.where(seen, m + torch.log(total_safe), _NEG_INF))
 
@@ -169,6 +172,8 @@ class TorchBackend:
                 dv_acc[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", p, doi)
                 dp = torch.einsum("bqhgd,bkhd->bhgqk", doi, vb)
                 ds = p * (dp - delta_i)
+                if masked:  # an unseen key gets exactly 0, also when the row's delta is NaN (0 * NaN)
+                    ds = ds.masked_fill(~vis.keep(i0, i1, j0, j1), 0.0)
                 if softcap:  # d(softcap * tanh(x / softcap))/dx = 1 - tanh^2
                     ds = ds * (1.0 - t * t)
                 dq5[:, i0:i1] += torch.einsum("bhgqk,bkhd->bqhgd", ds, kb) * scale

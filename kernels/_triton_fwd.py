@@ -305,8 +305,9 @@ def _merge_kernel(
     o2_ptrs = O2 + off_b * stride_2b + off_h * stride_2h + offs_m.to(tl.int64)[:, None] * stride_2s + offs_d[None, :]
     o1 = _load_tile(o1_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D).to(tl.float32)
     o2 = _load_tile(o2_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, True, MASK_D).to(tl.float32)
-    # An empty side may hold anything (even NaN) in its output: select, never multiply by a zero weight.
-    o1 = tl.where((w1 > 0.0)[:, None], o1 * (w1 / w_safe)[:, None], 0.0)
-    o2 = tl.where((w2 > 0.0)[:, None], o2 * (w2 / w_safe)[:, None], 0.0)
+    # An empty side (weight exactly 0) may hold anything in its output: select, never multiply by a zero
+    # weight. A NaN weight is not zero: its NaN reaches the merged row (never a masked row).
+    o1 = tl.where((w1 != 0.0)[:, None], o1 * (w1 / w_safe)[:, None], 0.0)
+    o2 = tl.where((w2 != 0.0)[:, None], o2 * (w2 / w_safe)[:, None], 0.0)
     _store_tile(o1_ptrs, o1 + o2, offs_m, S_Q, offs_d, HEAD_DIM, MASK_D)
     tl.store(l1_ptrs, tl.where(empty, float("-inf"), m + tl.log(w_safe)), mask=row_ok)
