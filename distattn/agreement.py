@@ -11,7 +11,12 @@ each rank's value of every field that differs.
 
 What is checked is one dict: the call's shapes, dtypes, device type, phase and sequence number, plus
 ``DistAttnConfig.fingerprint_fields()`` (the options and any mask metadata the config carries). A new field
-is covered by adding it there. After the last step, ``confirm`` (a second one-number all-reduce) makes every
+is covered by adding it there.
+
+A rank whose own input failed validation still takes part, with ``rejected_fields`` (its phase, call number and
+the error) in place of the call's description: every rank then raises the same error, of the failing rank's type
+(``TypeError`` or ``ValueError``), naming that rank and its reason, and every rank has used the same call number,
+so the next call pairs batch ``k + 1`` with batch ``k + 1`` everywhere. After the last step, ``confirm`` (a second one-number all-reduce) makes every
 rank fail the same call when one rank fails. ``DISTATTN_CHECK=0`` turns both off (see ``enabled``).
 """
 
@@ -26,7 +31,7 @@ import torch.distributed as dist
 
 from distattn.comm import Communicator, all_gather_text, bounded_wait
 
-__all__ = ["CHECK_ENV", "enabled", "call_fields", "agree", "confirm"]
+__all__ = ["CHECK_ENV", "enabled", "call_fields", "rejected_fields", "rejection", "agree", "confirm"]
 
 CHECK_ENV = "DISTATTN_CHECK"
 _HASH_MASK = (1 << 63) - 1  # 63 bits: -h is an int64 too
@@ -49,6 +54,26 @@ def call_fields(phase: str, seq: int, tensors: dict[str, torch.Tensor], config_f
     return fields
 
 
+def rejected_fields(phase: str, seq: int, error: Exception) -> dict:
+    """The description a rank sends when its own input failed validation with ``error``."""
+    return {"phase": phase, "call": seq, "rejected": f"{type(error).__name__}: {error}"}
+
+
+def rejection(per_rank: list[dict]) -> Exception | None:
+    """The error every rank raises when some rank's input failed validation (``None``: none did).
+
+    ``TypeError`` when every failing rank's error was one, else ``ValueError``; the message names each failing
+    rank (group rank) and its reason, the same text on every rank."""
+    failed = {r: f["rejected"] for r, f in enumerate(per_rank) if "rejected" in f}
+    if not failed:
+        return None
+    kind = TypeError if all(reason.startswith("TypeError: ") for reason in failed.values()) else ValueError
+    reasons = "\n".join(f"  rank {r}: {reason.split(': ', 1)[1]}" for r, reason in failed.items())
+    return kind(f"distattn: the input of rank(s) {sorted(failed)} of the group failed validation, so every rank "
+                f"of the group raises this error (the call is skipped everywhere and the ranks stay in step):\n"
+                f"{reasons}")
+
+
 def _hash63(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _HASH_MASK
 
@@ -67,12 +92,13 @@ def agree(comm: Communicator, fields: dict, device: torch.device, timeout: float
     if hi == h and -neg_lo == h:
         return
     everyone = [json.loads(t) for t in _all_gather_text(comm, text, device, timeout, where)]
+    rejected = rejection(everyone)
     if any(fields.get("call") != everyone[0].get("call") for fields in everyone):
         # Ranks out of step (one skipped a call): every rank sees this; all continue from the highest number
         # (and an owned communicator is rebuilt at the next call), so the next call agrees again.
         comm.seq = max(fields["call"] for fields in everyone)
         comm.abort()
-    raise ValueError(describe_mismatch(everyone))
+    raise rejected if rejected is not None else ValueError(describe_mismatch(everyone))
 
 
 def confirm(comm: Communicator, device: torch.device, timeout: float, where: str) -> None:

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from distattn import kernels
 from distattn._ops import dist_attention
 from distattn._validate import check_qkv, resolve_scale
-from distattn.attention import DistAttnConfig
-from distattn.comm import default_timeout
+from distattn.attention import DistAttnConfig, reject_call
+from distattn.comm import DEFAULT_TIMEOUT_S, default_timeout
 from distattn.schedule import PARTIALS, SCHEDULES, layout_of, ulysses_heads
 from distattn.sharding import group_size
 from distattn.topology import split as split_group
@@ -276,10 +276,13 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     reaches the others' keys and values through the exchange). Parameters upstream of q/k/v get only this
     rank's share: sum them over the group (DDP/FSDP over the group does it) before an optimizer step.
     """
-    check_unsupported(dropout_p, alibi_slopes, deterministic)
-    cfg = make_config(q, k, v, causal=check_causal(causal), softmax_scale=softmax_scale,
-                      window=check_window(window_size), softcap=check_softcap(softcap), group=group,
-                      schedule=schedule, backend=backend, overlap=overlap, timeout=timeout, partials=partials)
+    def validate():
+        check_unsupported(dropout_p, alibi_slopes, deterministic)
+        return make_config(q, k, v, causal=check_causal(causal), softmax_scale=softmax_scale,
+                           window=check_window(window_size), softcap=check_softcap(softcap), group=group,
+                           schedule=schedule, backend=backend, overlap=overlap, timeout=timeout, partials=partials)
+
+    cfg = validated_everywhere(validate, group, timeout, q)
     out, lse = dist_attention(q, k, v, cfg)
     return _returns(out, lse, return_attn_probs, return_lse)
 
@@ -316,16 +319,31 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     Returns:
         This rank's ``out (n, h_q, d)``; or ``(out, lse)`` / ``(out, lse, None)``.
     """
-    check_unsupported(dropout_p, alibi_slopes, deterministic)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if isinstance(t, torch.Tensor) and t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dims (tokens of this rank, heads, head_dim) for the varlen "
-                             f"function, got shape {tuple(t.shape)}; use dist_flash_attn_func for 4-D tensors")
-    q4, k4, v4 = (t.unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    q4, k4, v4 = (t.unsqueeze(0) if isinstance(t, torch.Tensor) and t.dim() == 3 else t for t in (q, k, v))
+
+    def validate():
+        check_unsupported(dropout_p, alibi_slopes, deterministic)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if isinstance(t, torch.Tensor) and t.dim() != 3:
+                raise ValueError(f"{name} must have 3 dims (tokens of this rank, heads, head_dim) for the varlen "
+                                 f"function, got shape {tuple(t.shape)}; use dist_flash_attn_func for 4-D tensors")
+        return _varlen_config(q4, k4, v4, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
+                              window_size=window_size, softcap=softcap, group=group, schedule=schedule,
+                              backend=backend, overlap=overlap, timeout=timeout, partials=partials)
+
+    cfg = validated_everywhere(validate, group, timeout, q)
+    out, lse = dist_attention(q4, k4, v4, cfg)
+    return _returns(out[0], lse[0], return_attn_probs, return_lse)
+
+
+def _varlen_config(q4, k4, v4, cu_seqlens, max_seqlen, *, causal, softmax_scale, window_size, softcap, group,
+                   schedule, backend, overlap, timeout, partials) -> DistAttnConfig:
+    """``make_config`` for a packed stream, with ``cu_seqlens`` and ``max_seqlen`` checked."""
     cfg = make_config(q4, k4, v4, causal=check_causal(causal), softmax_scale=softmax_scale,
                       window=check_window(window_size), softcap=check_softcap(softcap), group=group,
                       schedule=schedule, backend=backend, overlap=overlap, timeout=timeout, partials=partials,
                       documents=cu_seqlens)
+    q = q4[0]
     total = q.shape[0] * group_size(group)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
@@ -337,9 +355,25 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
         raise ValueError(f"max_seqlen ({max_seqlen!r}) must be an int >= the longest document ({longest})")
-    cfg = dataclasses.replace(cfg, cu_seqlens=tuple(cu))
-    out, lse = dist_attention(q4, k4, v4, cfg)
-    return _returns(out[0], lse[0], return_attn_probs, return_lse)
+    return dataclasses.replace(cfg, cu_seqlens=tuple(cu))
+
+
+def validated_everywhere(validate, group, timeout, like):
+    """``validate()`` (this rank's checks, which return the call's config); if they raise ``ValueError`` or
+    ``TypeError``, this rank still joins the call's agreement (``reject_call``), so every rank of the group raises
+    the same error naming this rank and its reason, and call numbers stay aligned (a rank that skipped the
+    agreement alone would pair its next batch with its peers' current one). Errors that leave no group to agree
+    on (no process group, not a member) are raised here only."""
+    check_group(group)
+    try:
+        return validate()
+    except (ValueError, TypeError) as exc:
+        try:
+            wait = check_timeout(timeout)
+        except (ValueError, TypeError):
+            wait = DEFAULT_TIMEOUT_S
+        device = like.device if isinstance(like, torch.Tensor) and like.is_cuda else None
+        reject_call(group, "forward", exc, wait, device)
 
 
 def check_timeout(timeout) -> float:
@@ -360,15 +394,8 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
     """Validate this rank's shards and options; the frozen ``DistAttnConfig``. Raises before any communication.
 
     ``documents``: the call's ``cu_seqlens`` (varlen), for ``schedule="auto"``'s cost model."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("dist_flash_attn_func needs an initialized process group: call "
-                           "torch.distributed.init_process_group(...) first, or use flash_attn_func on one device")
-    ulysses_group, ring_group = split_group(group)
-    for g in (ulysses_group, ring_group):
-        if (g is not None or ulysses_group is None) and dist.get_rank(g) < 0:
-            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
-                             f"group=; call dist_flash_attn_func only on the ranks of that group (the group's ranks: "
-                             f"torch.distributed.get_process_group_ranks(group))")
+    check_group(group)
+    ring_group = split_group(group)[1]
     check_qkv(q, k, v, same_seq=True)
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
@@ -398,6 +425,19 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
     return DistAttnConfig(causal=causal, scale=resolve_scale(softmax_scale, q.shape[-1]), window=window,
                           softcap=softcap, schedule=schedule, backend=backend, group=group, overlap=overlap,
                           timeout=check_timeout(timeout), partials=partials)
+
+
+def check_group(group) -> None:
+    """An initialized process group of which this process is a member (else no call can be agreed on)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("dist_flash_attn_func needs an initialized process group: call "
+                           "torch.distributed.init_process_group(...) first, or use flash_attn_func on one device")
+    ulysses_group, ring_group = split_group(group)
+    for g in (ulysses_group, ring_group):
+        if (g is not None or ulysses_group is None) and dist.get_rank(g) < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
+                             f"group=; call dist_flash_attn_func only on the ranks of that group (the group's ranks: "
+                             f"torch.distributed.get_process_group_ranks(group))")
 
 
 def _cluster(link: str | None = None, gpus_per_node: int | None = None):

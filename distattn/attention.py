@@ -37,10 +37,10 @@ import torch.distributed as dist
 from distattn import agreement, kernels
 from distattn.comm import DEFAULT_TIMEOUT_S, DistAttnError, PeerExchange, communicator
 from distattn.schedule import PARTIALS, SCHEDULES, MaskSpec, Plan, Task, Transfer, local_bounds, make_plan
+from distattn.topology import topology
 
-__all__ = ["DistAttnConfig", "dist_attn_forward", "dist_attn_backward"]
+__all__ = ["DistAttnConfig", "dist_attn_forward", "dist_attn_backward", "reject_call"]
 
-_TAGS_PER_CALL = 4096  # message tags of call ``seq`` are ``seq * 4096 + round`` (a call posts 2 rounds a step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,12 +112,16 @@ class _Executor:
         """``checked``: the call's input tensors by name, whose shapes and dtype all ranks must agree on."""
         self.cfg, self.phase, self.checked = cfg, phase, checked
         self.n = like.shape[1]
-        self.plan = cfg.plan(self.n)
-        self.spec = cfg.mask_spec()
         self.step = None  # the plan step being executed, for error messages
+        self.device = like.device
         self._connect(like.device)
         self.rank = self.comm.rank
-        self.device = like.device
+        # Agreement first: nothing sized by the inputs (the plan, per-row key bounds, buffers) exists before every
+        # rank has confirmed the same call, so a rank with absurd shapes cannot run out of memory while its
+        # peers wait for it.
+        self._agree()
+        self.plan = cfg.plan(self.n)
+        self.spec = cfg.mask_spec()
         self.backend = kernels.get_backend(cfg.backend, like.device)
         self._bounds: dict[object, kernels.KeyBounds] = {}
         self._pool: dict[tuple, list[torch.Tensor]] = {}  # receive buffers, reused across steps (see ``post``)
@@ -129,7 +133,7 @@ class _Executor:
         self.lib = communicator(self.cfg.group, self.cfg.timeout)
         self.seq = self.lib.next_call()
         self.comm = PeerExchange(self.lib.fetch, device, timeout=self.cfg.timeout,
-                                 tag_base=self.seq * _TAGS_PER_CALL, return_group=self.lib.ret)
+                                 call=self.seq, return_group=self.lib.ret)
 
     def _agree(self) -> None:
         """All ranks make the same call, or all raise the same ``ValueError`` (before any transfer).
@@ -215,9 +219,9 @@ class _Executor:
         return inbox
 
     def run(self, *handlers, **named) -> None:
-        """Check agreement, then interpret the plan (``_run``); on any failure abort the library's communicators
-        so that the peers fail at once instead of waiting, and re-raise (the next call rebuilds them)."""
-        self._agree()
+        """Interpret the plan (``_run``; the agreement was checked when the executor was made); on any failure
+        abort the library's communicators so that the peers fail at once instead of waiting, and re-raise (the
+        next call rebuilds them)."""
         try:
             self._run(*handlers, **named)
             if agreement.enabled():
@@ -296,6 +300,38 @@ class _WireCopies:
         if id(t) not in self._copies:
             self._copies[id(t)] = t.contiguous()
         return self._copies[id(t)]
+
+
+def reject_call(group, phase: str, error: Exception, timeout: float, device: torch.device | None = None):
+    """This rank's input failed validation with ``error``: take part in the call's agreement as a failed rank, so
+    that every rank of ``group`` raises the same error (naming this rank and ``error``) and every rank uses the
+    same call number. Raises that error; with ``DISTATTN_CHECK=0`` (no agreement) raises ``error`` itself.
+
+    ``group``: a flat group; for a 2-D group (``topology(group).two_d``) the Ulysses group's agreement is joined,
+    and its ranks carry the failure on to their ring groups (``distattn.ulysses``)."""
+    if not agreement.enabled():
+        raise error
+    topo = topology(group)
+    if topo.U == 1:
+        _reject_flat(topo.ring_group, phase, error, timeout, device)
+    try:  # the Ulysses group first, then this rank's ring (as the ranks that passed validation do)
+        _reject_flat(topo.ulysses_group, phase, error, timeout, device)
+    except (ValueError, TypeError) as exc:
+        _reject_flat(topo.ring_group, phase, exc, timeout, device)
+
+
+def _reject_flat(group, phase: str, error: Exception, timeout: float, device):
+    lib = communicator(group, timeout)
+    seq = lib.next_call()
+    where = f"{phase} call {seq}, before step 0 (this rank's input failed validation)"
+    own = agreement.rejected_fields(phase, seq, error)
+    collective = device if (device is not None and lib.nccl) else torch.device("cpu")
+    try:
+        agreement.agree(lib, own, collective, timeout, where)
+    except DistAttnError:
+        lib.abort()
+        raise error from None  # the peers are gone or stalled: this rank's own error is the useful one
+    raise agreement.rejection([own] * lib.world_size) from error  # every rank: rejected for the same reason
 
 
 # -- forward ------------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PeerExchange", "CommCounters", "COUNTERS", "reset_counters", "DistAttnError", "Communicator",
-           "communicator", "default_timeout"]
+           "communicator", "default_timeout", "message_tag", "ROUNDS_PER_CALL"]
 
 TIMEOUT_ENV = "DISTATTN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -256,6 +256,22 @@ def _reason(error: Exception, timeout: float) -> str:
             f"{text.strip().splitlines()[-1][:160]})")
 
 
+# -- message tags -----------------------------------------------------------------------------------------
+ROUNDS_PER_CALL = 4096
+"""Tags a call cycles through. At most 4 rounds of one call are in flight at once (two fetch slots, two return
+slots), so a round's tag repeats only 4096 rounds later, long after that round was waited for."""
+_CALLS_PER_CYCLE = (2 ** 31) // ROUNDS_PER_CALL  # 524,288 calls, then tags start again from call 0's
+
+
+def message_tag(call: int, round_: int) -> int:
+    """The tag of round ``round_`` of call ``call``: in ``[0, 2^31)`` for any number of calls (gloo and NCCL take a
+    32-bit signed tag; an unbounded ``call * 4096 + round`` passed it after 2^19 calls, ~8k steps of a 32-layer
+    model). Consecutive calls never share a tag, so a message left over from an abandoned call cannot match the
+    next one; one would have to outlive 2^19 calls to meet its tag again (and after an abort, the library's groups
+    are new ones anyway)."""
+    return (call % _CALLS_PER_CYCLE) * ROUNDS_PER_CALL + round_ % ROUNDS_PER_CALL
+
+
 @dataclass
 class CommCounters:
     """Bytes this process sent and received through ``PeerExchange`` (cumulative)."""
@@ -292,16 +308,17 @@ class PeerExchange:
         group: the process group (``None``: the default group). Peers are given as *group* ranks.
         device: where the tensors live; CUDA enables the side stream.
         timeout: bound of every ``wait`` in seconds (``None``: ``default_timeout()``).
-        tag_base: added to every message tag (the executor passes ``seq * 4096``: tags unique per call).
+        call: the call's sequence number; message tags are ``message_tag(call, round)``, unique among the
+            messages of this call and its neighbours, and always below 2^31.
         return_group: the group for slots ``("return", ...)`` (``None``: ``group``); same ranks as ``group``.
     """
 
-    def __init__(self, group, device: torch.device, *, timeout: float | None = None, tag_base: int = 0,
+    def __init__(self, group, device: torch.device, *, timeout: float | None = None, call: int = 0,
                  return_group=None):
         self.group = group
         self.return_group = group if return_group is None else return_group
         self.timeout = default_timeout() if timeout is None else timeout
-        self.tag_base = tag_base
+        self.call = call
         self.where = "outside a call"  # the executor's phase and step, for error messages
         self.device = torch.device(device)
         self.rank = dist.get_rank(group)
@@ -398,7 +415,7 @@ class PeerExchange:
 
     def _make_ops(self, sends, recvs, group):
         ops, copy_back = [], []
-        tag = self.tag_base + self._tag
+        tag = message_tag(self.call, self._tag)
         for peer, tensors in sends:
             for t in tensors:
                 t = t.contiguous()

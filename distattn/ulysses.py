@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from distattn import agreement, kernels
-from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward
+from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward, reject_call
 from distattn.comm import COUNTERS, bounded_wait, communicator
 from distattn.schedule import layout_of, ulysses_heads
 from distattn.topology import Topology, topology
@@ -55,8 +55,13 @@ class _Row:
         if agreement.enabled():
             fields = agreement.call_fields(phase, self.seq, checked, cfg.fingerprint_fields())
             fields["ulysses"] = topo.U
-            agreement.agree(self.lib, fields, self.device if self.lib.nccl else torch.device("cpu"),
-                            cfg.timeout, f"{phase} call {self.seq} (Ulysses all-to-all), before the exchange")
+            try:
+                agreement.agree(self.lib, fields, self.device if self.lib.nccl else torch.device("cpu"),
+                                cfg.timeout, f"{phase} call {self.seq} (Ulysses all-to-all), before the exchange")
+            except (ValueError, TypeError) as exc:
+                # Carry the failure on to this rank's ring group, whose other members (in Ulysses groups that
+                # agreed) are about to check the ring executor's call: they raise too, instead of waiting.
+                reject_call(topo.ring_group, phase, exc, cfg.timeout, self.device)
 
     def _a2a(self, send: torch.Tensor, what: str) -> torch.Tensor:
         """``all_to_all_single`` over the row: block ``i`` of dim 0 goes to Ulysses rank ``i``; bounded wait."""
