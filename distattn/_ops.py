@@ -21,7 +21,8 @@ Legend: ``b`` batch, ``n`` tokens on this rank, ``h_q``/``h_kv`` heads, ``d`` he
 
 from __future__ import annotations
 
-import functools
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -55,31 +56,43 @@ def reset_counters() -> None:
 
 
 # -- process-group registry -----------------------------------------------------------------------------
+# A process group is held by a weak reference: a job that makes a new group per call must not keep every group
+# (and the library's communicators for it, ``distattn.comm``) alive. Pairs of groups are held as given.
 _GROUPS: dict[str, object] = {DEFAULT_GROUP_KEY: None}
+_NEXT_KEY = itertools.count(1)
+
+
+def _deref(known):
+    return known() if isinstance(known, weakref.ref) else known
 
 
 def group_key(group) -> str:
     """The registry key of ``group`` (registered on first use; ``None`` is ``"default"``)."""
     if group is None:
         return DEFAULT_GROUP_KEY
-    for key, known in _GROUPS.items():
-        if known is group or (isinstance(group, tuple) and known == group):  # a (ulysses, ring) pair: by value
+    for key, known in list(_GROUPS.items()):
+        g = _deref(known)
+        if g is None and key != DEFAULT_GROUP_KEY:
+            del _GROUPS[key]  # collected
+        elif g is group or (isinstance(group, tuple) and g == group):  # a (ulysses, ring) pair: by value
             return key
-    key = f"group{len(_GROUPS)}"
-    _GROUPS[key] = group
+    key = f"group{next(_NEXT_KEY)}"
+    try:
+        _GROUPS[key] = weakref.ref(group)
+    except TypeError:  # not weakly referenceable (a tuple of groups): held as given
+        _GROUPS[key] = group
     return key
 
 
 def group_of(key: str):
     """The process group registered under ``key`` (``None``: the default group)."""
-    try:
-        return _GROUPS[key]
-    except KeyError:
-        raise ValueError(f"no process group is registered under {key!r} in this process (known: "
-                         f"{sorted(_GROUPS)}); get keys from distattn._ops.group_key(group)") from None
+    if key not in _GROUPS or (key != DEFAULT_GROUP_KEY and _deref(_GROUPS[key]) is None):
+        raise ValueError(f"no live process group is registered under {key!r} in this process (known: "
+                         f"{sorted(_GROUPS)}); get keys from distattn._ops.group_key(group), and keep the group "
+                         f"alive until its calls (and their backward) are done")
+    return _deref(_GROUPS[key])
 
 
-@functools.lru_cache(maxsize=256)
 def _config(causal: bool, scale: float, window_left: int, window_right: int, softcap: float, key: str,
             schedule: str, backend: str | None, overlap: bool, cu_seqlens: tuple, timeout: float,
             partials: str) -> DistAttnConfig:

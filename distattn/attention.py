@@ -138,23 +138,26 @@ class _Executor:
     def _agree(self) -> None:
         """All ranks make the same call, or all raise the same ``ValueError`` (before any transfer).
 
-        A communicator that the peers aborted in a call this rank never made (it skipped one) fails the check
-        at once ("connection closed"): rebuild it and check again, once, so this call meets the peers' rebuilt
-        one (every rank that made the failed call failed it too: ``agreement.confirm``). A timeout is raised.
+        A communicator that the peers abandoned while this rank was away (stalled, or late to this call) fails the
+        check at once ("connection closed"): the call was given up by the others, so it raises here, once, saying
+        so (pairing it with the peers' next call would pair different batches); the next call joins the peers'
+        rebuild (``distattn.comm``: the epoch protocol).
         """
         if not agreement.enabled():
             return
-        for attempt in range(2):
-            where = f"{self.phase} call {self.seq}, before step 0"
-            fields = agreement.call_fields(self.phase, self.seq, self.checked, self.cfg.fingerprint_fields())
-            try:
-                agreement.agree(self.lib, fields, self._collective_device(), self.cfg.timeout, where)
-                return
-            except DistAttnError as exc:
-                self._abort()
-                if attempt or exc.timed_out:
-                    raise
-                self._connect(self.device)
+        where = f"{self.phase} call {self.seq}, before step 0"
+        fields = agreement.call_fields(self.phase, self.seq, self.checked, self.cfg.fingerprint_fields())
+        try:
+            agreement.agree(self.lib, fields, self._collective_device(), self.cfg.timeout, where)
+        except DistAttnError:
+            abandoned = self.lib.abandoned_by_peers()  # read before this rank's own abort marks the epoch
+            self._abort()
+            if not abandoned:
+                raise
+            raise DistAttnError(f"distattn: rank {self.rank}, {where}: the other ranks abandoned the library's "
+                                f"communicators (epoch {self.lib.epoch}) after a failure or a timeout, e.g. while this "
+                                f"rank was stalled; this call fails here, once, and the next call joins their "
+                                f"rebuild") from None
 
     def _collective_device(self) -> torch.device:
         return self.device if self.lib.nccl else torch.device("cpu")

@@ -32,6 +32,17 @@ group and dropping every reference to it closes its TCP connections, so a peer b
 fails at once ("connection closed"), aborts its own communicator in turn, and the failure cascades to every
 rank within milliseconds. Tags carry the call's sequence number, so a retried call never matches an earlier
 call's messages.
+
+Recovery is a protocol (issue 21). The library's groups for a user group have an *epoch*: 0 when first built,
+``e + 1`` after the groups of epoch ``e`` were aborted. Every rank that aborts epoch ``e`` leaves a mark in the job's
+store (``abandoned``, with the call number), and builds epoch ``e + 1`` at its next call only once every rank of
+the group has arrived at the same epoch's rendezvous in the store (``_Rendezvous``: one compare-and-set key per
+epoch; a rank that gives up leaves it again, atomically, so ``dist.new_group``, a collective every rank must make
+equally often, is called by all ranks or by none). A rank that does not arrive within ``DISTATTN_REBUILD_TIMEOUT``
+(10 s; a short bound of its own, so that a dead peer is reported quickly) is named as gone or stalled, and the call
+fails without touching the groups; the next call tries the same epoch again. A rank that was away (stalled) while
+its peers abandoned its call finds the mark when its call fails, raises once saying so, and joins the rebuild at its
+next call.
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ __all__ = ["PeerExchange", "CommCounters", "COUNTERS", "reset_counters", "DistAt
 
 TIMEOUT_ENV = "DISTATTN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
+REBUILD_TIMEOUT_ENV = "DISTATTN_REBUILD_TIMEOUT"
+DEFAULT_REBUILD_TIMEOUT_S = 10.0
 
 
 class DistAttnError(RuntimeError):
@@ -66,48 +79,69 @@ class DistAttnError(RuntimeError):
 
 def default_timeout() -> float:
     """``DISTATTN_TIMEOUT`` (seconds, > 0), else 300 s: the bound of every wait inside a call."""
-    raw = os.environ.get(TIMEOUT_ENV)
+    return _seconds_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def rebuild_timeout() -> float:
+    """``DISTATTN_REBUILD_TIMEOUT`` (seconds, > 0), else 10 s: how long a rank waits for its peers to arrive at the
+    rebuild of the library's groups after a failure before it reports them gone or stalled."""
+    return _seconds_env(REBUILD_TIMEOUT_ENV, DEFAULT_REBUILD_TIMEOUT_S)
+
+
+def _seconds_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
     if raw is None:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
     if not (value > 0 and value != float("inf")):
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds (default "
-                         f"{DEFAULT_TIMEOUT_S:g})")
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds (default {default:g})")
     return value
 
 
 # -- the library's own communicators -------------------------------------------------------------------------
 class Communicator:
-    """The library's own process groups for one user group (same ranks, same group-rank order).
+    """The library's own process groups for one user group (same ranks, same group-rank order), at one epoch.
 
     ``fetch`` carries the fetch rounds and the agreement check, ``ret`` the return rounds: on NCCL two groups
     (two communicators, each on a high-priority stream where the API offers it, so returns never queue behind
     fetches); elsewhere one group serves both. ``seq`` numbers the calls made on this communicator (message
     tags and the agreement fingerprint carry it).
 
-    ``dist.new_group`` is a collective: every member must reach it in the same order, which is why it is
-    called by the first distattn call (or the first after an abort), a point every rank reaches.
+    ``dist.new_group`` is a collective: every member must reach it equally often, which is why it is called by
+    the first distattn call (or the first after an abort), and only after every rank has arrived at the same
+    epoch's rendezvous in the job's store (``_Rendezvous``). ``join_timeout``: how long to wait for the others
+    there (the call's timeout for the first build, the shorter rebuild bound afterwards).
+
+    The communicator keeps no reference to the user's group (only its ranks), so the cache can drop it, and free
+    the library's groups, when the user's group is collected (``communicator``).
     """
 
-    def __init__(self, group, timeout: float):
-        self.user_group = group
+    def __init__(self, group, timeout: float, *, epoch: int = 0, join_timeout: float | None = None):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         backend = str(dist.get_backend(group))
         self.nccl = "nccl" in backend
+        self.epoch = epoch
+        self.name = "default" if group is None else str(getattr(group, "group_name", "") or ranks)
         # Own groups only for a group spanning the whole job: dist.new_group names a group after a counter that
         # every process of the job advances (so all must call it), or, with use_local_synchronization, after a
         # hash that includes how many groups the calling process has, which differs between the members of a
         # subgroup as soon as they made different groups (a stale or mismatched name: the rendezvous hangs).
         # A subgroup's traffic therefore stays on the subgroup itself: bounded, tagged, never aborted.
         self.owned = len(ranks) == dist.get_world_size()
+        self.fetch = self.ret = None
+        self.seq = 0
+        self.aborted = False
+        self.timeout = timeout
         if not self.owned:
             self.fetch = self.ret = group
-        elif self.nccl:
+            return
+        _Rendezvous(self.name, epoch, self.rank, self.world_size).join(timeout if join_timeout is None else join_timeout)
+        if self.nccl:
             # sort_ranks=False: group rank r of the library's groups is group rank r of the user's group.
             kw = dict(ranks=ranks, timeout=_group_timeout(timeout, True), backend=backend, sort_ranks=False)
             options = _nccl_options() if backend == "nccl" else None  # a mixed backend takes no NCCL options
@@ -116,9 +150,6 @@ class Communicator:
         else:
             self.fetch = self.ret = dist.new_group(ranks=ranks, timeout=_group_timeout(timeout, False),
                                                    backend=backend, sort_ranks=False)
-        self.seq = 0
-        self.aborted = False
-        self.timeout = timeout
 
     def set_timeout(self, timeout: float) -> None:
         """Bound the groups' own operations by ``timeout`` too (gloo collectives honour the group's timeout,
@@ -133,16 +164,29 @@ class Communicator:
         self.seq += 1
         return self.seq
 
+    def abandoned_by_peers(self) -> bool:
+        """Whether a rank of the group has abandoned this epoch (aborted its groups after a failure)."""
+        return self.owned and _Rendezvous(self.name, self.epoch, self.rank, self.world_size).abandoned()
+
     def abort(self) -> None:
-        """Tear the library's groups down (never the user's). Peers waiting on this rank then fail at once
-        on gloo (its connections close); on NCCL the communicators are aborted (``ncclCommAbort``)."""
+        """Tear the library's groups down (never the user's) and mark the epoch abandoned in the job's store.
+        Peers waiting on this rank then fail at once on gloo (its connections close); on NCCL the communicators
+        are aborted (``ncclCommAbort``)."""
         if self.aborted:
             return
         self.aborted = True
         if not self.owned:
             return  # the user's group: never aborted (its peers fail at their own timeout)
+        _quietly(_Rendezvous(self.name, self.epoch, self.rank, self.world_size).abandon, self.seq)
+        self.free()
+
+    def free(self) -> None:
+        """Destroy the library's groups (a local operation): after an abort, or when the user's group is gone."""
         groups = [g for g in {id(self.fetch): self.fetch, id(self.ret): self.ret}.values() if g is not None]
         self.fetch = self.ret = None
+        self.aborted = True
+        if not self.owned:
+            return
         for group in groups:
             _quietly(getattr(group, "abort", None))
             _quietly(dist.destroy_process_group, group)
@@ -150,6 +194,70 @@ class Communicator:
         groups = group = None  # noqa: F841
         if any(ref() is not None for ref in alive):
             gc.collect()  # the last reference to a gloo group closes its sockets, which is what wakes the peers
+
+
+class _Rendezvous:
+    """One epoch's meeting point in the job's store, before ``dist.new_group`` (see the module doc).
+
+    The key ``distattn/<group>/e<epoch>/arrived`` holds the sorted ranks that are waiting, or ``go`` once all have
+    arrived. Every change is a compare-and-set, so arriving, giving up and the switch to ``go`` are atomic: a rank
+    that gives up either leaves the set before ``go`` (and no rank calls ``new_group``) or finds ``go`` and goes on
+    with the others. ``abandoned`` marks the epoch given up after a failure (value: the failed call's number)."""
+
+    POLL_S = 0.005
+
+    def __init__(self, name: str, epoch: int, rank: int, world_size: int):
+        self.prefix = f"distattn/{name}/e{epoch}"
+        self.rank, self.world_size, self.epoch = rank, world_size, epoch
+        self.store = _job_store()
+
+    def join(self, timeout: float) -> None:
+        key = f"{self.prefix}/arrived"
+        state = self._update(key, lambda ranks: ranks | {self.rank})
+        deadline = time.monotonic() + timeout
+        while state != "go":
+            if time.monotonic() > deadline:
+                present = _ranks(state)
+                state = self._update(key, lambda ranks: ranks - {self.rank})
+                if state == "go":  # everyone arrived while this rank was giving up: go on with them
+                    break
+                missing = sorted(set(range(self.world_size)) - present)
+                what = "build" if self.epoch == 0 else f"rebuild (epoch {self.epoch}, after a failed call)"
+                raise DistAttnError(f"distattn: rank {self.rank}: group rank(s) {missing} did not arrive at the {what} "
+                                    f"of the library's communicators within {timeout:g} s: they are gone (dead) or "
+                                    f"stalled, or not making this call; the next call tries again"
+                                    + ("" if self.epoch == 0 else f" ({REBUILD_TIMEOUT_ENV} bounds this wait)"),
+                                    timed_out=True)
+            time.sleep(self.POLL_S)
+            state = self.store.get(key).decode()
+
+    def _update(self, key: str, change) -> str:
+        current = self.store.get(key).decode() if self.store.check([key]) else ""
+        while current != "go":
+            ranks = change(_ranks(current))
+            new = "go" if len(ranks) == self.world_size else ",".join(map(str, sorted(ranks)))
+            got = self.store.compare_set(key, current, new).decode()
+            if got == new:
+                return new
+            current = got
+        return "go"
+
+    def abandon(self, seq: int) -> None:
+        self.store.set(f"{self.prefix}/abandoned", str(seq))
+
+    def abandoned(self) -> bool:
+        return self.store.check([f"{self.prefix}/abandoned"])
+
+
+def _ranks(state: str) -> set[int]:
+    return {int(r) for r in state.split(",") if r} if state not in ("", "go") else set()
+
+
+def _job_store():
+    """The job's key-value store (the one ``init_process_group`` made): the rendezvous of the library's groups
+    lives there. torch has no public accessor; this is the one place distattn reads torch's (tested on torch
+    2.11 and 2.13)."""
+    return dist.PrefixStore("distattn-rdzv", dist.distributed_c10d._get_default_store())
 
 
 def _group_timeout(timeout: float, nccl: bool) -> datetime.timedelta:
@@ -177,26 +285,43 @@ def _nccl_options():
         return None
 
 
-_COMMUNICATORS: dict[object, Communicator] = {}
+_DEFAULT: list[Communicator] = []  # the default group's communicator, if built
+_BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # user group -> [its communicator]
 
 
 def communicator(group, timeout: float) -> Communicator:
-    """The library's communicator for ``group``: cached; (re)built after an abort (a collective, see above)."""
-    key = "default" if group is None else group
-    comm = _COMMUNICATORS.get(key)
+    """The library's communicator for ``group``: cached while ``group`` lives (its groups are freed when the user's
+    group is collected, so a new group per call leaves nothing behind); (re)built after an abort, at the next
+    epoch (a collective, see the module doc)."""
+    holder = _DEFAULT if group is None else _BY_GROUP.get(group)
+    comm = holder[0] if holder else None
     if comm is None or comm.aborted:
-        old = _COMMUNICATORS.pop(key, None)
+        epoch = 0 if comm is None else comm.epoch + 1
+        join = timeout if comm is None else min(timeout, rebuild_timeout())
         try:
-            comm = Communicator(group, timeout)
-            if old is not None and not comm.owned:
-                comm.seq = old.seq  # the same group again: tags keep growing, no stale message can match
+            fresh = Communicator(group, timeout, epoch=epoch, join_timeout=join)
+        except DistAttnError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a peer that never arrives: a bounded, named failure
             raise DistAttnError(f"distattn: rank {dist.get_rank(group)} could not build the library's "
                                 f"communicators within {timeout:g} s (every rank of the group must make the "
                                 f"same distattn call): {exc}") from exc
-        _COMMUNICATORS[key] = comm
+        if comm is not None and not fresh.owned:
+            fresh.seq = comm.seq  # the same group again: tags keep growing, no stale message can match
+        if holder is None:
+            holder = []
+            _BY_GROUP[group] = holder
+            weakref.finalize(group, _free_holder, holder)  # the user's group collected: free the library's too
+        holder[:] = [fresh]
+        comm = fresh
     comm.set_timeout(timeout)
     return comm
+
+
+def _free_holder(holder: list) -> None:
+    for comm in holder:
+        _quietly(comm.free)
+    holder.clear()
 
 
 def bounded_wait(works, timeout: float, what: str, *, poll: bool = False) -> None:

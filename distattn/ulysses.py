@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from distattn import agreement, kernels
 from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward, reject_call
-from distattn.comm import COUNTERS, bounded_wait, communicator
+from distattn.comm import COUNTERS, DistAttnError, bounded_wait, communicator
 from distattn.schedule import layout_of, ulysses_heads
 from distattn.topology import Topology, topology
 
@@ -58,6 +58,9 @@ class _Row:
             try:
                 agreement.agree(self.lib, fields, self.device if self.lib.nccl else torch.device("cpu"),
                                 cfg.timeout, f"{phase} call {self.seq} (Ulysses all-to-all), before the exchange")
+            except DistAttnError:
+                self.lib.abort()  # the peers then fail at once too; the next call rebuilds
+                raise
             except (ValueError, TypeError) as exc:
                 # Carry the failure on to this rank's ring group, whose other members (in Ulysses groups that
                 # agreed) are about to check the ring executor's call: they raise too, instead of waiting.

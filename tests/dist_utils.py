@@ -47,8 +47,11 @@ def _worker(rank, world_size, init_file, fn, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None,
+                    may_die: tuple[int, ...] = ()) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``may_die``: ranks that are expected to kill themselves (fault tests): their result is ``None``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     old_env = {key: os.environ.get(key) for key in (env or {})}
@@ -60,7 +63,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, env: dic
         try:
             for p in procs:
                 p.start()
-            return _collect(procs, results, world_size, timeout)
+            return _collect(procs, results, world_size, timeout, set(may_die))
         finally:
             for p in procs:
                 if p.is_alive():
@@ -73,7 +76,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, env: dic
                     os.environ[key] = val
 
 
-def _collect(procs, results, world_size, timeout):
+def _collect(procs, results, world_size, timeout, may_die=frozenset()):
     deadline = time.monotonic() + timeout
     out: dict[int, object] = {}
     errors: dict[int, str] = {}
@@ -89,7 +92,10 @@ def _collect(procs, results, world_size, timeout):
             dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
                     and r not in out and r not in errors]
             for r in dead:
-                errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+                if r in may_die:
+                    out[r] = None
+                else:
+                    errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
             continue
         if status == "ok":
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
