@@ -242,3 +242,25 @@ def test_communicators_are_freed_with_their_group():
     for ten, forty in run_distributed(_group_churn_worker, 2, timeout=SPAWN_TIMEOUT_S):
         # 30 more groups, each with a library group of its own: without freeing, ~10 descriptors each
         assert forty - ten < 30, (ten, forty)
+
+
+# -- 6. agreement before anything sized by the inputs -----------------------------------------------------------
+def _huge_worker(rank, world):
+    import resource
+
+    _call(world, 0)
+    n = 2 ** 28 if rank == world - 1 else 8  # a stride-0 view: 2^28 tokens that cost no memory to hold
+    x = torch.zeros(1, 1, 2, 8).expand(1, n, 2, 8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kind, msg, took = _outcome(lambda: distattn.dist_flash_attn_func(x, x, x, causal=True, window_size=(64, 0),
+                                                                      timeout=CALL_TIMEOUT_S))
+    grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    return kind, msg, took, grew_mb, _call(world, 1)
+
+
+def test_a_huge_declared_shard_fails_the_agreement_before_any_allocation():
+    for kind, msg, took, grew_mb, after in run_distributed(_huge_worker, 2, timeout=SPAWN_TIMEOUT_S):
+        assert kind == "ValueError" and "q.shape" in msg and "268435456" in msg, (kind, msg)
+        assert took < FAST_S, took
+        assert grew_mb < 256, grew_mb  # the plan's per-row bounds for 2^28 rows alone would be 4 GiB
+        assert after < EXACT
