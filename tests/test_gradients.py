@@ -7,7 +7,8 @@ and fp32 (plain PyTorch, the baseline). One spawn per world size runs every case
 
 * 2 ranks (P = 2): the plain loop (``reduce_gradients``), DDP with ``register_ddp_gradient_hook``, FSDP2 with
   ``set_fsdp_gradient_divide_factor``, naive DDP with the loss scaled by P (the recipe for other wrappers), and
-  naive DDP alone, which gives 1/P of the gradient (the pitfall these functions exist for);
+  naive DDP alone, which gives 1/P of the gradient (the pitfall these functions exist for); the first three
+  also with gradient accumulation over two micro-batches (DDP: ``no_sync`` on the first);
 * 3 ranks (P = 3): the plain loop;
 * 4 ranks: data parallel 2 x sequence parallel 2 (replica d = ranks {2d, 2d+1} trains on its own batch; the
   reference is the mean of the two batches' full-sequence gradients) under the plain loop, DDP, FSDP2 and naive
@@ -16,6 +17,8 @@ and fp32 (plain PyTorch, the baseline). One spawn per world size runs every case
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -80,24 +83,33 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _plain(ids, group, process_group=None):
+def _micro_batches(model, batches, group, loss_scale: float = 1.0, no_sync=None):
+    """Backward on each of ``batches`` (gradient accumulation: each loss divided by their number); ``no_sync``:
+    DDP's context, entered for all but the last."""
+    for i, ids in enumerate(batches):
+        skip = no_sync is not None and i < len(batches) - 1
+        with no_sync() if skip else contextlib.nullcontext():
+            _backward(model, ids, group, loss_scale / len(batches))
+
+
+def _plain(batches, group, process_group=None):
     model = make_model()
-    _backward(model, ids, group)
-    distattn.reduce_gradients(model, group, process_group=process_group)
+    _micro_batches(model, batches, group)
+    distattn.reduce_gradients(model, group, process_group=process_group)  # once, after the last micro-batch
     return _grads(model)
 
 
-def _ddp(ids, group, *, hook: bool, loss_scale: float = 1.0):
+def _ddp(batches, group, *, hook: bool, loss_scale: float = 1.0):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(make_model())
     if hook:
         distattn.register_ddp_gradient_hook(model, group)
-    _backward(model, ids, group, loss_scale)
+    _micro_batches(model, batches, group, loss_scale, no_sync=model.no_sync)
     return _grads(model.module)
 
 
-def _fsdp(ids, group):
+def _fsdp(batches, group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -106,7 +118,7 @@ def _fsdp(ids, group):
     fully_shard(model.qkv, mesh=mesh)  # two FSDP modules: the setting must reach each
     fully_shard(model, mesh=mesh)
     distattn.set_fsdp_gradient_divide_factor(model, group)
-    _backward(model, ids, group)
+    _micro_batches(model, batches, group)  # FSDP2 reduce-scatters after every micro-batch: each one divided
     return _grads(model)
 
 
@@ -120,13 +132,17 @@ def _refused(fn) -> str:
 
 def _cases_p(rank, world_size):
     """The sequence-parallel group is the world: P = world_size, no data parallelism."""
-    ids = make_ids()
-    out = {"plain": _plain(ids, None)}
+    one, two = [make_ids()], [make_ids(d) for d in range(DP_REPLICAS)]
+    out = {"plain": _plain(one, None)}
     if world_size == 2:
-        out["ddp"] = _ddp(ids, None, hook=True)
-        out["fsdp2"] = _fsdp(ids, None)
-        out["ddp naive, loss x P"] = _ddp(ids, None, hook=False, loss_scale=world_size)
-        out["ddp naive"] = _ddp(ids, None, hook=False)
+        out["ddp"] = _ddp(one, None, hook=True)
+        out["fsdp2"] = _fsdp(one, None)
+        out["ddp naive, loss x P"] = _ddp(one, None, hook=False, loss_scale=world_size)
+        out["ddp naive"] = _ddp(one, None, hook=False)
+        # gradient accumulation over two micro-batches (the reference: the mean of their gradients)
+        out["plain, 2 micro-batches"] = _plain(two, None)
+        out["ddp, 2 micro-batches, no_sync"] = _ddp(two, None, hook=True)
+        out["fsdp2, 2 micro-batches"] = _fsdp(two, None)
     return out
 
 
@@ -138,10 +154,10 @@ def _cases_dp_sp(rank, world_size):
     sp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # new_group: every rank creates every group
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group, replica = sp_groups[rank // 2], rank // 2
-    ids = make_ids(replica)
-    out = {"plain": _plain(ids, group), "ddp": _ddp(ids, group, hook=True), "fsdp2": _fsdp(ids, group),
-           "ddp naive": _ddp(ids, group, hook=False)}
-    out["2-D sp over the world"] = _plain(make_ids(), distattn.make_2d_groups(2))
+    mine = [make_ids(replica)]
+    out = {"plain": _plain(mine, group), "ddp": _ddp(mine, group, hook=True), "fsdp2": _fsdp(mine, group),
+           "ddp naive": _ddp(mine, group, hook=False)}
+    out["2-D sp over the world"] = _plain([make_ids()], distattn.make_2d_groups(2))
     # a reduction over the replicas only cuts each sequence-parallel group: refused, on every rank
     out["refused ddp"] = _refused(lambda: distattn.register_ddp_gradient_hook(
         DDP(make_model(), process_group=dp_groups[rank % 2]), group))
@@ -195,7 +211,8 @@ def _ratio(ours, ref) -> float:
 
 # -- checks -----------------------------------------------------------------------------------------------------
 CASES = [(2, "plain", "one batch"), (2, "ddp", "one batch"), (2, "fsdp2", "one batch"),
-         (2, "ddp naive, loss x P", "one batch"), (3, "plain", "one batch"), (4, "plain", "dp"), (4, "ddp", "dp"),
+         (2, "ddp naive, loss x P", "one batch"), (2, "plain, 2 micro-batches", "dp"),
+         (2, "ddp, 2 micro-batches, no_sync", "dp"), (2, "fsdp2, 2 micro-batches", "dp"), (3, "plain", "one batch"), (4, "plain", "dp"), (4, "ddp", "dp"),
          (4, "fsdp2", "dp"), (4, "2-D sp over the world", "one batch")]
 
 
