@@ -46,7 +46,7 @@ def _ranks(process_group) -> list[int]:
     return dist.get_process_group_ranks(process_group)
 
 
-def replicas(group, process_group_ranks: list[int], what: str) -> int:
+def _replicas(group, process_group_ranks: list[int], what: str) -> int:
     """``D``, the number of data-parallel replicas in a reduction over ``process_group_ranks`` (``what`` names it in
     errors): the process group must hold this rank's whole sequence-parallel group, and a multiple of its size.
 
@@ -91,7 +91,7 @@ def reduce_gradients(parameters, group=None, *, process_group=None) -> None:
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     params = [p for p in parameters if p.requires_grad]
-    d = replicas(group, _ranks(process_group), "reduce_gradients(process_group=...)")
+    d = _replicas(group, _ranks(process_group), "reduce_gradients(process_group=...)")
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -168,7 +168,7 @@ def register_ddp_gradient_hook(ddp_model, group=None):
                         f"{type(ddp_model).__name__}: wrap it first (model = DistributedDataParallel(model)); "
                         f"without DDP call distattn.reduce_gradients(model, group) after each backward")
     process_group = ddp_model.process_group
-    d = replicas(group, _ranks(process_group), "DDP's process group")
+    d = _replicas(group, _ranks(process_group), "DDP's process group")
     ddp_model.register_comm_hook(_HookState(process_group, d), _sum_sequence_mean_replicas)
     return ddp_model
 
@@ -179,8 +179,9 @@ def set_fsdp_gradient_divide_factor(model, group=None):
     data-parallel replicas: every FSDP module of ``model`` divides the reduced gradient by the number of
     replicas in its mesh (the mesh's size divided by ``P``) instead of by the mesh's size.
 
-    Uses ``FSDPModule.set_gradient_divide_factor`` (torch >= 2.8; the older ``set_reduce_scatter_divide_factor``
-    otherwise) and, where torch has it, ``set_force_sum_reduction_for_comms(True)``: plain SUM collectives
+    Uses ``FSDPModule.set_gradient_divide_factor`` (in torch 2.11 and 2.13; the older name
+    ``set_reduce_scatter_divide_factor`` where it is missing) and, where torch has it,
+    ``set_force_sum_reduction_for_comms(True)``: plain SUM collectives
     with the division after them (gloo has no ``PREMUL_SUM``). Call once, after ``fully_shard`` has been
     applied to the blocks and the root. A hybrid (HSDP) mesh divides by its replicate x shard size as a whole.
 
@@ -203,7 +204,7 @@ def set_fsdp_gradient_divide_factor(model, group=None):
                         f"on the root first")
     mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
     ranks = mesh.mesh.flatten().tolist() if mesh is not None else _ranks(None)
-    d = replicas(group, ranks, "the FSDP mesh")
+    d = _replicas(group, ranks, "the FSDP mesh")
     for module in modules:
         setter = getattr(module, "set_gradient_divide_factor", None) or module.set_reduce_scatter_divide_factor
         setter(float(d))

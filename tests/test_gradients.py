@@ -115,7 +115,7 @@ def _fsdp(batches, group):
 
     model = make_model()
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    fully_shard(model.qkv, mesh=mesh)  # two FSDP modules: the setting must reach each
+    fully_shard(model.embed, mesh=mesh)  # two FSDP modules: the setting must reach each
     fully_shard(model, mesh=mesh)
     distattn.set_fsdp_gradient_divide_factor(model, group)
     _micro_batches(model, batches, group)  # FSDP2 reduce-scatters after every micro-batch: each one divided
