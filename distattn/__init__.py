@@ -18,11 +18,12 @@ from distattn.api import (
 )
 from distattn.checkpoint import remat_checkpoint
 from distattn.comm import DistAttnError
+from distattn.gradients import reduce_gradients, register_ddp_gradient_hook, set_fsdp_gradient_divide_factor
 from distattn.sharding import gather_sequence, shard_sequence
 from distattn.topology import make_2d_groups
 from distattn.tune import autotune
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func",
            "shard_sequence", "gather_sequence", "make_2d_groups", "choose_schedule", "remat_checkpoint", "DistAttnError",
-           "autotune"]
+           "autotune", "reduce_gradients", "register_ddp_gradient_hook", "set_fsdp_gradient_divide_factor"]
 __version__ = "0.1.0"

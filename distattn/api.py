@@ -274,7 +274,10 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     Gradients: ``out.backward(...)`` gives this rank's ``q, k, v`` the gradient of the *whole* sequence's loss
     with respect to this rank's shards, provided every rank runs the backward (each rank's loss term
     reaches the others' keys and values through the exchange). Parameters upstream of q/k/v get only this
-    rank's share: sum them over the group (DDP/FSDP over the group does it) before an optimizer step.
+    rank's share: sum them over the group before an optimizer step (``distattn.reduce_gradients``). DDP and
+    FSDP *average* over their ranks, which gives ``1/P`` of the gradient: register
+    ``distattn.register_ddp_gradient_hook`` / ``distattn.set_fsdp_gradient_divide_factor`` on the wrapped model
+    (``distattn.gradients``; they also average over data-parallel replicas).
     """
     def validate():
         check_unsupported(dropout_p, alibi_slopes, deterministic)

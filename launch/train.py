@@ -154,7 +154,7 @@ def setup_model(cfg: RunConfig, config, group, device):
     use_distattn(model, group=group, schedule=cfg.args.schedule, backend=cfg.attn_backend)
     if cfg.args.remat:
         enable_remat_checkpointing(model)
-    model, mode = train_model.shard(model, cfg, device, log)
+    model, mode = train_model.shard(model, cfg, device, log, group)
     model.train()
     return model, mode
 

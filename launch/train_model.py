@@ -10,7 +10,8 @@ part of every parameter's gradient that flows through its tokens (its loss term,
 and the true gradient is their sum. ``causal_lm_loss`` normalizes each rank's term by the token count of
 the *whole* group, so summing over the sp ranks gives the gradient of the global mean loss; data-parallel
 replicas (``dp``) see different samples and are averaged. The gradient reduction over all ``sp * dp``
-ranks therefore sums and divides by ``dp`` only, not by the world size.
+ranks therefore sums and divides by ``dp`` only, not by the world size: distattn's own setting for each
+wrapper (``distattn.gradients``: a DDP communication hook, FSDP2's gradient divide factor).
 """
 
 from __future__ import annotations
@@ -78,17 +79,18 @@ def _fsdp_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def shard(model, cfg: RunConfig, device: torch.device, log) -> tuple[torch.nn.Module, str]:
+def shard(model, cfg: RunConfig, device: torch.device, log, group=None) -> tuple[torch.nn.Module, str]:
     """Shard or replicate the parameters over all ranks; returns the model and ``"fsdp2"``/``"ddp"``/``"none"``.
 
-    Rank 0's model holds the weights; the others' are on ``meta`` and receive them here.
+    Rank 0's model holds the weights; the others' are on ``meta`` and receive them here. ``group``: the
+    sequence-parallel group (``train.sequence_group``), over which the gradient reduction sums.
     """
     if cfg.env.world_size == 1:
         if cfg.dtype == torch.float32:
             return model.to(device), "none"
         # Nothing to shard, but FSDP2's mixed-precision policy (compute in cfg.dtype, fp32 parameters and
         # gradients) gives the numerics of world > 1; autocast would leave q/k in fp32 after RoPE, v in bf16.
-        return _fully_shard(model, cfg, device), "fsdp2"
+        return _fully_shard(model, cfg, device, group), "fsdp2"
     mode = cfg.args.shard
     if mode in ("auto", "fsdp"):
         why = _fsdp_unsupported(device)
@@ -100,14 +102,16 @@ def shard(model, cfg: RunConfig, device: torch.device, log) -> tuple[torch.nn.Mo
         else:
             mode = "fsdp"
     if mode == "fsdp":
-        return _fully_shard(model, cfg, device), "fsdp2"
-    return _replicate(model, cfg, device), "ddp"
+        return _fully_shard(model, cfg, device, group), "fsdp2"
+    return _replicate(model, cfg, device, group), "ddp"
 
 
-def _fully_shard(model, cfg: RunConfig, device: torch.device):
+def _fully_shard(model, cfg: RunConfig, device: torch.device, group):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from distattn import set_fsdp_gradient_divide_factor
 
     full_sd = model.state_dict() if cfg.env.rank == 0 else {}  # references to rank 0's full fp32 tensors
     mesh = init_device_mesh(device.type, (cfg.env.world_size,))
@@ -115,11 +119,7 @@ def _fully_shard(model, cfg: RunConfig, device: torch.device):
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # each module owns its parameter group's reduction settings
-            module.set_gradient_divide_factor(float(cfg.dp_size))  # sum over sp, mean over dp (module docstring)
-            if hasattr(module, "set_force_sum_reduction_for_comms"):  # older torch always sums, then divides
-                module.set_force_sum_reduction_for_comms(True)  # SUM then divide: gloo has no PREMUL_SUM
+    set_fsdp_gradient_divide_factor(model, group)  # sum over sp, mean over dp (module docstring)
     if cfg.env.rank != 0:
         model.to_empty(device=device)
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -133,21 +133,16 @@ def _broadcast_buffers(model) -> None:
         dist.broadcast(buf, src=0)
 
 
-def _replicate(model, cfg: RunConfig, device: torch.device):
+def _replicate(model, cfg: RunConfig, device: torch.device, group):
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distattn import register_ddp_gradient_hook
 
     if cfg.env.rank != 0:
         model.to_empty(device=device)
     # DDP broadcasts rank 0's parameters and buffers (rotary inv_freq included) when it is built.
     ddp = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    dp = float(cfg.dp_size)
-
-    def sum_sp_mean_dp(_state, bucket):  # DDP's default hook divides by the world size; we want dp
-        grad = bucket.buffer().div_(dp)
-        return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-    ddp.register_comm_hook(None, sum_sp_mean_dp)
-    return ddp
+    return register_ddp_gradient_hook(ddp, group)  # DDP's default divides by the world size; we want dp
 
 
 def autocast(cfg: RunConfig, mode: str):

@@ -98,6 +98,21 @@ def test_world_one_gives_the_same_losses(reference, tmp_path):
     _assert_close(_losses(log), _losses(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
 
 
+@pytest.mark.parametrize("shard", ["fsdp", "ddp"])
+def test_data_parallel_replicas_step_as_one_batch(reference, tmp_path, shard):
+    """4 ranks = 2 replicas x sp 2, one sample each, step as the 2-rank job on both samples: the gradient
+    reduction sums over the sp group and averages over the replicas under FSDP2 and DDP alike (the gradient
+    norm of a reduction that averaged over all 4 ranks would be half)."""
+    log = tmp_path / "steps.jsonl"
+    job = [*JOB[:JOB.index("--batch-size")], "--batch-size", "1", *JOB[JOB.index("--batch-size") + 2:]]
+    rc, _, err = _torchrun(4, *job, "--sp-size", "2", "--shard", shard, "--log-json", str(log), "--ckpt-dir",
+                           str(tmp_path / "ckpt"))
+    assert rc == 0, err[-4000:]
+    _assert_close(_losses(log), _losses(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
+    norms = lambda path: {r["step"]: r["grad_norm"] for r in _records(path)}  # noqa: E731
+    _assert_close(norms(log), norms(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
+
+
 def test_crash_then_resume_reproduces_the_losses(reference, tmp_path):
     """Rank 1 SIGKILLed after step 3 (last save: step 2), restarted with --resume: steps 3.. retrace the losses."""
     ckpt = tmp_path / "ckpt"

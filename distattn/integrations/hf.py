@@ -6,7 +6,7 @@ any model whose attention goes through transformers' ``AttentionInterface`` with
 works the same way. Every rank runs the same model on its own shard of the sequence
 (``torchrun --nproc-per-node N train.py``)::
 
-    import torch.distributed as dist
+    import distattn, torch.distributed as dist
     from distattn.integrations.hf import causal_lm_loss, enable_remat_checkpointing, shard_batch, use_distattn
 
     dist.init_process_group("nccl")        # "gloo" on CPU
@@ -19,8 +19,7 @@ works the same way. Every rank runs the same model on its own shard of the seque
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     loss = causal_lm_loss(logits, batch["shift_labels"])   # global token mean, same value on every rank
     loss.backward()
-    for p in model.parameters():           # each rank holds its share of every parameter gradient:
-        dist.all_reduce(p.grad)            # sum them over the sequence-parallel group before the step
+    distattn.reduce_gradients(model)       # each rank holds its share of every gradient: sum over the group
     optimizer.step()
 
 Layouts and groups: ``use_distattn(model, group, schedule)`` and ``shard_batch(..., group=group, schedule=schedule)``
@@ -33,10 +32,13 @@ causal work by layout. ``group`` may be two-dimensional, ``(ulysses_group, ring_
 sharded with another layout than the model's raises ``ValueError`` at the first forward, on every rank.
 
 Gradients: after ``loss.backward()`` every parameter's ``.grad`` is only this rank's share of the
-full-sequence gradient (the part that flows through this rank's tokens). Sum it over the sequence-parallel
-group (``dist.all_reduce(p.grad, group=group)``; a two-dimensional group: over all its ``U * R`` ranks, e.g. the
-world group when it spans the world), or wrap the model in DDP/FSDP over that group, which does
-the same sum, before the optimizer step; stepping on the unreduced gradients trains on a part of the batch.
+full-sequence gradient (the part that flows through this rank's tokens); the full-sequence gradient is the sum
+over the sequence-parallel group (a two-dimensional group: all its ``U * R`` ranks), and stepping on the shares
+trains on a part of the batch. DDP and FSDP *average* over their ranks (``1/P`` of the gradient, silently). One
+call per way of training gives the right gradient (``distattn.gradients``; it also averages over data-parallel
+replicas): a plain loop calls ``distattn.reduce_gradients(model, group)`` after each backward; DDP,
+``distattn.register_ddp_gradient_hook(ddp_model, group)`` once; FSDP2, ``distattn.set_fsdp_gradient_divide_factor(
+model, group)`` once, after ``fully_shard``.
 
 What the pieces guarantee:
     * RoPE sees global positions (``position_ids`` from ``shard_batch``), so every token is embedded as in the
@@ -285,8 +287,9 @@ def use_distattn(model, group=None, schedule: str = "balanced", *, backend: str 
     is called with an ``attention_mask`` that has padding (zeros) on any rank; an all-ones mask is accepted.
     Sets ``config.use_cache = False`` (a sequence-parallel KV cache for generation is out of scope).
 
-    After ``loss.backward()`` each rank holds its share of every parameter gradient: all-reduce (sum) the
-    gradients over ``group``, or wrap the model in DDP/FSDP over it, before the optimizer step.
+    After ``loss.backward()`` each rank holds its share of every parameter gradient: sum the gradients over
+    ``group`` before the optimizer step with ``distattn.reduce_gradients(model, group)``; under DDP or FSDP2,
+    which average, use ``distattn.register_ddp_gradient_hook`` / ``set_fsdp_gradient_divide_factor`` instead.
 
     Shard every batch with the same ``group`` and ``schedule`` (``shard_batch(..., group=group,
     schedule=schedule)``): the schedule fixes which tokens each rank holds. The first forward of a batch sharded
