@@ -167,3 +167,28 @@ def test_side_stream_orders_transfers_and_keeps_buffers():
     results = run_distributed(_side_stream_ranks, 2, timeout=120)
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures)
+
+
+def _nccl_gather_ranks(rank, world):
+    import torch.distributed as dist
+
+    from distattn import topology, tune
+
+    torch.cuda.set_device(0)
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"  # what these helpers read to put their tensors on the GPU
+    try:
+        ints = topology._gather_int(10 + rank, None)
+        texts = tune._all_gather_json(None, {"rank": rank, "text": "é" * rank}, 30.0, "a test gather")
+    finally:
+        dist.get_backend = real
+    return ints, texts
+
+
+# CUDA-only (NCCL groups, which need a GPU per rank): distattn/topology.py _gather_int's and distattn/tune.py
+# _all_gather_json's CUDA tensors, gathered here over gloo (whose all_gather takes CUDA tensors) on one GPU.
+def test_nccl_branches_gather_cuda_tensors():
+    results = run_distributed(_nccl_gather_ranks, 3, timeout=120)
+    for ints, texts in results:
+        assert ints == [10, 11, 12]
+        assert texts == [{"rank": r, "text": "é" * r} for r in range(3)]
