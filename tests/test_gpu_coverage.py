@@ -36,7 +36,7 @@ def test_every_cuda_site_has_a_gpu_test_and_no_entry_is_stale():
                          "to COVERAGE in tests/gpu_coverage.py for: "
                          + ", ".join(f"{s} (line {sites[s]})" for s in missing))
     stale = sorted(set(COVERAGE) - set(sites))
-    assert not stale, f"COVERAGE entries that name no CUDA site (renamed or removed? update tests/gpu_coverage.py): {stale}"
+    assert not stale, f"COVERAGE entries naming no CUDA site (renamed? removed? fix tests/gpu_coverage.py): {stale}"
 
 
 def test_every_covering_test_exists_in_the_gpu_tier():
