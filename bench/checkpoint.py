@@ -258,6 +258,9 @@ def main(argv=None):
             rows.append(measure(args, model, config, variant, tokens, device, dtype, rank, world))
             if rank == 0:
                 print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+        if rank == 0:  # the table so far: a run stopped early (a time budget) keeps what it measured
+            add_speedups(rows)
+            write(rows, args, machine, world)
     add_speedups(rows)
     if rank == 0:
         write(rows, args, machine, world)

@@ -276,7 +276,7 @@ def write_summary(out: Path, rows: list[dict], mode: str, command: str, total_s:
     (out / "summary.json").write_text(json.dumps({"command": command, "mode": mode, "seconds": round(total_s, 1),
                                                   "parts": rows}, indent=1) + "\n")
     lines = ["# GPU check", "", f"Command: `{command}`" + (f" — **{DRY_LABEL}**" if mode == "dry" else ""),
-             f"Wall time: {total_s:.0f} s (budget {sum(BUDGET_S[mode].values())} s). Machine: machine.md.", "",
+             f"Wall time: {total_s:.0f} s (budget {sum(r['budget_s'] for r in rows)} s). Machine: machine.md.", "",
              "| part | status | seconds | budget (s) | note |", "|---|---|---|---|---|"]
     lines += [f"| {r['part']} | {r['status']} | {r['seconds']:g} | {r['budget_s']} | {r['note']} |" for r in rows]
     (out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -240,6 +240,15 @@ def main(argv=None):
         p.error(str(exc))
     print(machine(smoke))
 
+    setup = (f"{str(dtype)[6:]}; {total} tokens per batch (batch = tokens // seqlen); "
+             f"heads = {heads_for(head_dims[0]) if smoke else f'{MODEL_WIDTH} // d'}.")
+    # The carrying cost first (a few launches): a sweep stopped early by a time budget still leaves it.
+    carry_rows, carry_d = [], head_dims[-1]
+    for n in args.chunks:
+        r = bench_carry(carry_s, heads_for(carry_d), carry_d, n, dtype, device, smoke)
+        carry_rows.append({"chunks": n, "seqlen": carry_s, "heads": heads_for(carry_d), "head_dim": carry_d, **r})
+        print({k: fmt(v) for k, v in carry_rows[-1].items()}, flush=True)
+
     rows = []
     for d in head_dims:
         for causal in (False, True):
@@ -256,16 +265,8 @@ def main(argv=None):
                         torch.cuda.empty_cache()
                     rows.append(row)
                     print({k: fmt(v) for k, v in row.items()}, flush=True)
+            write_outputs(out_dir, rows, carry_rows, smoke, setup)  # so far: a run stopped early keeps them
 
-    carry_rows = []
-    d = head_dims[-1]
-    for n in args.chunks:
-        r = bench_carry(carry_s, heads_for(d), d, n, dtype, device, smoke)
-        carry_rows.append({"chunks": n, "seqlen": carry_s, "heads": heads_for(d), "head_dim": d, **r})
-        print({k: fmt(v) for k, v in carry_rows[-1].items()}, flush=True)
-
-    setup = (f"{str(dtype)[6:]}; {total} tokens per batch (batch = tokens // seqlen); "
-             f"heads = {heads_for(head_dims[0]) if smoke else f'{MODEL_WIDTH} // d'}.")
     write_outputs(out_dir, rows, carry_rows, smoke, setup)
     print(f"wrote {out_dir}/kernel.md, kernel.csv, kernel_carry.csv, kernel.png")
 
