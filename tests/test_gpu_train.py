@@ -14,7 +14,7 @@ from test_train import _records, _torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-JOB_TIMEOUT_S = 240  # the first job compiles the Triton kernels
+JOB_TIMEOUT_S = 140  # the first job compiles the Triton kernels (autotune: every kept config)
 JOB = ["--device", "cuda", "--model", "tiny-gqa", "--seq-len", "2048", "--batch-size", "2", "--steps", "4",
        "--lr", "3e-3", "--seed", "0", "--no-progress"]
 # The byte model counts every tensor of a step; what it leaves out (allocator rounding, a few small temporaries)
