@@ -78,3 +78,11 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path, monkeypatch
     memory_error = (tmp_path / "memory" / "error.txt").read_text()
     assert "Traceback" in memory_error and "OSError: disk full (simulated)" in memory_error
     assert rows["checkpoint"]["seconds"] < 30  # killed at its budget, not left to finish
+
+
+def test_the_budgets_keep_a_run_under_9_minutes_and_quick_under_4():
+    """Each part is killed at its budget, so the budgets bound the run (plus seconds of driver overhead)."""
+    budgets = _driver().BUDGET_S
+    assert sum(budgets["full"].values()) <= 9 * 60 - 15, budgets["full"]
+    assert sum(budgets["quick"].values()) <= 4 * 60 - 5, budgets["quick"]
+    assert set(budgets["full"]) == set(budgets["quick"]) == set(budgets["dry"]) == set(PARTS)
