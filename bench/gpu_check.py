@@ -48,7 +48,8 @@ from bench._util import pyplot_or_note  # noqa: E402
 PARTS = ("machine", "tier", "kernel", "checkpoint", "memory")
 BUDGET_S = {"full": {"machine": 10, "tier": 230, "kernel": 120, "checkpoint": 100, "memory": 60},
             "quick": {"machine": 10, "tier": 95, "kernel": 55, "checkpoint": 45, "memory": 25},
-            "dry": {"machine": 20, "tier": 90, "kernel": 90, "checkpoint": 90, "memory": 90}}
+            # dry run: ~35 s of CPU in all; these only stop a hang on a loaded machine (CI's pytest limit: 600 s)
+            "dry": {"machine": 40, "tier": 100, "kernel": 150, "checkpoint": 120, "memory": 120}}
 QUICK_TIER_EXCLUDE = "not s16384 and not s32768 and not autotune and not planner"
 # (model preset, seq len, --remat) of the memory part's one-GPU jobs; CPU stand-in: tiny, one short job
 MEMORY_JOBS = {"full": [("small", 16384, False), ("small", 32768, True)], "quick": [("small", 16384, True)],
@@ -215,6 +216,8 @@ def machine_part(out: Path, mode: str, command: str, env: dict) -> tuple[str, in
     info = json.loads(res.stdout.strip().splitlines()[-1])
     smi = _run_quiet(["nvidia-smi"]) if mode != "dry" else "(dry run: CUDA hidden)"
     commit = _run_quiet(["git", "-C", str(ROOT), "rev-parse", "HEAD"]).strip()
+    if _run_quiet(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]) != "(no output)":
+        commit += " (with uncommitted changes)"
     lines = ["# Machine", "", f"Command: `{command}`", f"Mode: {mode}" + (f" ({DRY_LABEL})" if mode == "dry" else ""),
              f"Host: {platform.node()}; {platform.platform()}", f"distattn commit: {commit}", ""]
     lines += [f"- {k}: {v}" for k, v in info.items()]
