@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("runtime")
     r.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if available")
     r.add_argument("--dist-backend", default="auto", choices=("auto", "nccl", "gloo"),
-                   help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
+                   help="process-group backend (auto: nccl on CUDA, gloo on CPU; gloo ranks may share a GPU)")
     r.add_argument("--shard", default="auto", choices=("auto", "fsdp", "ddp"),
                    help="parameter parallelism when world > 1 (auto: FSDP2, DDP if the backend cannot)")
     c = p.add_argument_group("checkpoints and logs")
