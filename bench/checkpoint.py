@@ -75,9 +75,13 @@ def parse_args(argv=None):
         args.out = str(out)
     except ValueError as exc:
         p.error(str(exc))
-    if args.smoke:
-        args.tokens, args.layers, args.steps, args.warmup = [64, 128], 2, 2, 1
-        args.variants = list(VARIANTS)
+    if args.smoke:  # tiny defaults; sizes given on the command line still apply (e.g. a faster dry run)
+        given = {a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:])}
+        args.tokens = args.tokens if "--tokens" in given else [64, 128]
+        args.layers = args.layers if "--layers" in given else 2
+        args.steps = args.steps if "--steps" in given else 2
+        args.warmup = args.warmup if "--warmup" in given else 1
+        args.variants = args.variants if "--variants" in given else list(VARIANTS)
     return args
 
 
@@ -254,6 +258,9 @@ def main(argv=None):
             rows.append(measure(args, model, config, variant, tokens, device, dtype, rank, world))
             if rank == 0:
                 print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+        if rank == 0:  # the table so far: a run stopped early (a time budget) keeps what it measured
+            add_speedups(rows)
+            write(rows, args, machine, world)
     add_speedups(rows)
     if rank == 0:
         write(rows, args, machine, world)

@@ -217,25 +217,37 @@ def main(argv=None):
     p.add_argument("--out", default=None,
                    help="output folder (md, csv, png); default bench/results/kernel, or runs/bench-smoke/kernel "
                         "for --smoke (a smoke run never writes into bench/results/)")
-    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--carry-seqlen", type=int, default=32768)
+    # Defaults (None): the GPU sweep below, or the smoke run's tiny sizes; given explicitly they apply to either.
+    p.add_argument("--seqlens", type=int, nargs="+", default=None, help="default 1024 2048 ... 32768")
+    p.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
+    p.add_argument("--carry-seqlen", type=int, default=None, help="default 32768")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8], help="carrying cost: key chunks folded")
     p.add_argument("--smoke", action="store_true", help=f"tiny CPU run through the interpreter ({SMOKE_LABEL})")
     args = p.parse_args(argv)
 
     smoke = args.smoke or not torch.cuda.is_available()
     if smoke:
         device, dtype, total = "cpu", torch.float32, 64  # the interpreter's bf16 tl.dot is not exact
-        seqlens, head_dims, carry_s, heads_for = [32, 64], [16], 64, (lambda d: 2)
+        seqlens, head_dims, carry_s, heads_for = args.seqlens or [32, 64], args.head_dims or [16], \
+            args.carry_seqlen or 64, (lambda d: 2)
     else:
         device, dtype, total = "cuda", torch.bfloat16, TOTAL_TOKENS
-        seqlens, head_dims, carry_s, heads_for = args.seqlens, args.head_dims, args.carry_seqlen, \
-            (lambda d: MODEL_WIDTH // d)
+        seqlens, head_dims = args.seqlens or [1024, 2048, 4096, 8192, 16384, 32768], args.head_dims or [64, 128]
+        carry_s, heads_for = args.carry_seqlen or 32768, (lambda d: MODEL_WIDTH // d)
     try:
         out_dir = smoke_out("kernel", args.out) if smoke else Path(args.out or "bench/results/kernel")
     except ValueError as exc:
         p.error(str(exc))
     print(machine(smoke))
+
+    setup = (f"{str(dtype)[6:]}; {total} tokens per batch (batch = tokens // seqlen); "
+             f"heads = {heads_for(head_dims[0]) if smoke else f'{MODEL_WIDTH} // d'}.")
+    # The carrying cost first (a few launches): a sweep stopped early by a time budget still leaves it.
+    carry_rows, carry_d = [], head_dims[-1]
+    for n in args.chunks:
+        r = bench_carry(carry_s, heads_for(carry_d), carry_d, n, dtype, device, smoke)
+        carry_rows.append({"chunks": n, "seqlen": carry_s, "heads": heads_for(carry_d), "head_dim": carry_d, **r})
+        print({k: fmt(v) for k, v in carry_rows[-1].items()}, flush=True)
 
     rows = []
     for d in head_dims:
@@ -253,16 +265,8 @@ def main(argv=None):
                         torch.cuda.empty_cache()
                     rows.append(row)
                     print({k: fmt(v) for k, v in row.items()}, flush=True)
+            write_outputs(out_dir, rows, carry_rows, smoke, setup)  # so far: a run stopped early keeps them
 
-    carry_rows = []
-    d = head_dims[-1]
-    for n in (1, 2, 4, 8):
-        r = bench_carry(carry_s, heads_for(d), d, n, dtype, device, smoke)
-        carry_rows.append({"chunks": n, "seqlen": carry_s, "heads": heads_for(d), "head_dim": d, **r})
-        print({k: fmt(v) for k, v in carry_rows[-1].items()}, flush=True)
-
-    setup = (f"{str(dtype)[6:]}; {total} tokens per batch (batch = tokens // seqlen); "
-             f"heads = {heads_for(head_dims[0]) if smoke else f'{MODEL_WIDTH} // d'}.")
     write_outputs(out_dir, rows, carry_rows, smoke, setup)
     print(f"wrote {out_dir}/kernel.md, kernel.csv, kernel_carry.csv, kernel.png")
 

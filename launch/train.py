@@ -103,7 +103,7 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 def init_distributed(cfg: RunConfig) -> torch.device:
     """Start the process group (one rank without torchrun) and pick this rank's device."""
     if cfg.device_type == "cuda":
-        device = torch.device("cuda", cfg.env.local_rank)
+        device = torch.device("cuda", cfg.cuda_index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

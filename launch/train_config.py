@@ -105,6 +105,16 @@ class RunConfig:
     """The training text (plain or gzip)."""
 
     @property
+    def cuda_index(self) -> int:
+        """This rank's GPU: its local rank, wrapped round the node's GPUs (gloo ranks may share one)."""
+        return self.env.local_rank % torch.cuda.device_count()
+
+    @property
+    def ranks_per_gpu(self) -> int:
+        """Local ranks sharing this rank's GPU (1 unless gloo ranks outnumber the GPUs)."""
+        return len(range(self.cuda_index, self.env.local_world_size, torch.cuda.device_count()))
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over the whole job."""
         return self.args.batch_size * self.args.seq_len * self.dp_size
@@ -204,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("runtime")
     r.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if available")
     r.add_argument("--dist-backend", default="auto", choices=("auto", "nccl", "gloo"),
-                   help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
+                   help="process-group backend (auto: nccl on CUDA, gloo on CPU; gloo ranks may share a GPU)")
     r.add_argument("--shard", default="auto", choices=("auto", "fsdp", "ddp"),
                    help="parameter parallelism when world > 1 (auto: FSDP2, DDP if the backend cannot)")
     c = p.add_argument_group("checkpoints and logs")
@@ -309,13 +319,14 @@ def _resolve_model(args) -> dict | None:
 def _resolve_runtime(args, env: Env) -> tuple[str, str, str, torch.dtype]:
     has_cuda = torch.cuda.is_available()
     device = args.device if args.device != "auto" else ("cuda" if has_cuda else "cpu")
-    if device == "cuda":
-        if not has_cuda:
-            raise UsageError("--device cuda but torch sees no CUDA device; use --device cpu (or auto)")
-        if env.local_world_size > torch.cuda.device_count():
-            raise UsageError(f"{env.local_world_size} ranks on this node but only {torch.cuda.device_count()} "
-                             f"CUDA devices; use --nproc-per-node {torch.cuda.device_count()} or --device cpu")
+    if device == "cuda" and not has_cuda:
+        raise UsageError("--device cuda but torch sees no CUDA device; use --device cpu (or auto)")
     dist_backend = args.dist_backend if args.dist_backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    # NCCL refuses two ranks on one GPU; gloo ranks may share them (local rank r uses GPU r % devices).
+    if device == "cuda" and dist_backend == "nccl" and env.local_world_size > torch.cuda.device_count():
+        raise UsageError(f"{env.local_world_size} ranks on this node but only {torch.cuda.device_count()} "
+                         f"CUDA devices; use --nproc-per-node {torch.cuda.device_count()}, --device cpu, or "
+                         f"--dist-backend gloo (ranks then share the GPUs)")
     if dist_backend == "nccl" and device != "cuda":
         raise UsageError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on CPU")
     attn = _resolve_attn_backend(args.backend, device)

@@ -42,7 +42,8 @@ def check(cfg: RunConfig, config) -> None:
     if cfg.device_type != "cuda" or cfg.args.no_memory_check:
         return
     peak = predicted_peak(cfg, config)
-    limit = torch.cuda.get_device_properties(cfg.env.local_rank).total_memory - _RESERVE
+    # gloo ranks sharing a GPU share its memory
+    limit = torch.cuda.get_device_properties(cfg.cuda_index).total_memory // cfg.ranks_per_gpu - _RESERVE
     if peak.total > limit:
         raise UsageError(f"predicted peak {peak.total / GIB:.1f} GiB per rank (mostly {peak.dominant}: "
                          f"{peak.parts[peak.dominant] / GIB:.1f} GiB) does not fit the {limit / GIB:.1f} GiB of this "

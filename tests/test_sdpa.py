@@ -109,7 +109,8 @@ def test_unknown_device_is_a_clear_error():
         kernels.get_backend("sdpa", "meta")
 
 
-@pytest.mark.gpu  # the CUDA flash op: needs a GPU
+# CUDA-only: kernels/_sdpa.py's _CudaFlashOps (the CUDA flash op) through the backend protocol.
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_flash_ops_by_rule(causal):
     q, k, v, dout = (t.cuda() for t in make_qkv(2, 300, 300, 8, 2, 128, torch.bfloat16, seed=1))

@@ -198,3 +198,32 @@ def test_help_prints_once():
     assert out.count("usage: train.py") == 1 and "--resume [{auto,must}]" in out  # rank 0 only
     plain = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and plain.stdout.count("usage: train.py") == 1
+
+
+def test_gloo_ranks_share_a_gpu_nccl_ranks_need_one_each(monkeypatch, tmp_path):
+    """Two local ranks, one GPU (faked: preflight allocates nothing on it): NCCL refuses two ranks on one device,
+    so that is a usage error; gloo ranks share it (local rank r on GPU r % GPUs) and split its memory."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 << 30))
+    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train
+    import train_config
+    import train_memory
+
+    argv = ["--device", "cuda", "--model", "tiny-gqa", "--seq-len", "256", "--shard", "ddp", "--ckpt-dir",
+            str(tmp_path / "ckpt")]
+    with pytest.raises(train_config.UsageError, match=r"2 ranks on this node but only 1 CUDA devices; use "
+                                                      r"--nproc-per-node 1, --device cpu, or --dist-backend gloo"):
+        train.prepare([*argv, "--dist-backend", "nccl"])
+    cfg, _, config, _ = train.prepare([*argv, "--dist-backend", "gloo"])
+    assert (cfg.device_type, cfg.dist_backend, cfg.cuda_index, cfg.ranks_per_gpu) == ("cuda", "gloo", 0, 2)
+    # 50 GiB fits the 80 GiB GPU alone, not half of it
+    monkeypatch.setattr(train_memory, "predicted_peak",
+                        lambda cfg, config: SimpleNamespace(total=50 << 30, dominant="x", parts={"x": 50 << 30}))
+    with pytest.raises(train_config.UsageError, match=r"does not fit the 39.0 GiB of this GPU"):
+        train_memory.check(cfg, config)

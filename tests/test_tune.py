@@ -309,6 +309,7 @@ def test_every_rank_installs_rank0s_table(world_size, tmp_path):
 
 # ----------------------------------------------------------------------------- GPU tier
 
+# CUDA-only: kernels/_tune.py with triton.testing.do_bench on a CUDA device, its disk cache, the tuned launch.
 @pytest.mark.gpu
 def test_do_bench_tunes_on_cuda_and_the_launcher_uses_it(tmp_path):
     case = dict(batch=1, seq_q=1024, seq_k=1024, heads_q=8, heads_kv=2, head_dim=128, dtype="bf16", causal=True)

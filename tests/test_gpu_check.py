@@ -1,0 +1,88 @@
+"""bench/gpu_check.sh, the one-command GPU check, proven on CPU: its ``--dry-run`` writes every file a GPU run writes,
+and a part that fails or overruns its budget is recorded while the next part still runs."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DRY_RUN_TIMEOUT_S = 570  # ~30 s of CPU, ~2 min on a loaded two-core machine; the driver's dry budgets sum to 530 s
+PARTS = ("machine", "tier", "kernel", "checkpoint", "memory")
+FILES = ["command.txt", "machine.md", "machine.json", "summary.md", "summary.json",
+         "tier/log.txt", "tier/junit.xml",
+         "kernel/log.txt", "kernel/kernel.md", "kernel/kernel.csv", "kernel/kernel_carry.csv",
+         "checkpoint/log.txt", "checkpoint/checkpoint.md", "checkpoint/checkpoint.csv",
+         "memory/job0.log", "memory/memory.md", "memory/memory.csv"]
+PLOTS = ["kernel/kernel.png", "checkpoint/checkpoint.png", "memory/memory.png"]
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", str(out), "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=DRY_RUN_TIMEOUT_S, env=dict(os.environ, PYTHON=sys.executable))
+    return out, proc
+
+
+def test_dry_run_writes_every_file_and_every_part_passes(dry_run):
+    out, proc = dry_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    try:
+        import matplotlib  # noqa: F401
+        expected = FILES + PLOTS
+    except ImportError:  # plots degrade to tables
+        expected = FILES
+    empty = [f for f in expected if not (out / f).is_file() or (out / f).stat().st_size == 0]
+    assert not empty, f"missing or empty: {empty}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "dry" and [r["part"] for r in summary["parts"]] == list(PARTS)
+    assert all(r["status"] == "passed" for r in summary["parts"]), summary["parts"]
+    table = (out / "summary.md").read_text()
+    assert all(f"| {part} | passed |" in table for part in PARTS), table
+    tier = next(r for r in summary["parts"] if r["part"] == "tier")
+    assert "skipped" in tier["note"] and "failed" not in tier["note"], tier  # CUDA hidden: the tier skips
+    assert "not a measurement" in (out / "memory" / "memory.md").read_text()
+    assert "bench/gpu_check.sh" in (out / "command.txt").read_text()
+
+
+def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path, monkeypatch):
+    gc = _driver()
+    python = sys.executable
+    monkeypatch.setattr(gc, "kernel_cmd", lambda out, mode: [python, "-c", "print('kernel half done'); exit(3)"])
+    monkeypatch.setattr(gc, "checkpoint_cmd", lambda out, mode: [python, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(gc, "tier_cmd", lambda out, mode: [python, "-c", "raise SystemExit(0)"])
+    monkeypatch.setitem(gc.BUDGET_S["dry"], "checkpoint", 2)
+
+    def broken_memory(*args):
+        raise OSError("disk full (simulated)")
+    monkeypatch.setattr(gc, "memory_part", broken_memory)
+    rc = gc.main([str(tmp_path), "--dry-run", "--parts", "tier", "kernel", "checkpoint", "memory"])
+    assert rc == 1
+    rows = {r["part"]: r for r in json.loads((tmp_path / "summary.json").read_text())["parts"]}
+    assert {k: r["status"] for k, r in rows.items()} == {"tier": "passed", "kernel": "failed",
+                                                         "checkpoint": "timeout", "memory": "failed"}
+    kernel_error = (tmp_path / "kernel" / "error.txt").read_text()
+    assert "exit status 3" in kernel_error and "kernel half done" in kernel_error
+    assert "past its budget of 2 s" in (tmp_path / "checkpoint" / "error.txt").read_text()
+    memory_error = (tmp_path / "memory" / "error.txt").read_text()
+    assert "Traceback" in memory_error and "OSError: disk full (simulated)" in memory_error
+    assert rows["checkpoint"]["seconds"] < 30  # killed at its budget, not left to finish
+
+
+def test_the_budgets_keep_a_run_under_9_minutes_and_quick_under_4():
+    """Each part is killed at its budget, so the budgets bound the run (plus seconds of driver overhead)."""
+    budgets = _driver().BUDGET_S
+    assert sum(budgets["full"].values()) <= 9 * 60 - 15, budgets["full"]
+    assert sum(budgets["quick"].values()) <= 4 * 60 - 5, budgets["quick"]
+    assert set(budgets["full"]) == set(budgets["quick"]) == set(budgets["dry"]) == set(PARTS)

@@ -1,0 +1,89 @@
+"""GPU tier, training job: ``launch/train.py`` on the one GPU (torchrun ``--nproc-per-node 1``), its out-of-memory
+pre-check, two gloo ranks sharing the GPU, ``DISTATTN_AUTOTUNE=1`` with the real timer and its disk cache, and
+the planner's predicted peak against ``torch.cuda.max_memory_allocated`` of a real step.
+
+``pytest -m gpu``; skipped without CUDA. Each job is a subprocess with a hard timeout (tests/test_train.py's
+``_torchrun``: the whole process group is killed on expiry).
+"""
+import json
+
+import pytest
+import torch
+
+from test_train import _records, _torchrun
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+JOB_TIMEOUT_S = 140  # the first job compiles the Triton kernels (autotune: every kept config)
+JOB = ["--device", "cuda", "--model", "tiny-gqa", "--seq-len", "2048", "--batch-size", "2", "--steps", "4",
+       "--lr", "3e-3", "--seed", "0", "--no-progress"]
+# The byte model counts every tensor of a step; what it leaves out (allocator rounding, a few small temporaries)
+# is well under 3% once activations are gigabytes.
+PEAK_RTOL = 0.03
+
+
+def _summary(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# CUDA-only: launch/train.py init_distributed (cuda device, set_device), train_config's CUDA runtime choices
+# (bf16, triton, nccl), train_model's DDP device_ids, train_log.peak_memory_bytes (max_memory_allocated).
+def test_train_one_gpu(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    rc, out, err = _torchrun(1, *JOB, "--shard", "ddp", "--log-json", str(log), "--ckpt-dir", str(tmp_path / "c"),
+                             timeout=JOB_TIMEOUT_S)
+    assert rc == 0, err[-4000:]
+    summary = _summary(out)
+    assert summary["device"] == "cuda" and summary["steps"] == 4, summary
+    losses = [r["loss"] for r in _records(log)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert summary["peak_mem_bytes"][0] > 0, summary
+
+
+# CUDA-only: launch/train_memory.check (get_device_properties(...).total_memory): refused before any allocation.
+def test_train_refuses_a_job_predicted_not_to_fit(tmp_path):
+    rc, out, err = _torchrun(1, "--device", "cuda", "--model", "llama-7b", "--seq-len", "1048576", "--steps", "1",
+                             "--ckpt-dir", str(tmp_path / "c"), timeout=JOB_TIMEOUT_S)
+    assert rc != 0, (rc, err[-4000:])  # the worker exits 2 (bad arguments); torchrun reports a failure
+    assert "does not fit" in err and "--no-memory-check" in err, err[-4000:]
+
+
+# CUDA-only: train_config's gloo-shares-GPUs rule (cuda_index, ranks_per_gpu) and train.py on CUDA over gloo.
+def test_train_two_gloo_ranks_share_the_gpu(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    rc, out, err = _torchrun(2, *JOB, "--dist-backend", "gloo", "--shard", "ddp", "--log-json", str(log),
+                             "--ckpt-dir", str(tmp_path / "c"), timeout=JOB_TIMEOUT_S)
+    assert rc == 0, err[-4000:]
+    summary = _summary(out)
+    assert summary["world_size"] == 2 and summary["sp_size"] == 2 and summary["device"] == "cuda", summary
+    assert len(summary["peak_mem_bytes"]) == 2 and min(summary["peak_mem_bytes"]) > 0, summary
+
+
+# CUDA-only: launch/train_tune.autotune_attention (device_type == "cuda" and triton) -> distattn.autotune with
+# triton.testing.do_bench, kernels/_tune.py's CUDA device, empty_cache and GPU-name cache key.
+def test_train_autotune_with_the_real_timer_and_its_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "tune"
+    monkeypatch.setenv("DISTATTN_AUTOTUNE", "1")
+    monkeypatch.setenv("DISTATTN_TUNE_CACHE", str(cache))
+    for attempt in range(2):  # the second job reads the first one's choices from the cache
+        rc, out, err = _torchrun(1, *JOB, "--steps", "2", "--ckpt-dir", str(tmp_path / f"c{attempt}"),
+                                 timeout=JOB_TIMEOUT_S)
+        assert rc == 0, err[-4000:]
+        assert "kernel configs from rank 0" in err, err[-4000:]
+    files = list(cache.glob("*.json"))
+    assert len(files) == 1, files
+    data = json.loads(files[0].read_text())
+    assert data["gpu"] == torch.cuda.get_device_name() and data["choices"], data
+
+
+# CUDA-only: launch/train_memory's CUDA limit and distattn.memory.plan's predicted peak vs the CUDA allocator's
+# measured peak of real steps (train_log.peak_memory_bytes).
+def test_planner_predicts_the_measured_peak(tmp_path):
+    rc, out, err = _torchrun(1, "--device", "cuda", "--model", "small", "--seq-len", "32768", "--batch-size", "1",
+                             "--steps", "2", "--remat", "--shard", "ddp", "--no-progress",
+                             "--ckpt-dir", str(tmp_path / "c"), timeout=JOB_TIMEOUT_S)
+    assert rc == 0, err[-4000:]
+    summary = _summary(out)
+    measured, predicted = summary["peak_mem_bytes"][0], summary["predicted_peak_bytes"]
+    assert measured > 1 << 30, summary  # activations dominate: the comparison is about them
+    assert measured == pytest.approx(predicted, rel=PEAK_RTOL), (measured, predicted)
