@@ -22,6 +22,7 @@ _M = "tests/test_gpu_model.py::"
 _T = "tests/test_gpu_train.py::"
 
 COVERAGE: dict[str, list[str]] = {
+    "distattn/api.py:validated_everywhere": [_D + "test_bad_input_on_one_rank_and_nan_rows_on_cuda"],
     # -- kernels: compiled Triton, descriptors, the CUDA sdpa ops, autotune ------------------------------------
     "kernels/__init__.py:available_backends": [_K + "test_sdpa_backend_on_cuda_by_rule"],
     "kernels/__init__.py:_default_backend": [_K + "test_triton_forward_backward_by_rule"],

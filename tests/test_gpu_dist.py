@@ -192,3 +192,36 @@ def test_nccl_branches_gather_cuda_tensors():
     for ints, texts in results:
         assert ints == [10, 11, 12]
         assert texts == [{"rank": r, "text": "é" * r} for r in range(3)]
+
+
+def _faults_ranks(rank, world):
+    """CUDA tensors: one rank's bad input fails every rank alike; NaN in a query row stays NaN (Triton)."""
+    torch.cuda.set_device(0)
+    q, k, v, _ = _inputs(world * N_PER_RANK, 5)
+    q, k, v = (t.float().cuda() for t in (q, k, v))
+    shard = distattn.shard_sequence
+    causal = "yes" if rank == world - 1 else True
+    try:
+        distattn.dist_flash_attn_func(shard(q), shard(k), shard(v), causal=causal, backend="triton")
+        raised = None
+    except TypeError as exc:
+        raised = str(exc)
+    out = distattn.dist_flash_attn_func(shard(q), shard(k), shard(v), causal=True, backend="triton")
+    ref = shard(distattn.flash_attn_func(q, k, v, causal=True, backend="triton"))
+    q = q.clone()
+    q[0, world * N_PER_RANK - 5, 1, 3] = float("nan")
+    nan_out = distattn.gather_sequence(
+        distattn.dist_flash_attn_func(shard(q), shard(k), shard(v), causal=True, backend="triton").contiguous())
+    one = distattn.flash_attn_func(q, k, v, causal=True, backend="triton")
+    return raised, (out - ref).abs().max().item(), torch.equal(nan_out.isnan().cpu(), one.isnan().cpu()), \
+        bool(one[0, world * N_PER_RANK - 5, 1].isnan().all())
+
+
+def test_bad_input_on_one_rank_and_nan_rows_on_cuda():
+    # CUDA-only: validated_everywhere's NCCL/CUDA collective-device choice (here gloo with CUDA tensors) and the
+    # compiled Triton kernels' NaN propagation (merge weights, the epilogue's empty-row test)
+    results = run_distributed(_faults_ranks, 2, timeout=TIMEOUT_S)
+    messages = {r[0] for r in results}
+    assert len(messages) == 1 and None not in messages and "rank(s) [1]" in messages.pop()
+    for _, err, same_nan, row_nan in results:
+        assert err < 1e-5 and same_nan and row_nan
