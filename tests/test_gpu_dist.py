@@ -217,9 +217,9 @@ def _faults_ranks(rank, world):
         bool(one[0, world * N_PER_RANK - 5, 1].isnan().all())
 
 
+# CUDA-only: distattn/api.py validated_everywhere's collective device for CUDA inputs (here gloo with CUDA
+# tensors) and the compiled Triton kernels' NaN propagation (merge weights, the epilogue's empty-row test)
 def test_bad_input_on_one_rank_and_nan_rows_on_cuda():
-    # CUDA-only: validated_everywhere's NCCL/CUDA collective-device choice (here gloo with CUDA tensors) and the
-    # compiled Triton kernels' NaN propagation (merge weights, the epilogue's empty-row test)
     results = run_distributed(_faults_ranks, 2, timeout=TIMEOUT_S)
     messages = {r[0] for r in results}
     assert len(messages) == 1 and None not in messages and "rank(s) [1]" in messages.pop()
