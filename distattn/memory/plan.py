@@ -26,6 +26,7 @@ from pathlib import Path
 
 from distattn.memory.model import (PRECISIONS, PRESETS, ModelSpec, StepPeak, get_preset, spec_from_hf_config,
                                    steady_state_bytes, step_peak)
+from distattn.memory.techniques import Techniques, TechniquePeak, host_limit_bytes, technique_peak
 
 __all__ = ["Strategy", "STRATEGY_NAMES", "strategies_for", "longest_sequence", "predicted_peak_bytes", "check_fits",
            "main"]
@@ -97,6 +98,115 @@ def longest_sequence(model: ModelSpec, strat: Strategy, limit_bytes: float, *, b
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * unit, strat.peak(model, lo * unit, batch, precision, chunked_loss)
+
+
+# -- technique combinations (issue 22) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cluster:
+    """What bounds a combination besides GPU memory: the host's memory and link, and the GPUs' rate."""
+
+    gpus: int
+    gpu_bytes: float
+    """Usable bytes per GPU (``--gpu-mem`` less ``--reserve``)."""
+    host_bytes: int
+    """Host bytes per GPU (a node's ``--host-mem`` over the GPUs of the job on that node)."""
+    link_bytes_s: float = 50e9
+    """Host-device bytes per second per GPU, each direction (PCIe 5 x16: ~50 GB/s measured by peers)."""
+    flops_s: float = 400e12
+    """Sustained bf16 FLOP/s per GPU for the step's compute (H100: ~40% of 989 TFLOP/s dense)."""
+
+
+@dataclass(frozen=True)
+class Combo:
+    """A checkpointing strategy with a set of techniques."""
+
+    strategy: str
+    tech: Techniques
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy} ckpt" + ("" if self.tech.label() == "none" else f" + {self.tech.label()}")
+
+
+@dataclass(frozen=True)
+class ComboResult:
+    combo: Combo
+    seq: int
+    peak: TechniquePeak | None
+    bound: str
+    """What stops a longer sequence: ``GPU memory`` or ``host memory``."""
+
+    def traffic_vs_compute(self, cluster: Cluster) -> float:
+        """Time the offload copies take over the step's compute time (> 1: they cannot hide behind it)."""
+        if self.peak is None or not self.peak.traffic:
+            return 0.0
+        return (self.peak.traffic / 2 / cluster.link_bytes_s) / (self.peak.flops / cluster.flops_s)
+
+
+def combos(loss_tile: int, mlp_tile: int) -> list[Combo]:
+    """Every combination the planner weighs: full or remat checkpointing, with or without each technique."""
+    out = []
+    for strategy in ("full", "remat"):
+        for tiles in (False, True):
+            for off_ckpt in (False, True):
+                for off_opt in (False, True):
+                    out.append(Combo(strategy, Techniques(loss_tile=loss_tile if tiles else None,
+                                                          mlp_tile=mlp_tile if tiles else None,
+                                                          offload_checkpoints=off_ckpt, offload_optimizer=off_opt)))
+    return out
+
+
+def combo_peak(model: ModelSpec, combo: Combo, seq: int, *, gpus: int, batch: int = 1, precision: str = "bf16"
+               ) -> TechniquePeak:
+    return technique_peak(model, batch, seq, sp=gpus, shard=gpus, precision=precision, strategy=combo.strategy,
+                          tech=combo.tech)
+
+
+def longest_with(model: ModelSpec, combo: Combo, cluster: Cluster, *, batch: int = 1, precision: str = "bf16"
+                 ) -> ComboResult:
+    """The longest sequence (a multiple of ``2 * 64 * gpus``) whose device peak and host bytes both fit."""
+    unit = 2 * 64 * cluster.gpus
+
+    def check(k):
+        peak = combo_peak(model, combo, k * unit, gpus=cluster.gpus, batch=batch, precision=precision)
+        if peak.total > cluster.gpu_bytes:
+            return "GPU memory", peak
+        return ("host memory", peak) if peak.host_total > cluster.host_bytes else (None, peak)
+
+    if check(1)[0] is not None:
+        return ComboResult(combo, 0, None, check(1)[0])
+    lo, hi = 1, 2
+    while hi * unit <= MAX_SEQ and check(hi)[0] is None:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if check(mid)[0] is None else (lo, mid)
+    bound = check(hi)[0] or "the planner's ceiling"
+    return ComboResult(combo, lo * unit, check(lo)[1], bound)
+
+
+def cost(result: ComboResult, cluster: Cluster) -> float:
+    """Seconds a step spends beyond forward + backward: recomputation, plus offload copies that do not hide."""
+    p = result.peak
+    recompute = p.recompute_flops / cluster.flops_s
+    compute = (p.flops - p.recompute_flops) / cluster.flops_s
+    exposed = max(0.0, p.traffic / 2 / cluster.link_bytes_s - compute)
+    return recompute + exposed
+
+
+def choose(model: ModelSpec, seq: int, cluster: Cluster, *, loss_tile: int, mlp_tile: int, batch: int = 1,
+           precision: str = "bf16") -> tuple[Combo, TechniquePeak] | None:
+    """The cheapest combination (least recomputation and exposed traffic) that fits ``seq``; ``None``: none fits."""
+    fitting = []
+    for combo in combos(loss_tile, mlp_tile):
+        peak = combo_peak(model, combo, seq, gpus=cluster.gpus, batch=batch, precision=precision)
+        if peak.total <= cluster.gpu_bytes and peak.host_total <= cluster.host_bytes:
+            fitting.append((cost(ComboResult(combo, seq, peak, ""), cluster), combo, peak))
+    if not fitting:
+        return None
+    # ties (copies that hide behind compute): less traffic, then fewer techniques
+    _, combo, peak = min(fitting, key=lambda f: (f[0], f[2].traffic, f[1].tech.label().count(",")))
+    return combo, peak
 
 
 # -- for launch/train.py --------------------------------------------------------------------------------
@@ -174,8 +284,18 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--precision", default="bf16", choices=[x for x in PRECISIONS if x != "fp16"],
                    help="bf16: FSDP2 mixed precision (bf16 compute, fp32 sharded parameters: launch/train.py on "
                    "CUDA); amp-bf16: fp32 parameters under autocast (DDP); fp32")
-    q.add_argument("--strategy", action="append", choices=STRATEGY_NAMES,
-                   help="rows to print (repeatable; default: all)")
+    q.add_argument("--strategy", action="append", choices=STRATEGY_NAMES + ("auto",),
+                   help="rows to print (repeatable; default: all); auto: the cheapest technique combination that "
+                   "fits --seq-len (or the longest sequence when --seq-len is not given)")
+    q.add_argument("--seq-len", type=int, help="with --strategy auto: the sequence length to fit")
+    q.add_argument("--host-mem", type=float, default=2048.0, help="GiB of host memory per node (default 2048)")
+    q.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node sharing its host memory (default 8)")
+    q.add_argument("--loss-tile", type=int, default=4096, help="tokens per tile of the tiled loss (default 4096)")
+    q.add_argument("--mlp-tile", type=int, default=4096, help="tokens per tile of the tiled MLP (default 4096)")
+    q.add_argument("--link-gbps", type=float, default=50.0,
+                   help="host-device GB/s per GPU and direction, for the offload traffic (default 50: PCIe 5 x16)")
+    q.add_argument("--tflops", type=float, default=400.0,
+                   help="sustained TFLOP/s per GPU for the step's compute (default 400: ~40%% of an H100's bf16)")
     q.add_argument("--tp", type=int, help="tensor-parallel degree of the Megatron baseline (default: min(gpus, 8, "
                    "kv heads))")
     q.add_argument("--chunked-loss", action="store_true", help="the head and loss run in sequence chunks")
@@ -218,10 +338,18 @@ def _plan(args) -> str:
     if args.gpus % tp or model.layer.kv_heads % tp:
         raise _Usage(f"--tp {tp} must divide --gpus ({args.gpus}) and the key/value heads ({model.layer.kv_heads})")
     steady = sum(steady_state_bytes(model, shard=args.gpus).values())
-    if steady > limit:
+    if steady > limit and not args.strategy:  # only the technique rows (optimizer offload) can fit it
+        cluster = _cluster_from_args(args, limit)
+        return "\n".join([f"{model.name}: weights, gradients and AdamW states alone need {steady / GIB:.1f} GiB per "
+                          f"GPU sharded over {args.gpus} GPU(s): only optimizer offload fits", "",
+                          *_technique_rows(args, model, cluster)])
+    if steady > limit and "auto" not in (args.strategy or ()):
         raise _Usage(f"{model.name}: weights, gradients and AdamW states alone need {steady / GIB:.1f} GiB per GPU "
                      f"sharded over {args.gpus} GPUs, more than the {limit / GIB:.1f} GiB available; use more GPUs "
                      f"or GPUs with more memory")
+    cluster = _cluster_from_args(args, limit)
+    if args.strategy and "auto" in args.strategy:
+        return _auto(args, model, cluster)
     names = args.strategy or STRATEGY_NAMES
     lines = [f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.layers} layers, "
              f"hidden {model.layer.hidden}, "
@@ -246,7 +374,69 @@ def _plan(args) -> str:
                      f"{peak.total / GIB:8.1f}G  {dom} {peak.parts[dom] / GIB:.1f} GiB ({peak.moment})")
     if args.plot:
         lines.append(_plot(args, model, results, limit, tp))
+    if not args.strategy:
+        lines += ["", *_technique_rows(args, model, cluster)]
     return "\n".join(lines)
+
+
+def _cluster_from_args(args, limit: float) -> Cluster:
+    for name in ("loss_tile", "mlp_tile", "gpus_per_node"):
+        if getattr(args, name) < 1:
+            raise _Usage(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.host_mem <= 0 or args.link_gbps <= 0 or args.tflops <= 0:
+        raise _Usage("--host-mem, --link-gbps and --tflops must be positive")
+    per_node = min(args.gpus, args.gpus_per_node)  # a 1-GPU job has its node's host memory to itself
+    return Cluster(args.gpus, limit, host_limit_bytes(args.host_mem, per_node), args.link_gbps * 1e9,
+                   args.tflops * 1e12)
+
+
+def _technique_rows(args, model: ModelSpec, cluster: Cluster) -> list[str]:
+    """One row per combination of checkpointing and long-sequence techniques (issue 22)."""
+    lines = [f"long-sequence techniques: host {args.host_mem:g} GiB per node of {args.gpus_per_node} GPUs "
+             f"({cluster.host_bytes / GIB:.0f} GiB per GPU here), loss/MLP tiles {args.loss_tile}/{args.mlp_tile} "
+             f"tokens, link {args.link_gbps:g} GB/s, {args.tflops:g} TFLOP/s per GPU",
+             f"{'combination':62s} {'max seq':>8s} {'bound':>11s} {'peak/GPU':>8s} {'host/GPU':>8s} "
+             f"{'recompute':>9s} {'offload/step':>12s} {'copy/compute':>12s}"]
+    best = None
+    for combo in combos(args.loss_tile, args.mlp_tile):
+        res = longest_with(model, combo, cluster, batch=args.batch, precision=args.precision)
+        if res.peak is None:
+            lines.append(f"{combo.label:62s} {'-':>8s} {res.bound:>11s}")
+            continue
+        p = res.peak
+        lines.append(f"{combo.label:62s} {_fmt_tokens(res.seq):>8s} {res.bound:>11s} {p.total / GIB:7.1f}G "
+                     f"{p.host_total / GIB:7.0f}G {p.recompute_flops / (p.flops - p.recompute_flops):8.0%} "
+                     f"{p.traffic / GIB:10.1f}G {res.traffic_vs_compute(cluster):11.2f}x")
+        best = res if best is None or res.seq > best.seq else best
+    if best is not None:
+        lines.append(f"longest: {_fmt_tokens(best.seq)} tokens with {best.combo.label} (bound: {best.bound}); "
+                     f"recompute is extra FLOPs over forward + backward; copy/compute is the offload copies' time over "
+                     f"the step's compute time (> 1: they cannot hide)")
+    return lines
+
+
+def _auto(args, model: ModelSpec, cluster: Cluster) -> str:
+    """``--strategy auto``: the cheapest combination that fits ``--seq-len`` (else the longest sequence)."""
+    seq = args.seq_len
+    if seq is None:
+        best = max((longest_with(model, c, cluster, batch=args.batch, precision=args.precision)
+                    for c in combos(args.loss_tile, args.mlp_tile)), key=lambda r: r.seq)
+        if best.peak is None:
+            raise _Usage(f"{model.name}: nothing fits {args.gpus} GPU(s) of {args.gpu_mem:g} GiB")
+        seq = best.seq
+    if seq < 1 or seq % args.gpus:
+        raise _Usage(f"--seq-len ({seq}) must be a positive multiple of --gpus ({args.gpus})")
+    pick = choose(model, seq, cluster, loss_tile=args.loss_tile, mlp_tile=args.mlp_tile, batch=args.batch,
+                  precision=args.precision)
+    if pick is None:
+        raise _Usage(f"{model.name}: no combination fits {_fmt_tokens(seq)} tokens on {args.gpus} GPU(s) of "
+                     f"{args.gpu_mem:g} GiB with {cluster.host_bytes / GIB:.0f} GiB of host memory per GPU; "
+                     f"use more GPUs or a shorter sequence")
+    combo, peak = pick
+    return (f"auto for {model.name} at {_fmt_tokens(seq)} tokens on {args.gpus} GPU(s): {combo.label}; peak "
+            f"{peak.total / GIB:.1f} GiB per GPU (mostly {peak.dominant}), host {peak.host_total / GIB:.0f} GiB per "
+            f"GPU, recompute {peak.recompute_flops / (peak.flops - peak.recompute_flops):.0%}, offload "
+            f"{peak.traffic / GIB:.1f} GiB per step")
 
 
 def _plot(args, model, results, limit, tp) -> str:

@@ -1,0 +1,224 @@
+"""The byte model of the long-sequence techniques: sequence-tiled loss and MLP, offloaded checkpoints, offloaded
+optimizer state; per rank, device and host, with the host-device traffic and the recomputation they cost.
+
+The techniques (``Techniques``) compose with every checkpointing strategy of ``distattn.memory.model``:
+
+* ``loss_tile``: the LM head and cross-entropy run over tiles of ``loss_tile`` tokens and recompute each tile's
+  logits in backward (``distattn.tiling``): the fp32 log-softmax ``(n, V)`` is never kept, and the loss backward
+  holds one tile's logits and their gradient instead of the whole shard's.
+* ``mlp_tile``: the MLP runs over tiles of ``mlp_tile`` tokens and keeps only its input; its ``(n, ffn)``
+  intermediates exist for one tile at a time (forward and backward), at the price of one more MLP forward.
+* ``offload_checkpoints``: what full or remat checkpointing keeps per layer lives in host memory between forward and
+  backward; the device holds the layer being copied out and the one prefetched back (two layers' worth).
+* ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy``: fp32 parameters, gradients and AdamW states live on the host;
+  the device holds the gathered half-precision parameters of the layers being computed.
+
+``technique_peak`` gives the training step's device peak (the larger of the two moments ``step_peak`` models: the
+loss backward and a recomputed layer's backward, each with the techniques applied), the host bytes, the bytes that
+cross the host-device link per step, and the FLOPs of the step and of its recomputation.
+
+Legend as in ``distattn.memory.model``: ``b`` batch, ``n`` tokens on this rank, ``h`` hidden, ``f`` ffn, ``V`` vocab,
+``L`` layers, ``A`` bytes of the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from distattn.memory.model import ModelSpec, Saved, _dtypes, layer_saved_tensors, model_saved_tensors, steady_state_bytes
+
+__all__ = ["Techniques", "TechniquePeak", "technique_peak", "tiled_loss_transient_bytes", "tiled_mlp_transient_bytes",
+           "mlp_saved_names", "step_flops"]
+
+# Tensors of shape (tile, f) alive at once in the tiled MLP's backward of one tile (LLaMA: the recomputed gate and
+# up outputs, the activation output, and the gradients of the product, of the activation and of the up output;
+# GPT: the recomputed fc1 output, the activation output and two gradients).
+_MLP_TILE_TENSORS = {"llama": 6, "gpt": 4}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Techniques:
+    """Which long-sequence techniques a step uses (all off: today's step)."""
+
+    loss_tile: int | None = None
+    """Tokens per tile of the LM head + loss (``None``: untiled)."""
+    mlp_tile: int | None = None
+    """Tokens per tile of the MLP (``None``: untiled)."""
+    offload_checkpoints: bool = False
+    """Checkpointed tensors (full or remat) live in host memory between forward and backward."""
+    offload_optimizer: bool = False
+    """fp32 parameters, gradients and AdamW states on the host (FSDP2 ``CPUOffloadPolicy``)."""
+
+    def __post_init__(self):
+        for name in ("loss_tile", "mlp_tile"):
+            tile = getattr(self, name)
+            if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0):
+                raise ValueError(f"{name} must be a positive number of tokens or None, got {tile!r}")
+
+    def label(self) -> str:
+        parts = [f"loss tile {self.loss_tile}" if self.loss_tile else "", f"mlp tile {self.mlp_tile}" if self.mlp_tile
+                 else "", "offload ckpt" if self.offload_checkpoints else "", "offload optim" if self.offload_optimizer
+                 else ""]
+        return ", ".join(p for p in parts if p) or "none"
+
+
+@dataclass(frozen=True)
+class TechniquePeak:
+    """A step's memory on one rank with techniques: the device peak, the host bytes, the traffic, the FLOPs."""
+
+    total: int
+    """Device bytes at the peak."""
+    parts: dict
+    moment: str
+    host: dict = field(default_factory=dict)
+    """Host bytes per component (this rank's share)."""
+    traffic: int = 0
+    """Bytes that cross the host-device link per step (both directions)."""
+    flops: float = 0.0
+    """FLOPs of the step with its recomputation."""
+    recompute_flops: float = 0.0
+    """FLOPs recomputed (checkpointing, tiles) on top of forward + backward."""
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def dominant(self) -> str:
+        return max(self.parts, key=self.parts.get)
+
+
+def tiled_loss_transient_bytes(tile: int, vocab: int, act_bytes: int) -> int:
+    """The tiled loss's backward working set of one tile: the recomputed logits in the activation dtype, their fp32
+    upcast (log-softmax) and the fp32 gradient of the logits."""
+    return tile * vocab * (act_bytes + 4 + 4)
+
+
+def tiled_mlp_transient_bytes(tile: int, ffn: int, act_bytes: int, family: str = "llama") -> int:
+    """The tiled MLP's backward working set of one tile: ``_MLP_TILE_TENSORS`` tensors of shape ``(tile, f)``."""
+    return _MLP_TILE_TENSORS[family] * tile * ffn * act_bytes
+
+
+def mlp_saved_names(saved: list[Saved]) -> list[Saved]:
+    """The entries of a layer's saved list that belong to its MLP (what the tiled MLP replaces by its input)."""
+    keys = ("gate_proj", "up_proj", "gate/up_proj", "down_proj", "mlp.", "fc1", "fc2")
+    return [s for s in saved if any(s.name.startswith(k) for k in keys) and "weight" not in s.name]
+
+
+def step_flops(model: ModelSpec, batch: int, seq: int, sp: int, *, causal: bool = True) -> tuple[float, float, float]:
+    """Per rank: ``(matmul FLOPs of one layer's forward, attention FLOPs of one layer's forward, head FLOPs)``."""
+    n = seq // sp
+    lay = model.layer
+    mat = 2 * batch * n * lay.matmul_params
+    att = 4 * batch * lay.heads * n * seq * lay.head_dim * (0.5 if causal else 1.0)
+    head = 2 * batch * n * lay.hidden * model.vocab
+    return mat, att, head
+
+
+def _mlp_flops(model: ModelSpec, batch: int, n: int) -> float:
+    lay = model.layer
+    return 2 * batch * n * (3 if lay.family == "llama" else 2) * lay.hidden * lay.ffn
+
+
+def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard: int = 1,
+                   precision: str = "bf16", strategy: str = "full", impl: str = "distattn",
+                   tech: Techniques = Techniques()) -> TechniquePeak:
+    """The step's device peak, host bytes, traffic and FLOPs on one rank (see the module doc).
+
+    Args:
+        model: the model; batch: sequences per step; seq: tokens per sequence (whole); sp: ranks that split it;
+        shard: ranks that shard weights/grads/AdamW (FSDP2); precision, strategy, impl: as ``step_peak``.
+    """
+    if tech.offload_checkpoints and strategy not in ("full", "remat"):
+        raise ValueError(f"offload_checkpoints moves what full or remat checkpointing keeps; strategy={strategy!r} "
+                         f"keeps every activation (use strategy='full' or 'remat')")
+    act, _, _, _ = _dtypes(precision)
+    A = act.itemsize
+    n = seq // sp
+    lay = model.layer
+    kw = dict(impl=impl, precision=precision, sp=sp)
+    steady = steady_state_bytes(model, shard=shard, gather_bytes=A)
+    host: dict[str, int] = {}
+    traffic = 0
+    if tech.offload_optimizer:  # fp32 params + grads + AdamW on the host; the device holds the gathered half
+        # parameters of the layer computed and the one prefetched, and the head's while the loss runs
+        host["weights+grads+adam"] = steady["weights"] + steady["grads"] + steady["adam"]
+        traffic += 2 * steady["weights"] + steady["grads"]  # params to the device (forward, backward), grads back
+        steady = {"gathered": 2 * A * lay.params, "buffers": steady["buffers"]}
+    steady_total = sum(steady.values())
+
+    layer_list = layer_saved_tensors(lay, batch, seq, strategy=strategy, **kw)
+    full_list = layer_saved_tensors(lay, batch, seq, strategy="none", **kw)
+    if tech.mlp_tile:
+        full_list = _with_tiled_mlp(full_list, batch, n, lay.hidden, act)
+        if strategy == "none":
+            layer_list = full_list
+    layer_kept = sum(t.nbytes for t in layer_list)
+    kept_on_device = layer_kept * model.layers
+    if tech.offload_checkpoints:
+        host["checkpoints"] = layer_kept * model.layers
+        traffic += 2 * layer_kept * model.layers  # out in forward, back in backward
+        kept_on_device = layer_kept * min(model.layers, 2)  # the layer in flight and the one prefetched
+
+    rest_list = model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp, impl=impl)
+    logits = batch * n * model.vocab * (A + 4 + 4)  # half logits + fp32 log-softmax grad + fp32 logit grad
+    if tech.loss_tile:
+        rest_list = [t for t in rest_list if not t.name.startswith("loss.log_softmax")]
+        logits = tiled_loss_transient_bytes(min(tech.loss_tile, batch * n), model.vocab, A) \
+            + batch * n * lay.hidden * 4  # the fp32 gradient of the hidden states, accumulated over tiles
+    rest = sum(t.nbytes for t in rest_list)
+    mlp_tile_ws = tiled_mlp_transient_bytes(min(tech.mlp_tile, batch * n), lay.ffn, A, lay.family) \
+        if tech.mlp_tile else 0
+
+    steady_name = "gathered params" if tech.offload_optimizer else "weights+grads+adam"
+    begin = {steady_name: steady_total,
+             "layer activations": kept_on_device, "head/loss saved": rest, "logits + logit grads": logits}
+    if tech.offload_optimizer:
+        begin["head weight (gathered)"] = A * model.vocab * lay.hidden
+    moments = [(begin, "at the loss backward")]
+    if strategy != "none":
+        grads = 2 * batch * n * lay.hidden * 4
+        during = {steady_name: steady_total,
+                  "layer activations": kept_on_device - (layer_kept if not tech.offload_checkpoints else 0),
+                  "head/loss saved": 0, "recomputed layer": sum(t.nbytes for t in full_list) + grads + mlp_tile_ws}
+        moments.append((during, "in a recomputed layer's backward"))
+    elif tech.mlp_tile:
+        begin["mlp tile"] = mlp_tile_ws
+    parts, moment = max(moments, key=lambda m: sum(m[0].values()))
+
+    mat, att, head = step_flops(model, batch, seq, sp)
+    mlp = _mlp_flops(model, batch, n)
+    recompute = {"none": 0.0, "selective": att, "full": mat + att, "remat": mat}[strategy] * model.layers
+    if tech.mlp_tile:
+        recompute += mlp * model.layers  # the tiles recompute the MLP forward in backward
+    if tech.loss_tile:
+        recompute += head
+    base = 3 * (model.layers * (mat + att) + head)
+    return TechniquePeak(sum(parts.values()), parts, moment, host, traffic, base + recompute, recompute)
+
+
+def _with_tiled_mlp(saved: list[Saved], b: int, n: int, h: int, act: torch.dtype) -> list[Saved]:
+    """A layer's saved list with the MLP's entries replaced by what the tiled MLP keeps: its input."""
+    mlp = mlp_saved_names(saved)
+    out = [s for s in saved if s not in mlp]
+    if not any(s.shape == (b, n, h) and s.dtype == act and "ln2" in s.name for s in out):
+        out.append(Saved("tiled_mlp.input", (b, n, h), act))
+    return out
+
+
+def check_tile(name: str, tile, tokens: int) -> int:
+    """A tile size for ``tokens`` tokens: a positive int; larger than ``tokens`` runs as one tile."""
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
+        raise ValueError(f"{name} must be a positive number of tokens, got {tile!r}")
+    return min(tile, max(tokens, 1))
+
+
+def host_limit_bytes(host_gib_per_node: float, gpus_per_node: int) -> int:
+    """This rank's share of a node's host memory."""
+    if host_gib_per_node <= 0 or gpus_per_node < 1:
+        raise ValueError(f"host memory ({host_gib_per_node} GiB) and GPUs per node ({gpus_per_node}) must be "
+                         f"positive")
+    return math.floor(host_gib_per_node * 2 ** 30 / gpus_per_node)

@@ -1,0 +1,108 @@
+"""The planner's long-sequence techniques (issue 22): tiled loss and MLP, offloaded checkpoints and optimizer state,
+each combination's longest sequence and bound, ``--strategy auto``, and the ALST targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from distattn.memory import plan
+from distattn.memory.model import get_preset
+from distattn.memory.techniques import Techniques, technique_peak
+
+GIB = 2 ** 30
+
+
+def _cluster(gpus, gpu_gib=80, host_gib=2048, per_node=8):
+    return plan.Cluster(gpus, (gpu_gib - 1) * GIB, plan.host_limit_bytes(host_gib, min(gpus, per_node)))
+
+
+def _longest(model, gpus, gpu_gib=80):
+    cluster = _cluster(gpus, gpu_gib)
+    return max(plan.longest_with(get_preset(model), c, cluster).seq for c in plan.combos(4096, 4096))
+
+
+@pytest.mark.parametrize("model, gpus, gpu_gib, target", [
+    ("llama3-8b", 1, 80, 600_000),  # ALST: 500K on one H100
+    ("llama3-8b", 8, 80, 4_000_000),  # ALST: 3.7M on 8
+    ("llama3-8b", 32, 80, 16_000_000),  # ALST: 15M on 32
+    ("llama-7b", 16, 40, 4 * 512 * 1024),  # 4x the DistFlashAttn paper's 512K on 16 x A100-40GB
+])
+def test_planner_reaches_the_issue_targets(model, gpus, gpu_gib, target):
+    assert _longest(model, gpus, gpu_gib) >= target
+
+
+def test_each_technique_lowers_the_device_peak_and_moves_bytes_to_the_host():
+    model = get_preset("llama3-8b")
+    base = dict(sp=8, shard=8, strategy="remat")
+    seq = 256 * 1024
+    none = technique_peak(model, 1, seq, **base)
+    for tech in (Techniques(loss_tile=4096), Techniques(mlp_tile=4096), Techniques(offload_checkpoints=True),
+                 Techniques(offload_optimizer=True)):
+        p = technique_peak(model, 1, seq, tech=tech, **base)
+        assert p.total <= none.total, tech  # never higher; lower where its part is at the peak moment
+        assert (p.host_total > 0) == (tech.offload_checkpoints or tech.offload_optimizer), tech
+        assert (p.traffic > 0) == (p.host_total > 0), tech
+        assert p.recompute_flops >= none.recompute_flops, tech  # tiles recompute; offload does not
+
+
+def test_tiles_lower_the_peak_where_logits_and_mlp_dominate():
+    model = get_preset("llama3-8b")
+    kw = dict(sp=8, shard=8, strategy="remat")
+    none = technique_peak(model, 1, 256 * 1024, **kw)
+    loss = technique_peak(model, 1, 256 * 1024, tech=Techniques(loss_tile=4096), **kw)
+    both = technique_peak(model, 1, 256 * 1024, tech=Techniques(loss_tile=4096, mlp_tile=4096), **kw)
+    assert both.total < loss.total < none.total
+
+
+def test_offloaded_checkpoints_put_every_layer_on_the_host_and_two_on_the_device():
+    model = get_preset("llama-7b")
+    kw = dict(sp=4, shard=4, strategy="full")
+    on = technique_peak(model, 1, 65536, tech=Techniques(offload_checkpoints=True), **kw)
+    off = technique_peak(model, 1, 65536, **kw)
+    per_layer = off.parts["layer activations"] // model.layers
+    assert on.host["checkpoints"] == model.layers * per_layer
+    assert on.traffic == 2 * model.layers * per_layer
+    assert on.parts["layer activations"] in (2 * per_layer, per_layer)  # loss moment / recomputed-layer moment
+
+
+def test_auto_picks_the_cheapest_combination_that_fits():
+    model = get_preset("llama3-8b")
+    cluster = _cluster(8)
+    short = plan.choose(model, 64 * 1024, cluster, loss_tile=4096, mlp_tile=4096)
+    assert short is not None and short[0] == plan.Combo("remat", Techniques())  # least recompute, no copies
+    long = plan.choose(model, 3 * 1024 * 1024, cluster, loss_tile=4096, mlp_tile=4096)
+    assert long is not None and long[0].tech.offload_checkpoints
+    assert plan.choose(model, 64 * 1024 * 1024, cluster, loss_tile=4096, mlp_tile=4096) is None
+
+
+def test_host_memory_bounds_the_offloading_rows():
+    res = plan.longest_with(get_preset("llama3-8b"), plan.Combo("remat", Techniques(
+        loss_tile=4096, mlp_tile=4096, offload_checkpoints=True)), _cluster(8, host_gib=64))
+    assert res.bound == "host memory" and res.peak.host_total <= 8 * GIB
+
+
+def test_plan_cli_prints_every_combination_and_auto(capsys):
+    assert plan.main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("full ckpt", "remat ckpt"))]
+    assert len(rows) == len(plan.combos(4096, 4096))
+    assert "longest:" in out and "copy/compute" in out
+    assert plan.main(["plan", "--model", "llama3-8b", "--gpus", "1", "--gpu-mem", "80", "--strategy", "auto",
+                      "--seq-len", "524288"]) == 0
+    assert "offload optim" in capsys.readouterr().out  # one GPU: the optimizer state cannot stay on it
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--loss-tile", "0"], "--loss-tile must be a positive integer"),
+    (["--host-mem", "-1"], "must be positive"),
+    (["--strategy", "auto", "--seq-len", "1073741824"], "no combination fits"),
+])
+def test_plan_cli_bad_input(capsys, argv, match):
+    assert plan.main(["plan", "--model", "llama3-8b", "--gpus", "8", *argv]) == plan.EXIT_BAD_ARGS
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tile", [0, -4, 2.5, True])
+def test_tile_sizes_must_be_positive_ints(tile):
+    with pytest.raises(ValueError, match="must be a positive number of tokens"):
+        Techniques(loss_tile=tile)
