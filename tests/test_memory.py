@@ -441,7 +441,8 @@ def test_plan_cli_hf_config_and_flags(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("plan", "--model", "llama-9b"), "unknown model preset 'llama-9b'; known presets: tiny"),
-    (("plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40"), "weights, gradients and AdamW states alone"),
+    (("plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40", "--strategy", "full"),
+     "weights, gradients and AdamW states alone"),
     (("plan", "--model", "/nonexistent/config.json"), "cannot read HF config"),
     (("plan", "--gpus", "0"), "must be positive"),
     (("plan", "--tp", "3"), "--tp 3 must divide"),

@@ -106,3 +106,9 @@ def test_plan_cli_bad_input(capsys, argv, match):
 def test_tile_sizes_must_be_positive_ints(tile):
     with pytest.raises(ValueError, match="must be a positive number of tokens"):
         Techniques(loss_tile=tile)
+
+
+def test_plan_without_strategy_shows_optimizer_offload_when_the_states_do_not_fit(capsys):
+    assert plan.main(["plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "only optimizer offload fits" in out and "offload optim" in out
