@@ -13,22 +13,31 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from test_train import JOB, JOB_TIMEOUT_S, LOSS_RTOL_RESUMED, ROOT, _losses, _torchrun
+from test_train import JOB, JOB_TIMEOUT_S, LOSS_RTOL_RESUMED, ROOT, TRAIN, _losses, _torchrun
 from test_train_cli import assert_one_clean_error, run_side_by_side
 
 sys.path.insert(0, str(ROOT / "launch"))
 
 import train_ckpt  # noqa: E402
+import train_lock  # noqa: E402
 import train_log  # noqa: E402
 from train_config import UsageError  # noqa: E402
+
+# A process that takes a lock and waits starts in well under a second; generous for a loaded machine.
+LOCK_CHILD_TIMEOUT_S = 60
 
 # The saved job: 2 ranks, 4 steps, a checkpoint every 2 (steps 2 and 4 kept).
 SAVED = list(JOB)
@@ -131,13 +140,16 @@ def test_crafted_bytes_entry_is_refused_and_not_run(tmp_path):
 
 
 def test_crafted_progress_is_refused_and_not_run(saved, tmp_path):
-    """The progress is JSON: a pickle planted there is unreadable data, never unpickled."""
+    """The progress is JSON: a pickle planted there (the manifest rewritten to match) is unreadable data,
+    never unpickled."""
     path = _copy(saved, tmp_path) / "step_00000004"
     marker = tmp_path / "pwned"
     (path / "progress.json").write_bytes(_crafted(marker))
+    train_ckpt.write_manifest(path, 4)
     with pytest.raises(train_ckpt.DamagedCheckpointError, match="progress.json unreadable"):
         train_ckpt.read_progress(path)
     (path / "progress.json").write_text(json.dumps({"step": "4"}))
+    train_ckpt.write_manifest(path, 4)
     with pytest.raises(train_ckpt.DamagedCheckpointError, match="integer 'step' and 'samples'"):
         train_ckpt.read_progress(path)
     assert not marker.exists()
@@ -206,6 +218,154 @@ def test_json_log_marks_redone_steps(tmp_path):
         (1, False), (2, False), (3, False), (3, True), (4, False), (5, False)]
 
 
+def _metadata(path: Path):
+    """A checkpoint's .metadata, unpickled without the allow-list (the test's own, trusted files)."""
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def _point_shards(metadata, where) -> None:
+    """Rewrite every storage record of ``metadata`` to read its shard file from ``where(name)``."""
+    for info in metadata.storage_data.values():
+        info.relative_path = where(info.relative_path)
+
+
+@pytest.mark.parametrize("what", ["progress.json", ".metadata", "__1_0.distcp", "directory", "subdirectory"])
+def test_symlinks_are_refused_on_verify_and_load(saved, tmp_path, what):
+    """A link anywhere in a checkpoint is refused by name, even one whose target has the right bytes (an
+    identical copy outside: every digest matches, the link alone is the fault)."""
+    ckpt = _copy(saved, tmp_path)
+    path = ckpt / "step_00000004"
+    outside = tmp_path / "outside"
+    shutil.copytree(path, outside)
+    if what == "directory":  # the newest checkpoint is a link to another directory
+        link = path = ckpt / "step_00000006"
+        link.symlink_to(outside, target_is_directory=True)
+    elif what == "subdirectory":  # an extra directory, unlisted, as a link
+        link = path / "extra"
+        link.symlink_to(tmp_path, target_is_directory=True)
+    else:
+        link = path / what
+        link.unlink()
+        link.symlink_to(outside / what)
+    with pytest.raises(train_ckpt.DamagedCheckpointError, match=f"{re.escape(str(link))} is a symbolic link"):
+        train_ckpt.verify(path)
+    # The loaders refuse it too (verify found nothing wrong yet when the link was planted after it ran).
+    if what in ("progress.json", ".metadata", "directory"):
+        with pytest.raises(train_ckpt.DamagedCheckpointError, match=f"{re.escape(str(link))} is a symbolic link"):
+            if what == "progress.json":
+                train_ckpt.read_progress(path)
+            else:
+                train_ckpt.SafeReader(str(path)).read_metadata()
+    if what == "__1_0.distcp":  # DCP opens shards through the reader's file system (what dcp.load calls)
+        reader = train_ckpt.SafeReader(str(path))
+        reader.read_metadata()
+        with pytest.raises(train_ckpt.UnsafeCheckpointError, match=f"{re.escape(str(link))} is a symbolic link"):
+            with reader.fs.create_stream(reader.fs.concat_path(reader.path, what), "rb"):
+                pass
+        with reader.fs.create_stream(reader.fs.concat_path(reader.path, "__0_0.distcp"), "rb") as f:
+            assert f.read(1)  # an unlinked shard still opens
+
+
+def test_metadata_reading_outside_the_checkpoint_is_refused(saved, tmp_path):
+    """The issue's crafted checkpoint: no shard files of its own, a ``.metadata`` whose storage paths point at
+    another run's shards, a manifest listing what is there. It verified and loaded the other run's weights;
+    now every variant is refused, naming the path."""
+    victim = tmp_path / "victim"  # another run's checkpoint
+    shutil.copytree(saved[0] / "step_00000002", victim)
+    evil = tmp_path / "evil" / "step_00000004"
+    evil.mkdir(parents=True)
+    shutil.copy(saved[0] / "step_00000004" / "progress.json", evil)
+    variants = {
+        "relative": (lambda n: f"../../victim/{n}", "a path outside the checkpoint"),
+        "absolute": (lambda n: str(victim / n), "a path outside the checkpoint"),
+        "unlisted": (lambda n: n, "which is not a shard file its manifest.json lists"),
+        "bookkeeping": (lambda n: "progress.json", "which is not a shard file its manifest.json lists"),
+    }
+    for name, (where, why) in variants.items():
+        metadata = _metadata(saved[0] / "step_00000004")
+        _point_shards(metadata, where)
+        (evil / ".metadata").write_bytes(pickle.dumps(metadata))
+        for shard in evil.glob("*.distcp"):
+            shard.unlink()
+        train_ckpt.write_manifest(evil, 4)  # lists .metadata and progress.json only
+        if name == "unlisted":  # the shards appear after the manifest was written: present, not listed
+            for shard in (saved[0] / "step_00000004").glob("*.distcp"):
+                shutil.copy(shard, evil)
+        target = where("__0_0.distcp")
+        assert (evil / target).is_file(), name  # DCP's own reader would have opened it
+        with pytest.raises(train_ckpt.UnsafeCheckpointError, match=f"reads tensors from {re.escape(repr(target))}"
+                                                                   f", {why}"):
+            train_ckpt.verify(evil)
+        with pytest.raises(train_ckpt.UnsafeCheckpointError, match=re.escape(why)):
+            train_ckpt.SafeReader(str(evil)).read_metadata()
+    # Were .metadata accepted somehow, DCP still could not open a file outside the shards it names.
+    reader = train_ckpt.SafeReader(str(saved[0] / "step_00000004"))
+    reader.read_metadata()
+    for path in (reader.fs.concat_path(reader.path, "../../victim/__0_0.distcp"), victim / "__0_0.distcp"):
+        with pytest.raises(train_ckpt.UnsafeCheckpointError, match="not a shard file of the checkpoint"):
+            with reader.fs.create_stream(path, "rb"):
+                pass
+
+
+def test_tampered_progress_is_refused(saved, tmp_path):
+    """progress.json is in the manifest and hashed as it is read: a same-size edit of the step is caught."""
+    path = _copy(saved, tmp_path) / "step_00000004"
+    text = (path / "progress.json").read_text()
+    assert '"step": 4,' in text
+    (path / "progress.json").write_text(text.replace('"step": 4,', '"step": 8,'))
+    for check in (train_ckpt.verify, train_ckpt.read_progress):
+        with pytest.raises(train_ckpt.DamagedCheckpointError, match="progress.json: sha256 differs"):
+            check(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"]["progress.json"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(train_ckpt.DamagedCheckpointError, match="manifest.json does not list progress.json"):
+        train_ckpt.read_progress(path)
+
+
+_HOLD = """import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import train_lock
+from pathlib import Path
+train_lock.acquire(Path(sys.argv[2]), print)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_lock_is_exclusive_and_a_dead_holders_is_taken_over(tmp_path):
+    """A live holder (another process) is named; once it is SIGKILLed its lock is taken over, and said so; a
+    job that ends normally leaves no holder; a linked lock file is refused."""
+    lines = []
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(ROOT / "launch"), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UsageError, match=rf"--ckpt-dir {re.escape(str(tmp_path))} is in use by another job "
+                                             rf"\(pid {holder.pid} on host {re.escape(socket.gethostname())}, since"):
+            train_lock.acquire(tmp_path, lines.append)
+    finally:
+        holder.kill()  # SIGKILL: no chance to release
+        holder.communicate(timeout=LOCK_CHILD_TIMEOUT_S)
+    try:
+        assert train_lock.acquire(tmp_path, lines.append)
+        assert f"taking over the lock of pid {holder.pid} on host" in lines[0] and "without releasing" in lines[0]
+        assert json.loads((tmp_path / train_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+        with pytest.raises(UsageError, match=f"in use by another job \\(pid {os.getpid()} "):
+            train_lock.acquire(tmp_path, lines.append)  # a second open file of this process: refused alike
+    finally:
+        train_lock.release()
+    assert (tmp_path / train_lock.LOCK_FILE).read_text() == ""
+    assert train_lock.acquire(tmp_path, lines.append) and len(lines) == 1  # released: nothing taken over
+    train_lock.release()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / train_lock.LOCK_FILE).symlink_to(tmp_path / train_lock.LOCK_FILE)
+    with pytest.raises(OSError):
+        train_lock.acquire(linked, lines.append)
+
+
 # ------------------------------------------------------------------------------------------ torchrun jobs
 
 
@@ -261,3 +421,80 @@ def test_refusals_after_init_are_one_line_and_exit_2(saved, tmp_path):
                            f"checkpoint {other / 'step_00000004'} does not fit this model (ValueError: Size "
                            f"mismatch", before_init=False)
     assert "resume with the --model it was trained with" in results["another model"][2]
+
+
+def _holder_pid(ckpt: Path, job: subprocess.Popen, err: Path) -> int:
+    """The pid recorded in ``ckpt``'s lock once ``job`` holds it (fails if the job ends first)."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        text = (ckpt / train_lock.LOCK_FILE).read_text() if (ckpt / train_lock.LOCK_FILE).exists() else ""
+        if text:
+            return json.loads(text)["pid"]
+        assert job.poll() is None, f"the first job ended (status {job.returncode})\n{err.read_text()[-3000:]}"
+        time.sleep(0.2)
+    pytest.fail(f"the first job did not lock {ckpt} in {JOB_TIMEOUT_S} s\n{err.read_text()[-3000:]}")
+
+
+def test_second_job_stops_at_once_and_a_killed_jobs_lock_is_taken_over(tmp_path):
+    """Job A trains on --ckpt-dir; job B on the same directory stops before building its model, on every rank,
+    with one line naming A's holder; A is SIGKILLed (rank 0 too: no release); job C takes the lock over, says
+    so, trains and saves, and leaves no holder behind."""
+    ckpt, err = tmp_path / "ckpt", tmp_path / "a.err"
+    long = [*JOB, "--ckpt-dir", str(ckpt), "--no-progress"]
+    long[long.index("--steps") + 1] = "100000"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN), *long]
+    with open(err, "w") as err_file:
+        job_a = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                                 stderr=err_file, start_new_session=True)
+    try:
+        pid_a = _holder_pid(ckpt, job_a, err)
+        short = [*JOB, "--ckpt-dir", str(ckpt)]
+        short[short.index("--steps") + 1] = "2"
+        rc, out, err_b = _torchrun(2, *short, "--resume")
+        assert_one_clean_error("second job", rc, out, err_b,
+                               f"--ckpt-dir {ckpt} is in use by another job (pid {pid_a} on host "
+                               f"{socket.gethostname()}, since")
+        assert job_a.poll() is None, "the first job must not notice the second"
+    finally:
+        os.killpg(job_a.pid, signal.SIGKILL)  # torchrun and both ranks: the lock is never released
+        job_a.communicate()
+    assert json.loads((ckpt / train_lock.LOCK_FILE).read_text())["pid"] == pid_a  # left behind
+    rc, _, err_c = _torchrun(2, *short)
+    assert rc == 0, err_c[-4000:]
+    assert (f"--ckpt-dir {ckpt}: taking over the lock of pid {pid_a} on host {socket.gethostname()}" in err_c
+            and "which ended without releasing it" in err_c), err_c[-3000:]
+    assert "saved checkpoint step 2" in err_c
+    assert (ckpt / train_lock.LOCK_FILE).read_text() == ""  # C ended normally: released
+
+
+def test_crafted_checkpoints_end_to_end(saved, tmp_path):
+    """Side by side: the newest checkpoint a link to a copy elsewhere (skipped with a warning naming the link,
+    resumed from the one before, the link's target never deleted); a checkpoint whose .metadata reads another
+    run's shards (one line from rank 0 naming the path, exit status 2 on every rank, nothing trained)."""
+    linked = _copy(saved, tmp_path / "linked")
+    outside = tmp_path / "outside"
+    shutil.copytree(saved[0] / "step_00000004", outside)
+    (linked / "step_00000006").symlink_to(outside, target_is_directory=True)
+    victim, evil = tmp_path / "victim", tmp_path / "evil" / "step_00000004"
+    shutil.copytree(saved[0] / "step_00000002", victim)
+    evil.mkdir(parents=True)
+    shutil.copy(saved[0] / "step_00000004" / "progress.json", evil)
+    metadata = _metadata(saved[0] / "step_00000004")
+    _point_shards(metadata, lambda n: f"../../victim/{n}")
+    (evil / ".metadata").write_bytes(pickle.dumps(metadata))
+    train_ckpt.write_manifest(evil, 4)
+    resume = [*SAVED, "--resume"]
+    resume[resume.index("--steps") + 1], resume[resume.index("--save-every") + 1] = "5", "5"
+    results = run_side_by_side({
+        "linked newest": ([*resume, "--ckpt-dir", str(linked)], {}),
+        "metadata outside": ([*resume, "--ckpt-dir", str(evil.parent)], {}),
+    }, timeout=JOB_TIMEOUT_S)
+    rc, _, err = results["linked newest"]
+    assert rc == 0, err[-4000:]
+    assert (f"warning: skipping damaged checkpoint {linked / 'step_00000006'}: {linked / 'step_00000006'} is a "
+            f"symbolic link (to {outside})") in err
+    assert f"resumed from {linked / 'step_00000004'} (step 4" in err and "saved checkpoint step 5" in err
+    train_ckpt.verify(outside)  # the target was neither read as a checkpoint nor deleted
+    assert_one_clean_error("metadata outside", *results["metadata outside"],
+                           f"checkpoint {evil}: its .metadata reads tensors from '../../victim/__0_0.distcp', a path "
+                           f"outside the checkpoint: refusing to load it", before_init=False)
