@@ -9,6 +9,7 @@ every rank with one line and exit status 2, and nothing it asks for is executed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -394,9 +395,10 @@ def test_damaged_newest_is_skipped_and_resume_is_bit_identical(saved, tmp_path):
     assert sorted(got) == [3]
     assert got[3] == pytest.approx(want[3], rel=LOSS_RTOL_RESUMED)
     assert f"removing {partial}: an unfinished save" in err and f"warning: ignoring {legacy}: it has no" in err
-    names = sorted(p.name for p in ckpt.iterdir())
+    names = sorted(p.name for p in ckpt.glob("step_*"))
     # --keep 2 counts intact checkpoints only: steps 2 and 3 (the damaged 4 and the unverifiable 1 are not)
     assert names == ["step_00000001", "step_00000002", "step_00000003", "step_00000004"], names
+    assert (ckpt / train_lock.LOCK_FILE).read_text() == ""  # beside them: the job's lock, released
     train_ckpt.verify(ckpt / "step_00000003")
 
 
@@ -435,6 +437,36 @@ def _holder_pid(ckpt: Path, job: subprocess.Popen, err: Path) -> int:
     pytest.fail(f"the first job did not lock {ckpt} in {JOB_TIMEOUT_S} s\n{err.read_text()[-3000:]}")
 
 
+def _kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL a torchrun job: its workers (each in a session of its own, so not in torchrun's process group)
+    first, then torchrun; returns once every one of them has ended."""
+    workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == job.pid]
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
+    deadline = time.monotonic() + LOCK_CHILD_TIMEOUT_S
+    while any(_alive(pid) for pid in workers):  # reaped by init once torchrun is gone
+        assert time.monotonic() < deadline, f"workers {workers} still alive after SIGKILL"
+        time.sleep(0.1)
+
+
+def _ppid(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie has ended: its files, and so its locks, are closed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_second_job_stops_at_once_and_a_killed_jobs_lock_is_taken_over(tmp_path):
     """Job A trains on --ckpt-dir; job B on the same directory stops before building its model, on every rank,
     with one line naming A's holder; A is SIGKILLed (rank 0 too: no release); job C takes the lock over, says
@@ -456,8 +488,7 @@ def test_second_job_stops_at_once_and_a_killed_jobs_lock_is_taken_over(tmp_path)
                                f"{socket.gethostname()}, since")
         assert job_a.poll() is None, "the first job must not notice the second"
     finally:
-        os.killpg(job_a.pid, signal.SIGKILL)  # torchrun and both ranks: the lock is never released
-        job_a.communicate()
+        _kill_job(job_a)  # every rank and torchrun, SIGKILL: the lock is never released
     assert json.loads((ckpt / train_lock.LOCK_FILE).read_text())["pid"] == pid_a  # left behind
     rc, _, err_c = _torchrun(2, *short)
     assert rc == 0, err_c[-4000:]
