@@ -9,6 +9,8 @@ Layout: ``<ckpt-dir>/step_00000040/`` per save, holding
   shards, the ``.metadata`` and the progress file are on disk. A directory without it is an interrupted save
   and is removed; one whose files do not match it is damaged and skipped.
 
+and ``<ckpt-dir>/.lock``, the running job's lock (never deleted; empty when no job holds it).
+
 Loading trusts nothing outside the checkpoint and runs no code from it (``train_ckpt_files``): no symbolic
 link anywhere in it, ``.metadata`` unpickled against an allow-list of DCP classes and naming only shard files
 that lie inside and are listed in the manifest (DCP may open no other file), ``progress.json`` hashed as it is
@@ -251,7 +253,7 @@ def _remove(path: Path, ignore_errors: bool = False) -> None:
 
 def _rotate(ckpt_dir: Path, keep: int, skip: set[Path], log) -> None:
     """Delete finished checkpoints beyond the newest ``keep`` intact ones, and anything older than those."""
-    good = [(s, p) for s, p in complete_checkpoints(ckpt_dir) if p not in skip]
+    good = [(s, p) for s, p in complete_checkpoints(ckpt_dir) if p not in skip and not p.is_symlink()]
     if len(good) <= keep:
         return
     oldest_kept = good[-keep][0]

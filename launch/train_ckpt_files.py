@@ -106,11 +106,10 @@ def open_inside(root: Path, name: str):
     the way (``root`` included) is a symbolic link. ``FileNotFoundError`` if it is missing."""
     if not plain_relative(name):
         raise DamagedCheckpointError(f"{name!r} is not a path inside the checkpoint {root}")
-    where = root
-    for part in ("", *name.split("/")[:-1]):  # the directories on the way: the last part is O_NOFOLLOW's
-        where = where / part if part else where
-        if where.is_symlink():
-            raise DamagedCheckpointError(_link(where))
+    parts = name.split("/")
+    for depth in range(len(parts)):  # root and the directories on the way; the file itself: O_NOFOLLOW
+        if root.joinpath(*parts[:depth]).is_symlink():
+            raise DamagedCheckpointError(_link(root.joinpath(*parts[:depth])))
     try:
         fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:

@@ -242,6 +242,9 @@ def test_symlinks_are_refused_on_verify_and_load(saved, tmp_path, what):
     if what == "directory":  # the newest checkpoint is a link to another directory
         link = path = ckpt / "step_00000006"
         link.symlink_to(outside, target_is_directory=True)
+        runs = tmp_path / "runs"  # --ckpt-dir itself may be a link (runs -> scratch space): not inside a checkpoint
+        runs.symlink_to(ckpt, target_is_directory=True)
+        train_ckpt.verify(runs / "step_00000004")
     elif what == "subdirectory":  # an extra directory, unlisted, as a link
         link = path / "extra"
         link.symlink_to(tmp_path, target_is_directory=True)
