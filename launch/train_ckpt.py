@@ -197,7 +197,7 @@ def remove_incomplete(ckpt_dir: Path, log) -> None:
                 continue
             if (path / MANIFEST).is_file():
                 continue
-            if (path / ".metadata").is_file():
+            if (path / METADATA).is_file():
                 log(f"warning: ignoring {path}: it has no {MANIFEST} (saved by an older train.py?), so it "
                     f"cannot be verified and is never resumed from")
                 continue
