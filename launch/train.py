@@ -27,7 +27,9 @@ done again with ``"redone": true``)::
 ``--resume`` with nothing to resume in ``--ckpt-dir`` warns (naming the directory) and starts from step 0;
 ``--resume must`` refuses instead. Checkpoints (``train_ckpt``) carry a sha256 manifest written last and
 checked before loading: a damaged newest one is skipped with a warning and the previous one is used, and
-loading never runs code from the files. Each save logs ``saved checkpoint step N to DIR (X MB, Y s)``.
+loading never runs code from the files nor reads any file outside the checkpoint (no symbolic links). One job
+per ``--ckpt-dir`` at a time: a second one stops before step 1 naming the holder; a crashed job's lock is
+taken over. Each save logs ``saved checkpoint step N to DIR (X MB, Y s)``.
 
 Padding-free training on documents of varied length (``--pack``): the text is split into documents (blank lines;
 the shipped corpus: its 1,189 chapters, 200 B to 13 KB) that are packed back to back into ``--seq-len`` streams,
@@ -55,10 +57,10 @@ by all-to-all and ``S/U`` of those groups form the ring (``U`` divides ``S`` and
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
 on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable or has no room
-for a checkpoint, a checkpoint of another model) makes every rank exit with status 2, rank 0 printing one
-``train.py: error:`` line; the checks that need no process group run before it exists (before step 1).
-torchrun then adds its own failure report, whose root cause quotes the same line.
+A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable, has no room
+for a checkpoint or is in use by another job, a checkpoint of another model) makes every rank exit with status
+2, rank 0 printing one ``train.py: error:`` line; the checks that need no process group run before it exists
+(before step 1). torchrun then adds its own failure report, whose root cause quotes the same line.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ import torch.distributed as dist
 
 import train_config
 import train_data
+import train_lock
 import train_log
 import train_memory
 import train_model
@@ -271,6 +274,8 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     import train_ckpt  # torch.distributed.checkpoint: ~1 s of imports that a bad argument should not wait for
 
     device = init_distributed(cfg)
+    if cfg.args.save_every or cfg.args.resume:  # one job per --ckpt-dir, before anything there is read or deleted
+        train_ckpt.lock(Path(cfg.args.ckpt_dir), log)
     group = sequence_group(cfg)
     model, mode = setup_model(cfg, config, group, device)
     log(describe(cfg, config, dataset, tokenizer_name, mode))
@@ -450,6 +455,7 @@ def finish(code: int) -> int:
         dist.barrier()
     except Exception:  # noqa: BLE001  (a peer already gone: exit all the same)
         pass
+    train_lock.release()  # rank 0: every rank is done with --ckpt-dir; the next job sees no holder
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
