@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from distattn import kernels
 from distattn._ops import group_key, group_of
 from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
+from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
 from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
 from distattn.checkpoint import remat_context_fn
 from distattn.schedule import SCHEDULES
@@ -87,7 +88,7 @@ from distattn.topology import all_reduce as all_reduce_group
 from distattn.topology import split as _split_group
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "ATTN_IMPLEMENTATION",
-           "IGNORE_INDEX"]
+           "IGNORE_INDEX", "tiled_causal_lm_loss", "tile_loss", "tile_mlp"]
 
 ATTN_IMPLEMENTATION = "distattn"
 """Name (prefix) under which distattn is registered in transformers' ``AttentionInterface``."""
@@ -454,13 +455,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
     labels = labels.to(logits.device)
     local_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="sum")
-    # Sum and count in fp64 across ranks: exact token counts, and one value that every rank agrees on.
-    stats = torch.stack([local_sum.detach().double(), (labels != IGNORE_INDEX).sum().double()])
-    if _group_size(group) > 1:
-        all_reduce_group(stats, group)  # every rank of the group: U * R of a two-dimensional one
-    total, count = stats[0], stats[1].clamp(min=1.0)
-    # Value: the global mean (identical bits on every rank). Gradient: d(local_sum)/count, this rank's share.
-    return (total / count).float() + (local_sum - local_sum.detach()) / count.float()
+    return global_mean(local_sum, labels, group)  # sum and count over the group in fp64: one value on every rank
 
 
 # -- checkpointing ------------------------------------------------------------------------------------------
