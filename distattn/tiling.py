@@ -282,16 +282,18 @@ def tiled_loss_bytes(tokens: int, hidden: int, vocab: int, tile: int, dtype_byte
     ``dtype_bytes``); ``weight_bytes``: the head weight's (default ``compute_bytes``); labels int64.
 
     saved = N*h*dtype + N*label (hidden, labels; the fp32 per-token losses are freed at the sum).
-    tile working (backward, the larger): fp32 logits + the log-softmax turned in place into dlogits
-    (2 * t*V*4), plus their cast to the compute dtype when it is not fp32 (t*V*c) and the logits before the
-    upcast (t*V*c). backward_fixed: the fp32 weight-gradient accumulator (V*h*4), the compute-dtype weight copy
-    when the weight has another dtype (V*h*c) and the per-tile c-dtype partial of dW when c is not fp32 (V*h*c).
+    tile_working (backward, beyond ``backward_fixed``): the larger of two moments of a tile, the fp32 logits
+    beside their log-softmax (turned in place into dlogits): 2*t*V*4; and, when c is not fp32, dlogits cast to c
+    beside that tile's c-dtype partial of dW: t*V*c + V*h*c. backward_fixed: the fp32 weight-gradient
+    accumulator (V*h*4) and the weight cast to c when its dtype differs (V*h*c). Not counted: the input
+    gradient (N*h, which every backward makes) and per-row vectors of a tile (targets, masks, the tile's
+    input cast: under t*(h*c + 64) bytes).
     """
     c = dtype_bytes if compute_bytes is None else compute_bytes
     w = c if weight_bytes is None else weight_bytes
     t = min(tile, tokens)
-    working = 2 * t * vocab * 4 + (2 * t * vocab * c if c != 4 else 0)
-    fixed = vocab * hidden * 4 + (vocab * hidden * c if w != c else 0) + (vocab * hidden * c if c != 4 else 0)
+    working = max(2 * t * vocab * 4, t * vocab * c + vocab * hidden * c if c != 4 else 0)
+    fixed = vocab * hidden * 4 + (vocab * hidden * c if w != c else 0)
     return TileBytes(saved=tokens * hidden * dtype_bytes + tokens * label_bytes, tile_saved=0,
                      tile_working=working, backward_fixed=fixed)
 

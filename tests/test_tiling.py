@@ -10,6 +10,9 @@ tensor) and what each tile's recompute keeps in backward, and both equal the byt
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from attn_ref import assert_close_by_rule, magnitude_of
 from dist_utils import run_distributed
@@ -180,6 +183,41 @@ def test_tiled_loss_keeps_no_logits_and_matches_the_byte_model():
         loss.backward()
     assert in_backward.bytes == model.tile_saved == 0  # the loss tiles are differentiated by hand: no graph
     assert model.tile_working < n * vocab * 4  # one tile's (t, V) buffers: less than one fp32 (N, V) logits
+
+
+class _LivePeak(TorchDispatchMode):
+    """Largest sum of live storages born while the mode is on, sampled after every op (CPU: no allocator stats)."""
+
+    def __init__(self):
+        super().__init__()
+        self.born, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.born[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()),
+                                                             t.untyped_storage().nbytes())
+        self.peak = max(self.peak, sum(n for ref, n in self.born.values() if not ref.expired()))
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("n, vocab, tile", [(40, 301, 8), (23, 97, 64), (64, 37, 16)])
+def test_tiled_loss_backward_peak_matches_the_byte_model(n, vocab, tile, autocast):
+    hidden = 16
+    h, w, labels = _loss_inputs((n,), hidden, vocab)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = tiled_head_loss_sum(h, w, labels, tokens=tile)
+    model = tiled_loss_bytes(n, hidden, vocab, tile, 4, compute_bytes=2 if autocast else 4, weight_bytes=4)
+    with _LivePeak() as live:
+        loss.backward()
+    t = min(tile, n)
+    expected = n * hidden * 4 + model.backward_fixed + model.tile_working  # dhidden + dW accumulator + one tile
+    # what the model leaves out: the tile's (t, h) input cast or dhidden slice before it is copied in, and
+    # per-row vectors (targets, row indices, masks: at most 64 bytes a row)
+    assert expected <= live.peak <= expected + t * hidden * 4 + 64 * t, (live.peak, expected)
 
 
 # -- MLP ----------------------------------------------------------------------------------------------------
