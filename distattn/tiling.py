@@ -25,6 +25,7 @@ Shape legend: ``N`` tokens of this rank (batch x shard), ``h`` hidden, ``V`` voc
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -38,9 +39,13 @@ IGNORE_INDEX = -100
 
 def check_tile(tokens, what: str = "tile") -> int:
     """``tokens`` as a tile size: a positive ``int`` (a tile larger than the shard is one tile)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int):
+    try:  # an int (numpy's, a one-element integer tensor), never a float or a bool
+        if isinstance(tokens, bool):
+            raise TypeError
+        tokens = operator.index(tokens)
+    except TypeError:
         raise ValueError(f"{what} size must be a positive int (tokens per tile), got {tokens!r} of type "
-                         f"{type(tokens).__name__}; pass e.g. {what}=4096")
+                         f"{type(tokens).__name__}; pass e.g. {what}=4096") from None
     if tokens <= 0:
         raise ValueError(f"{what} size must be a positive number of tokens, got {tokens}; pass e.g. 4096 "
                          f"(a tile larger than the shard is one tile)")
@@ -219,6 +224,7 @@ class _TiledMLP(torch.autograd.Function):
                 for i, g in zip(want, grads):
                     if g is not None:
                         _accumulate(acc, i, g)
+                del grads, g  # this tile's parameter gradients are in the accumulators: free them now
         d_params = [acc[i].to(p.dtype) if i in acc else None for i, p in enumerate(params)]
         return (d_x, None, *d_params)
 
@@ -308,11 +314,12 @@ def tiled_mlp_bytes(tokens: int, hidden: int, ffn: int, tile: int, dtype_bytes: 
 
     saved = N*h*dtype (the input). tile_saved (what the tile's recompute keeps for its backward, by tensor):
     swiglu: gate out, act(gate), up out, their product: 4*t*f*c; gelu: fc out, gelu out: 2*t*f*c; plus the
-    tile input cast to c when c differs from the input dtype (t*h*c). tile_working = tile_saved + the two
-    ``(t, f)`` gradients alive at once in its backward (2*t*f*c) + the tile's output and output-gradient
-    views (t*h*c). backward_fixed: the weight matrices cast to c when the parameters are not c (M*c, M = 3*h*f
-    or 2*h*f; made once for all tiles), one tile's parameter gradients (P*p) and fp32 accumulators when the
-    parameters are not fp32 (P*4), P the MLP's parameter count.
+    tile input cast to c when c differs from the input dtype (t*h*c). tile_working (an upper bound) =
+    tile_saved + the two ``(t, f)`` gradients alive at once in its backward (2*t*f*c) + the tile's output and
+    output-gradient views (t*h*c). backward_fixed: the fp32 accumulators (P*4) beside one tile's parameter
+    gradients (P*p), P the MLP's parameter count; when the parameters are not in c, also the weight matrices
+    cast to c (M*c, M = 3*h*f or 2*h*f, made once for all tiles) and a tile's c-dtype weight gradients before
+    their cast (M*c). The input gradient (N*h) is not counted: every backward makes it.
     """
     if kind not in ("swiglu", "gelu"):
         raise ValueError(f"kind={kind!r}: expected 'swiglu' (LLaMA gate/up/down) or 'gelu' (GPT fc/proj)")
@@ -325,4 +332,4 @@ def tiled_mlp_bytes(tokens: int, hidden: int, ffn: int, tile: int, dtype_bytes: 
     n_params = matrices if kind == "swiglu" else matrices + ffn + hidden
     return TileBytes(saved=tokens * hidden * dtype_bytes, tile_saved=tile_saved,
                      tile_working=tile_saved + 2 * t * ffn * c + t * hidden * c,
-                     backward_fixed=(matrices * c if p != c else 0) + n_params * p + (n_params * 4 if p != 4 else 0))
+                     backward_fixed=(2 * matrices * c if p != c else 0) + n_params * (p + 4))

@@ -7,6 +7,8 @@ The saved-tensor hooks measure what the tiled forward keeps (no ``(tokens, vocab
 tensor) and what each tile's recompute keeps in backward, and both equal the byte model.
 """
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,9 +74,10 @@ class _Saved:
 
 
 # -- validation ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [0, -3, 2.5, "64", True, None])
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "64", True, None, torch.tensor(4.0)])
 def test_tile_size_must_be_a_positive_int(bad):
-    with pytest.raises(ValueError, match=f"tile size must be a positive.*{bad!r}" if not isinstance(bad, int)
+    assert check_tile(torch.tensor(5)) == 5 and check_tile(7) == 7
+    with pytest.raises(ValueError, match=f"tile size must be a positive.*{re.escape(repr(bad))}" if not isinstance(bad, int)
                        or isinstance(bad, bool) else f"positive number of tokens, got {bad}"):
         check_tile(bad)
     h, w, labels = _loss_inputs((5,), 4, 7)
@@ -309,6 +312,25 @@ def test_tiled_mlp_keeps_only_its_input_and_matches_the_byte_model(kind, model_k
     assert not [s for s in backward.shapes() if n in s], backward.shapes()  # never a (n, ffn) tensor
 
 
+@pytest.mark.parametrize("kind, model_kind", [("llama", "swiglu"), ("gpt", "gelu")])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_tiled_mlp_backward_peak_within_the_byte_model(kind, model_kind, autocast):
+    n, hidden, ffn, tile = 30, 24, 56, 6
+    mlp = MLPS[kind](hidden, ffn)
+    params = list(mlp.parameters())
+    x = torch.randn(n, hidden, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = tiled_mlp(mlp.forward, x, params, tokens=tile)
+    grad = torch.ones_like(y)
+    model = tiled_mlp_bytes(n, hidden, ffn, tile, 4, kind=model_kind, compute_bytes=2 if autocast else 4,
+                            param_bytes=4)
+    with _LivePeak() as live:
+        y.backward(grad)
+    n_params = sum(p.numel() for p in params)
+    # the accumulators and one tile's parameter gradients do coexist; the model's total bounds the peak
+    assert n * hidden * 4 + 2 * n_params * 4 <= live.peak <= n * hidden * 4 + model.backward_fixed + model.tile_working
+
+
 # -- Hugging Face models ------------------------------------------------------------------------------------
 def _tiny_llama(tie=False, attn="sdpa"):
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -332,6 +354,16 @@ def _hf_step(model, batch, group=None, tiled=False):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _hf_checkpointing(model, reentrant):
+    """transformers' own layer checkpointing (``reentrant=None``: off), by its current name."""
+    if reentrant is None:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    elif hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
 def _set_tiling(model, tokens, group=None):
     hf.tile_mlp(model, tokens)
     hf.tile_loss(model, tokens, group=group)
@@ -350,14 +382,14 @@ def _compare(tiled, untiled, fp64=None):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("checkpointing", ["none", "hf"])
+@pytest.mark.parametrize("checkpointing", ["none", "hf", "hf-reentrant"])
 def test_hf_llama_tiled_matches_untiled_one_process(tie, checkpointing):
     ids = torch.randint(0, 1000, (2, 21), generator=torch.Generator().manual_seed(4))
     batch = {"input_ids": ids, "position_ids": torch.arange(21).expand(2, 21),  # one process, no group
              "shift_labels": F.pad(ids[:, 1:], (0, 1), value=-100)}
     model = _tiny_llama(tie)
-    if checkpointing == "hf":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing != "none":  # reentrant: the forward runs without grad, the MLPs tile in the recompute
+        _hf_checkpointing(model, reentrant=checkpointing == "hf-reentrant")
     untiled = _hf_step(model, batch)
     _set_tiling(model, 8)
     tiled = _hf_step(model, batch, tiled=True)
@@ -404,9 +436,9 @@ def _dist_cases(rank, world_size):
         model = hf.use_distattn(_tiny_llama(), group=group)
         for mode in ("none", "hf", "remat"):
             if mode == "hf":
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                _hf_checkpointing(model, reentrant=False)
             if mode == "remat":
-                model.gradient_checkpointing_disable()
+                _hf_checkpointing(model, reentrant=None)
                 hf.enable_remat_checkpointing(model)
             _set_tiling(model, None)
             untiled = _hf_step(model, batch, group)
