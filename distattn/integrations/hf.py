@@ -58,6 +58,12 @@ pre-hook (installed by ``use_distattn``, see ``_hf_packing``) derives the whole 
 forward, and attention stays inside each document (``distattn.dist_flash_attn_varlen_func``). Sliding-window
 models (Mistral) and attention logit soft-capping (Gemma-2) are computed.
 
+Sequence tiling (``_hf_tiling``, ``distattn.tiling``): ``tile_mlp(model, tokens=4096)`` runs every decoder layer's MLP
+over 4096-token tiles, keeping only its input for backward; ``tile_loss(model, tokens=4096, group=group)`` makes
+``model(..., shift_labels=batch["shift_labels"]).loss`` equal ``causal_lm_loss``'s, computed over tiles with no
+``(batch, n, vocab)`` logits (``tiled_causal_lm_loss(hidden, head, labels)`` for your own loop). Both compose with
+either checkpointing.
+
 Not supported (each raises ``ValueError`` at the first forward): padding masks and prepared 4-D masks, attention
 dropout in training, and generation with a KV cache (``use_distattn`` sets ``config.use_cache = False``).
 """
@@ -447,7 +453,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
     Returns:
         A scalar: the same global mean on every rank (0 when no rank has a target). Its gradient with
         respect to this rank's logits is that of the global mean, so summing parameter gradients over the
-        ranks gives the full-sequence gradient.
+        ranks gives the full-sequence gradient. Without the logits: ``tiled_causal_lm_loss``.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(f"logits must be (batch, n, vocab) and labels (batch, n) of this rank, got logits "
