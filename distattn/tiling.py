@@ -255,6 +255,8 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, param
         ``(..., h_out)``.
     """
     tile = check_tile(tokens, "tokens")
+    if x.numel() == 0:  # an empty shard: nothing to tile
+        return fn(x)
     opts = _MLPOptions(tile=tile, autocast=_Autocast.current(x.device), fn=fn)
     out = _TiledMLP.apply(x.reshape(-1, x.shape[-1]), opts, *params)
     return out.reshape(*x.shape[:-1], out.shape[-1])

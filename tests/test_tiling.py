@@ -115,6 +115,21 @@ def test_tiled_loss_matches_untiled_fp32(shape, vocab, tile):
         assert_close_by_rule(name, o, b, r, torch.float32)
 
 
+def test_tiled_loss_with_a_head_bias():
+    h, w, labels = _loss_inputs((2, 9), 12, 53)
+    b = torch.randn(53, generator=torch.Generator().manual_seed(9), requires_grad=True)
+
+    def untiled(hh, ww, bb):
+        return F.cross_entropy(F.linear(hh, ww, bb).flatten(0, 1), labels.flatten(), reduction="sum")
+
+    ref = untiled(h.double(), w.double(), b.double())
+    base, ours = untiled(h, w, b), tiled_head_loss_sum(h, w, labels, tokens=4, bias=b)
+    assert abs(ours.item() - base.item()) <= VALUE_RTOL * abs(base.item())
+    for name, o, bb, r in zip(("hidden", "weight", "bias"), _grads(ours, (h, w, b)), _grads(base, (h, w, b)),
+                              _grads(ref, (h, w, b))):
+        assert_close_by_rule(name, o, bb, r, torch.float32)
+
+
 def test_tiled_loss_bf16_autocast_by_the_accuracy_rule():
     h, w, labels = _loss_inputs((2, 23), 32, 509)  # fp32 leaves, bf16 matmuls: the autocast training case
     ref = _untiled_sum(h.double(), w.double(), labels)
