@@ -118,17 +118,23 @@ class _TiledHeadLoss(torch.autograd.Function):
             with torch.autocast(hidden.device.type, enabled=False):
                 if need_h:
                     d_hidden[a:b] = d_logits @ w_c
-                if need_w:  # fp32 accumulation over tiles (a c-dtype partial per tile when c is not fp32)
-                    h_c = hidden[a:b].to(c)
-                    if c == torch.float32:
-                        d_w.addmm_(d_logits.t(), h_c)
-                    else:
-                        d_w += d_logits.t() @ h_c
+                if need_w:
+                    _accumulate_head_grad(d_w, d_logits, hidden[a:b].to(c), opts.tile)
                 if need_b:
                     d_b += d_logits.sum(0, dtype=torch.float32)
             del d_logits
         return (d_hidden, None if d_w is None else d_w.to(weight.dtype),
                 None if d_b is None else d_b.to(bias.dtype), None, None)
+
+
+def _accumulate_head_grad(d_w, d_logits, h_c, block: int) -> None:
+    """``d_w (V, h) fp32 += d_logits^T h_c``: in place when c is fp32; else the c-dtype product (the tensor-core
+    matmul) ``block`` vocabulary rows at a time, so no ``(V, h)`` partial is ever made."""
+    if d_logits.dtype == torch.float32:
+        d_w.addmm_(d_logits.t(), h_c)
+        return
+    for v in range(0, d_w.shape[0], block):
+        d_w[v:v + block] += d_logits[:, v:v + block].t() @ h_c
 
 
 def _tile_logits_grad(h_t, labels_t, w_c, b_c, grad_sum, opts: _LossOptions) -> torch.Tensor:
@@ -292,7 +298,8 @@ def tiled_loss_bytes(tokens: int, hidden: int, vocab: int, tile: int, dtype_byte
     saved = N*h*dtype + N*label (hidden, labels; the fp32 per-token losses are freed at the sum).
     tile_working (backward, beyond ``backward_fixed``): the larger of two moments of a tile, the fp32 logits
     beside their log-softmax (turned in place into dlogits): 2*t*V*4; and, when c is not fp32, dlogits cast to c
-    beside that tile's c-dtype partial of dW: t*V*c + V*h*c. backward_fixed: the fp32 weight-gradient
+    beside one block of the c-dtype partial of dW (``min(tile, V)`` rows): t*V*c + min(tile, V)*h*c.
+    backward_fixed: the fp32 weight-gradient
     accumulator (V*h*4) and the weight cast to c when its dtype differs (V*h*c). Not counted: the input
     gradient (N*h, which every backward makes) and per-row vectors of a tile (targets, masks, the tile's
     input cast: under t*(h*c + 64) bytes).
@@ -300,7 +307,7 @@ def tiled_loss_bytes(tokens: int, hidden: int, vocab: int, tile: int, dtype_byte
     c = dtype_bytes if compute_bytes is None else compute_bytes
     w = c if weight_bytes is None else weight_bytes
     t = min(tile, tokens)
-    working = max(2 * t * vocab * 4, t * vocab * c + vocab * hidden * c if c != 4 else 0)
+    working = max(2 * t * vocab * 4, t * vocab * c + min(tile, vocab) * hidden * c if c != 4 else 0)
     fixed = vocab * hidden * 4 + (vocab * hidden * c if w != c else 0)
     return TileBytes(saved=tokens * hidden * dtype_bytes + tokens * label_bytes, tile_saved=0,
                      tile_working=working, backward_fixed=fixed)

@@ -80,8 +80,8 @@ import torch.nn.functional as F
 from distattn import kernels
 from distattn._ops import group_key, group_of
 from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
-from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
 from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
+from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
 from distattn.checkpoint import remat_context_fn
 from distattn.schedule import SCHEDULES
 from distattn.packing import (Packed, cu_seqlens_from_position_ids, pack_padded, pack_sequences,
