@@ -44,6 +44,11 @@ for this run's attention shapes (or reads them from its cache, ``DISTATTN_TUNE_C
 ``~/.cache/distattn/tune``) and every rank uses rank 0's choice (``distattn.autotune``); on CPU it logs
 that it is skipped.
 
+Token-wise work over tiles: ``--tile-loss TOKENS`` runs the LM head and the loss over tiles of each rank's shard,
+recomputing each tile's logits in backward (the ``(tokens, vocab)`` logits never exist); ``--tile-mlp TOKENS`` runs
+every MLP over tiles, keeping only its input for backward. Same loss and gradients (to fp32 rounding); they
+compose with ``--remat``.
+
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint; its tokenizer is
 used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face tokenizer).
@@ -151,12 +156,16 @@ def sequence_group(cfg: RunConfig):
 
 def setup_model(cfg: RunConfig, config, group, device):
     """Build, switch attention to distattn, optionally remat, shard; returns ``(model, shard_mode)``."""
-    from distattn.integrations.hf import enable_remat_checkpointing, use_distattn
+    from distattn.integrations.hf import enable_remat_checkpointing, tile_loss, tile_mlp, use_distattn
 
     model = train_model.build(cfg, config, materialize=cfg.env.world_size == 1 or cfg.env.rank == 0)
     use_distattn(model, group=group, schedule=cfg.args.schedule, backend=cfg.attn_backend)
     if cfg.args.remat:
         enable_remat_checkpointing(model)
+    if cfg.args.tile_mlp:
+        tile_mlp(model, cfg.args.tile_mlp)
+    if cfg.args.tile_loss:  # model(..., shift_labels=) returns the group's mean loss; the head stays in the root
+        tile_loss(model, cfg.args.tile_loss, group=group)
     model, mode = train_model.shard(model, cfg, device, log, group)
     model.train()
     return model, mode
@@ -171,7 +180,9 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
             f"{f' (ulysses {cfg.ulysses} x ring {cfg.sp_size // cfg.ulysses})' if cfg.ulysses > 1 else ''} x dp "
             f"{cfg.dp_size}, seq "
             f"{a.seq_len} ({a.seq_len // cfg.sp_size} per rank), batch {a.batch_size}/replica | {cfg.device_type} "
-            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}, params "
+            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}"
+            f"{f' +tile-mlp {a.tile_mlp}' if a.tile_mlp else ''}{f' +tile-loss {a.tile_loss}' if a.tile_loss else ''}"
+            f", params "
             f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name} "
             f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch"
             f"{', ' + str(len(dataset.docs)) + ' documents packed' if a.pack else ''})")
@@ -223,10 +234,14 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
         inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
     counting = saved_activations(ignore=model.parameters()) if measure is not None else contextlib.nullcontext()
     with counting as saved, train_model.autocast(cfg, mode):
-        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
         # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
         # FSDP2/DDP reduction (train_model's docstring).
-        loss = causal_lm_loss(logits, inputs["shift_labels"], group=group)
+        if cfg.args.tile_loss:  # the same loss, computed inside the model's forward over tiles (no logits)
+            loss = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                         shift_labels=inputs["shift_labels"]).loss
+        else:
+            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
+            loss = causal_lm_loss(logits, inputs["shift_labels"], group=group)
     if measure is not None:
         measure["saved_activation_bytes"] = saved.bytes
     loss.backward()

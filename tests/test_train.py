@@ -209,6 +209,17 @@ def test_zigzag_and_ulysses_give_the_same_losses(reference, tmp_path):
     _assert_close(_losses(log), _losses(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
 
 
+def test_tiled_loss_and_mlp_give_the_same_losses(reference, tmp_path):
+    """--tile-loss and --tile-mlp (with --remat, under FSDP2) change only the order of fp32 sums: the reference
+    job's losses; the job log names both."""
+    log = tmp_path / "steps.jsonl"
+    rc, out, err = _torchrun(2, *JOB, "--tile-loss", "48", "--tile-mlp", "40", "--remat", "--log-json", str(log),
+                             "--ckpt-dir", str(tmp_path / "ckpt"))
+    assert rc == 0, err[-4000:]
+    assert "+remat +tile-mlp 40 +tile-loss 48" in err
+    _assert_close(_losses(log), _losses(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
+
+
 def test_packing_stats_reads_the_runs_schedule():
     """``--pack``'s summary counts the chunk pairs that no document reaches in the plan the run executes: its
     schedule, over its ring (``sp / ulysses`` ranks of ``ulysses`` ranks' tokens)."""
