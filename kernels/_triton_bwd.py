@@ -16,6 +16,9 @@ keeps registers free), never two programs' adds, so two runs on the same input a
     with wide ``wgmma`` at d=128.
   * ``_bwd_dq_kernel``: one query block resident, loops over the key blocks.
 A row that saw no key (lse = -inf) gets its lse replaced by +inf, which makes every P of that row exactly 0.
+A NaN in a row's delta (a NaN output or dout row) reaches dS of the masked keys of that row's blocks too
+(``0 * NaN``): masking dS as well costs a config that spills (bench/compile_report.py), and the NaN pattern of a
+gradient inside a block follows the block structure on one device as on several (tests/test_nonfinite.py).
 """
 import triton
 import triton.language as tl
@@ -118,8 +121,6 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, LSE_src, DELTA_src, LO, HI, K_S
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
                 ds_t = ds_t * (1.0 - t_t * t_t)
-            if MASKED:  # an unseen key gets exactly 0, also when the row's delta is NaN (0 * NaN)
-                ds_t = tl.where(keep, ds_t, 0.0)
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
         if not TMA:
             Q_row += BLOCK_M * stride_qs
@@ -257,15 +258,12 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_blk, V_blk, stride_ks, stride_vs, st
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             # Keys past S_K are zero vectors, but exp2(0 - lse2) can overflow: mask them explicitly.
-            vis = _visible(offs_m, cols, S_K, DIAG, lo_r, hi_r, MASK)
-            p = tl.where(vis, p, 0.0)
+            p = tl.where(_visible(offs_m, cols, S_K, DIAG, lo_r, hi_r, MASK), p, 0.0)
         # -- dS = P * (dP - delta) (x (1 - tanh^2) when soft-capped), dQ += dS K --
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        if MASKED:  # an unseen key gets exactly 0, also when the row's delta is NaN (0 * NaN)
-            ds = tl.where(vis, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs

@@ -27,7 +27,9 @@ done again with ``"redone": true``)::
 ``--resume`` with nothing to resume in ``--ckpt-dir`` warns (naming the directory) and starts from step 0;
 ``--resume must`` refuses instead. Checkpoints (``train_ckpt``) carry a sha256 manifest written last and
 checked before loading: a damaged newest one is skipped with a warning and the previous one is used, and
-loading never runs code from the files. Each save logs ``saved checkpoint step N to DIR (X MB, Y s)``.
+loading never runs code from the files nor reads any file outside the checkpoint (no symbolic links). One job
+per ``--ckpt-dir`` at a time: a second one stops before step 1 naming the holder; a crashed job's lock is
+taken over. Each save logs ``saved checkpoint step N to DIR (X MB, Y s)``.
 
 Padding-free training on documents of varied length (``--pack``): the text is split into documents (blank lines;
 the shipped corpus: its 1,189 chapters, 200 B to 13 KB) that are packed back to back into ``--seq-len`` streams,
@@ -42,6 +44,11 @@ for this run's attention shapes (or reads them from its cache, ``DISTATTN_TUNE_C
 ``~/.cache/distattn/tune``) and every rank uses rank 0's choice (``distattn.autotune``); on CPU it logs
 that it is skipped.
 
+Token-wise work over tiles: ``--tile-loss TOKENS`` runs the LM head and the loss over tiles of each rank's shard,
+recomputing each tile's logits in backward (the ``(tokens, vocab)`` logits never exist); ``--tile-mlp TOKENS`` runs
+every MLP over tiles, keeping only its input for backward. Same loss and gradients (to fp32 rounding); they
+compose with ``--remat``.
+
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint; its tokenizer is
 used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face tokenizer).
@@ -55,10 +62,10 @@ by all-to-all and ``S/U`` of those groups form the ring (``U`` divides ``S`` and
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
 on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable or has no room
-for a checkpoint, a checkpoint of another model) makes every rank exit with status 2, rank 0 printing one
-``train.py: error:`` line; the checks that need no process group run before it exists (before step 1).
-torchrun then adds its own failure report, whose root cause quotes the same line.
+A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable, has no room
+for a checkpoint or is in use by another job, a checkpoint of another model) makes every rank exit with status
+2, rank 0 printing one ``train.py: error:`` line; the checks that need no process group run before it exists
+(before step 1). torchrun then adds its own failure report, whose root cause quotes the same line.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ import torch.distributed as dist
 
 import train_config
 import train_data
+import train_lock
 import train_log
 import train_memory
 import train_model
@@ -148,12 +156,16 @@ def sequence_group(cfg: RunConfig):
 
 def setup_model(cfg: RunConfig, config, group, device):
     """Build, switch attention to distattn, optionally remat, shard; returns ``(model, shard_mode)``."""
-    from distattn.integrations.hf import enable_remat_checkpointing, use_distattn
+    from distattn.integrations.hf import enable_remat_checkpointing, tile_loss, tile_mlp, use_distattn
 
     model = train_model.build(cfg, config, materialize=cfg.env.world_size == 1 or cfg.env.rank == 0)
     use_distattn(model, group=group, schedule=cfg.args.schedule, backend=cfg.attn_backend)
     if cfg.args.remat:
         enable_remat_checkpointing(model)
+    if cfg.args.tile_mlp:
+        tile_mlp(model, cfg.args.tile_mlp)
+    if cfg.args.tile_loss:  # model(..., shift_labels=) returns the group's mean loss; the head stays in the root
+        tile_loss(model, cfg.args.tile_loss, group=group)
     model, mode = train_model.shard(model, cfg, device, log, group)
     model.train()
     return model, mode
@@ -168,7 +180,9 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
             f"{f' (ulysses {cfg.ulysses} x ring {cfg.sp_size // cfg.ulysses})' if cfg.ulysses > 1 else ''} x dp "
             f"{cfg.dp_size}, seq "
             f"{a.seq_len} ({a.seq_len // cfg.sp_size} per rank), batch {a.batch_size}/replica | {cfg.device_type} "
-            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}, params "
+            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}"
+            f"{f' +tile-mlp {a.tile_mlp}' if a.tile_mlp else ''}{f' +tile-loss {a.tile_loss}' if a.tile_loss else ''}"
+            f", params "
             f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name} "
             f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch"
             f"{', ' + str(len(dataset.docs)) + ' documents packed' if a.pack else ''})")
@@ -220,10 +234,14 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
         inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
     counting = saved_activations(ignore=model.parameters()) if measure is not None else contextlib.nullcontext()
     with counting as saved, train_model.autocast(cfg, mode):
-        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
         # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
         # FSDP2/DDP reduction (train_model's docstring).
-        loss = causal_lm_loss(logits, inputs["shift_labels"], group=group)
+        if cfg.args.tile_loss:  # the same loss, computed inside the model's forward over tiles (no logits)
+            loss = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                         shift_labels=inputs["shift_labels"]).loss
+        else:
+            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
+            loss = causal_lm_loss(logits, inputs["shift_labels"], group=group)
     if measure is not None:
         measure["saved_activation_bytes"] = saved.bytes
     loss.backward()
@@ -271,6 +289,8 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     import train_ckpt  # torch.distributed.checkpoint: ~1 s of imports that a bad argument should not wait for
 
     device = init_distributed(cfg)
+    if cfg.args.save_every or cfg.args.resume:  # one job per --ckpt-dir, before anything there is read or deleted
+        train_ckpt.lock(Path(cfg.args.ckpt_dir), log)
     group = sequence_group(cfg)
     model, mode = setup_model(cfg, config, group, device)
     log(describe(cfg, config, dataset, tokenizer_name, mode))
@@ -450,6 +470,7 @@ def finish(code: int) -> int:
         dist.barrier()
     except Exception:  # noqa: BLE001  (a peer already gone: exit all the same)
         pass
+    train_lock.release()  # rank 0: every rank is done with --ckpt-dir; the next job sees no holder
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

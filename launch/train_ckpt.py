@@ -9,44 +9,44 @@ Layout: ``<ckpt-dir>/step_00000040/`` per save, holding
   shards, the ``.metadata`` and the progress file are on disk. A directory without it is an interrupted save
   and is removed; one whose files do not match it is damaged and skipped.
 
-Loading runs no code from the checkpoint: ``.metadata`` is unpickled by :class:`SafeReader`, whose
-unpickler resolves only the DCP metadata classes on :data:`METADATA_CLASSES`; the optimizer's non-tensor
-entries (its ``param_groups``) go through ``torch.load(weights_only=True)`` (:class:`SafePlanner`); tensors
-were always loaded that way by DCP; the progress is JSON. DCP reshards on load, so a checkpoint can be
-resumed at another world size.
+and ``<ckpt-dir>/.lock``, the running job's lock (never deleted; empty when no job holds it).
 
-Collective calls (``save``, ``find_and_load``) must be made by every rank; the file-system checks
+Loading trusts nothing outside the checkpoint and runs no code from it (``train_ckpt_files``): no symbolic
+link anywhere in it, ``.metadata`` unpickled against an allow-list of DCP classes and naming only shard files
+that lie inside and are listed in the manifest (DCP may open no other file), ``progress.json`` hashed as it is
+read, non-tensor entries loaded weights-only. DCP reshards on load, so a checkpoint can be resumed at another
+world size.
+
+One job per ``--ckpt-dir``: rank 0 holds the directory's lock (``train_lock``) for the job's life, from before
+anything there is read or deleted; a second job stops on every rank with one error naming the holder.
+
+Collective calls (``lock``, ``save``, ``find_and_load``) must be made by every rank; the file-system checks
 (``preflight``) run before the process group exists.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import io
 import json
 import os
-import pickle
 import shutil
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata  # noqa: F401 - re-exported for the tests
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+import train_lock
+from train_ckpt_files import (  # noqa: F401 - the checkpoint's files: re-exported as train_ckpt's own
+    MANIFEST, MANIFEST_FORMAT, METADATA, METADATA_CLASSES, PROGRESS, DamagedCheckpointError, SafePlanner,
+    SafeReader, UnsafeCheckpointError, check_files, read_manifest, read_progress, verify, write_manifest)
 from train_config import JobFailed, UsageError
 
 PREFIX = "step_"
-MANIFEST = "manifest.json"
-PROGRESS = "progress.json"
-MANIFEST_FORMAT = "distattn-train-checkpoint/1"
 # Testing hooks: a full disk and a read-only mount cannot be made without privileges (and root ignores
 # permission bits), so the up-front check can be told to see them.
 FREE_BYTES_ENV = "DISTATTN_CKPT_FREE_BYTES"  # pretend the checkpoint file system has this many bytes free
@@ -55,94 +55,6 @@ READ_ONLY_ENV = "DISTATTN_CKPT_READ_ONLY"  # "1": pretend the checkpoint directo
 # for the tiny preset, 11.0 MB on disk for 10.5 MB of tensors; less for larger models).
 BYTES_PER_PARAM = 12
 FORMAT_OVERHEAD = 1.1
-
-_DCP = "torch.distributed.checkpoint"
-# Everything a real DCP save of TrainState pickles into .metadata (found by recording ``find_class`` while
-# loading one: tests/test_train_ckpt.py checks the list is still sufficient and minimal enough to refuse
-# everything else). Classes are resolved only from this list, so a crafted .metadata cannot reach
-# os.system, eval, getattr or any other callable.
-METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset({
-    (f"{_DCP}.metadata", "Metadata"),
-    (f"{_DCP}.metadata", "MetadataIndex"),
-    (f"{_DCP}.metadata", "StorageMeta"),
-    (f"{_DCP}.metadata", "TensorStorageMetadata"),
-    (f"{_DCP}.metadata", "BytesStorageMetadata"),
-    (f"{_DCP}.metadata", "ChunkStorageMetadata"),
-    (f"{_DCP}.metadata", "TensorProperties"),
-    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"),  # an Enum
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name, nothing else
-    # dtypes are pickled by reference: these resolve to dtype objects, not callables
-    ("torch", "float32"), ("torch", "bfloat16"), ("torch", "float16"), ("torch", "float64"),
-    ("torch", "int64"), ("torch", "int32"),
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-})
-
-
-class UnsafeCheckpointError(UsageError):
-    """A checkpoint holds something the safe loaders refuse (a class outside the allow-list)."""
-
-
-class DamagedCheckpointError(Exception):
-    """A checkpoint's files do not match its manifest (or it has none): skipped, an older one is tried."""
-
-
-# ---------------------------------------------------------------------------------------------- safe loading
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) not in METADATA_CLASSES:
-            raise UnsafeCheckpointError(f"its .metadata asks to load {module}.{name}, which is not a DCP metadata "
-                                        f"class: refusing to unpickle it (a crafted or foreign file?)")
-        return super().find_class(module, name)
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file-system reader with ``.metadata`` unpickled against :data:`METADATA_CLASSES` only.
-
-    The first ``read_metadata`` reads the file; later calls (DCP's own, inside ``dcp.load``) return the same
-    object, so a refusal is raised where ``load`` can report it, not inside DCP's planning step.
-    """
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._metadata: Metadata | None = None
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self._metadata is None:
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if not isinstance(metadata, Metadata):
-                raise UnsafeCheckpointError(f"its .metadata holds a {type(metadata).__name__}, not DCP Metadata")
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            self._metadata = metadata
-        self._metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata does too
-        return self._metadata
-
-
-class SafePlanner(DefaultLoadPlanner):
-    """DCP's load planner with non-tensor entries read by ``torch.load(weights_only=True)``.
-
-    DCP saves every non-tensor value of the state dict (the optimizer's ``param_groups``: floats, tuples,
-    parameter names) as a pickle and loads it with ``weights_only=False``; plain containers and numbers are
-    all it needs.
-    """
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(f"its entry {read_item.dest_index.fqn} is not plain data: refusing to "
-                                        f"unpickle it ({str(exc).splitlines()[0]})") from exc
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 class TrainState(Stateful):
@@ -160,18 +72,6 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"])
-
-
-def read_progress(path: Path) -> dict:
-    """``progress.json`` of a checkpoint directory, checked to hold the job's position."""
-    try:
-        progress = json.loads((path / PROGRESS).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise DamagedCheckpointError(f"{PROGRESS} unreadable ({exc})") from exc
-    if not (isinstance(progress, dict) and isinstance(progress.get("step"), int)
-            and isinstance(progress.get("samples"), int)):
-        raise DamagedCheckpointError(f"{PROGRESS} does not hold integer 'step' and 'samples'")
-    return progress
 
 
 # ------------------------------------------------------------------------------------------ manifest, listing
@@ -194,66 +94,6 @@ def step_dirs(ckpt_dir: Path) -> list[tuple[int, Path]]:
 def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     """Checkpoints whose save finished (a manifest exists; its digests are checked by ``verify``)."""
     return [(s, p) for s, p in step_dirs(ckpt_dir) if (p / MANIFEST).is_file()]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def write_manifest(path: Path, step: int) -> int:
-    """Digest every file of ``path`` into ``manifest.json`` (atomically); returns the checkpoint's bytes."""
-    files = {}
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[str(f.relative_to(path))] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "step": step, "files": files}, indent=1))
-    os.replace(tmp, path / MANIFEST)  # a reader sees no manifest or a whole one
-    return sum(f["bytes"] for f in files.values())
-
-
-def read_manifest(path: Path) -> dict[str, dict]:
-    """The manifest's ``{relative path: {"sha256", "bytes"}}``; ``DamagedCheckpointError`` if unusable."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-        ok = manifest["format"] == MANIFEST_FORMAT and all(
-            isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
-            for v in files.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DamagedCheckpointError(f"{MANIFEST} unreadable ({type(exc).__name__}: {exc})") from exc
-    if not ok:
-        raise DamagedCheckpointError(f"{MANIFEST} is not a {MANIFEST_FORMAT} manifest")
-    for name in (".metadata", PROGRESS):
-        if name not in files:
-            raise DamagedCheckpointError(f"{MANIFEST} does not list {name}")
-    return files
-
-
-def check_files(path: Path, files: dict[str, dict]) -> list[str]:
-    """What differs between the files on disk and their manifest entries (empty: intact)."""
-    problems = []
-    for name, want in files.items():
-        f = path / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            problems.append(f"{name}: not a path inside the checkpoint")
-        elif not f.is_file():
-            problems.append(f"{name}: missing")
-        elif f.stat().st_size != want["bytes"]:
-            problems.append(f"{name}: {f.stat().st_size} bytes, the manifest says {want['bytes']}")
-        elif _sha256(f) != want["sha256"]:
-            problems.append(f"{name}: sha256 differs from the manifest")
-    return problems
-
-
-def verify(path: Path) -> None:
-    """Raise ``DamagedCheckpointError`` naming what failed unless every file matches the manifest (one rank)."""
-    problems = check_files(path, read_manifest(path))
-    if problems:
-        raise DamagedCheckpointError("; ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------- up-front checks
@@ -325,6 +165,23 @@ def _rank0_do(fn) -> None:
         raise OSError(error)
 
 
+def lock(ckpt_dir: Path, log) -> None:
+    """Rank 0 takes ``ckpt_dir``'s lock for the job's life (``train_lock``); every rank raises the same
+    ``UsageError`` if another job holds it. A directory that does not exist yet has nothing to protect (a
+    saving job's ``preflight`` has created it by now)."""
+    error = None
+    if dist.get_rank() == 0 and ckpt_dir.is_dir():
+        try:
+            train_lock.acquire(ckpt_dir, log)
+        except UsageError as exc:
+            error = str(exc)
+        except OSError as exc:
+            error = f"cannot lock --ckpt-dir {ckpt_dir} ({exc.strerror or exc}: {exc.filename})"
+    error = _agree(error)
+    if error:
+        raise UsageError(error)
+
+
 def remove_incomplete(ckpt_dir: Path, log) -> None:
     """Rank 0 deletes ``step_N`` directories of saves that never finished; warns about manifest-less ones.
 
@@ -335,9 +192,12 @@ def remove_incomplete(ckpt_dir: Path, log) -> None:
     """
     def remove():
         for _, path in step_dirs(ckpt_dir):
+            if path.is_symlink():  # never resumed from (verify refuses it); never deleted through
+                log(f"warning: ignoring {path}: a symbolic link (to {os.readlink(path)}), never resumed from")
+                continue
             if (path / MANIFEST).is_file():
                 continue
-            if (path / ".metadata").is_file():
+            if (path / METADATA).is_file():
                 log(f"warning: ignoring {path}: it has no {MANIFEST} (saved by an older train.py?), so it "
                     f"cannot be verified and is never resumed from")
                 continue
@@ -368,12 +228,12 @@ def save(state: TrainState, ckpt_dir: Path, step: int, keep: int, skip: set[Path
         size[0] = write_manifest(path, step)
 
     try:
-        _rank0_do(lambda: shutil.rmtree(path) if path.exists() else None)  # a stale or damaged one
+        _rank0_do(lambda: _remove(path))  # a stale or damaged one
         dcp.save(state_dict={"train": state}, checkpoint_id=str(path))  # ends with a barrier
         _rank0_do(finish)
     except (OSError, CheckpointException) as exc:
         if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path, ignore_errors=True)
         free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.is_dir() else 0
         raise SaveError(f"saving checkpoint step {step} to {path} failed ({_first_line(exc)}; "
                         f"{free / 2**20:.1f} MB free there); the partial directory was removed") from exc
@@ -383,15 +243,23 @@ def save(state: TrainState, ckpt_dir: Path, step: int, keep: int, skip: set[Path
     return path
 
 
+def _remove(path: Path, ignore_errors: bool = False) -> None:
+    """Delete a checkpoint directory; a symbolic link in its place loses the link only, never its target."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+
+
 def _rotate(ckpt_dir: Path, keep: int, skip: set[Path], log) -> None:
     """Delete finished checkpoints beyond the newest ``keep`` intact ones, and anything older than those."""
-    good = [(s, p) for s, p in complete_checkpoints(ckpt_dir) if p not in skip]
+    good = [(s, p) for s, p in complete_checkpoints(ckpt_dir) if p not in skip and not p.is_symlink()]
     if len(good) <= keep:
         return
     oldest_kept = good[-keep][0]
     for s, p in step_dirs(ckpt_dir):
         if s < oldest_kept:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove(p, ignore_errors=True)
             if p in skip:
                 log(f"removed damaged checkpoint {p}")
                 skip.discard(p)
@@ -412,15 +280,21 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _verify_everywhere(path: Path) -> str | None:
-    """Check ``path`` against its manifest, files split over the ranks; the first problem or ``None``."""
+    """``verify`` with the files' digests split over the ranks; the first problem, ``None`` if intact.
+
+    Raises ``UnsafeCheckpointError`` on every rank if ``.metadata`` is refused (a foreign class or shard file).
+    """
+    unsafe = damaged = None
     try:
-        files = read_manifest(path)
+        verify(path, share=(dist.get_rank(), dist.get_world_size()))  # digest 1/world of the bytes each
+    except UnsafeCheckpointError as exc:
+        unsafe = f"checkpoint {path}: {exc}"
     except DamagedCheckpointError as exc:
-        return str(exc)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {name: files[name] for name in sorted(files)[rank::world]}  # hash 1/world of the bytes each
-    problems = check_files(path, mine)
-    return _agree("; ".join(problems) if problems else None)
+        damaged = str(exc)
+    unsafe = _agree(unsafe)
+    if unsafe:
+        raise UnsafeCheckpointError(unsafe)
+    return _agree(damaged)
 
 
 def find_and_load(state: TrainState, ckpt_dir: Path, log) -> tuple[Path | None, set[Path]]:

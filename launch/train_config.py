@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
     a.add_argument("--remat", action="store_true",
                    help="distattn's rematerialization-aware checkpointing (saves activation memory)")
+    a.add_argument("--tile-loss", type=int, default=None, metavar="TOKENS",
+                   help="LM head + loss over tiles of TOKENS tokens of each rank's shard, logits recomputed per tile "
+                   "in backward: the (tokens, vocab) logits never exist (distattn.integrations.hf.tile_loss)")
+    a.add_argument("--tile-mlp", type=int, default=None, metavar="TOKENS",
+                   help="every decoder layer's MLP over tiles of TOKENS tokens, recomputed per tile in backward: "
+                   "only the MLP input is kept (distattn.integrations.hf.tile_mlp)")
     a.add_argument("--no-memory-check", action="store_true",
                    help="start even if the memory model predicts the step will not fit the GPU")
     a.add_argument("--sp-size", type=int, default=0,
@@ -243,6 +249,10 @@ def _check_ranges(args) -> None:
     for name in ("save_every", "log_every", "crash_at_step", "sp_size", "grad_clip", "weight_decay"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("tile_loss", "tile_mlp"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number of tokens per tile, got "
+                             f"{getattr(args, name)}; e.g. 4096 (a tile longer than the shard is one tile)")
     if not args.lr > 0:
         raise UsageError(f"--lr must be > 0, got {args.lr}")
     if args.warmup is not None and not 0 <= args.warmup <= args.steps:

@@ -34,7 +34,8 @@ def predicted_peak(cfg: RunConfig, config):
     from distattn.memory import predicted_peak_bytes
 
     return predicted_peak_bytes(config, batch=cfg.args.batch_size, seq_len=cfg.args.seq_len, sp_size=cfg.sp_size,
-                                shard_size=_shard(cfg), precision=_precision(cfg), remat=cfg.args.remat)
+                                shard_size=_shard(cfg), precision=_precision(cfg), remat=cfg.args.remat,
+                                chunked_loss=bool(cfg.args.tile_loss))  # the model's stand-in for the tiled loss
 
 
 def check(cfg: RunConfig, config) -> None:

@@ -262,5 +262,5 @@ def test_op_needs_a_process_group():
 def test_unknown_group_key_is_a_clear_error():
     from distattn._ops import group_of
 
-    with pytest.raises(ValueError, match="no process group is registered under 'nope'"):
+    with pytest.raises(ValueError, match="no live process group is registered under 'nope'"):
         group_of("nope")

@@ -87,7 +87,7 @@ def test_two_ranks_train_and_loss_falls(reference):
     assert summary["final_loss"] == pytest.approx(records[-1]["loss"], rel=1e-12)
     assert records[-1]["loss"] < records[0]["loss"] - MIN_LOSS_DROP, [r["loss"] for r in records]
     assert "params fsdp2" in err  # parameters sharded with FSDP2 over the 2 gloo ranks
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000004", "step_00000006"]  # --keep 2
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]  # --keep 2
 
 
 def test_world_one_gives_the_same_losses(reference, tmp_path):
@@ -206,6 +206,17 @@ def test_zigzag_and_ulysses_give_the_same_losses(reference, tmp_path):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["world_size"] == nproc and summary["schedule"] == "zigzag" and summary["ulysses"] == 2
     assert "sp 4 (ulysses 2 x ring 2)" in err
+    _assert_close(_losses(log), _losses(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
+
+
+def test_tiled_loss_and_mlp_give_the_same_losses(reference, tmp_path):
+    """--tile-loss and --tile-mlp (with --remat, under FSDP2) change only the order of fp32 sums: the reference
+    job's losses; the job log names both."""
+    log = tmp_path / "steps.jsonl"
+    rc, out, err = _torchrun(2, *JOB, "--tile-loss", "48", "--tile-mlp", "40", "--remat", "--log-json", str(log),
+                             "--ckpt-dir", str(tmp_path / "ckpt"))
+    assert rc == 0, err[-4000:]
+    assert "+remat +tile-mlp 40 +tile-loss 48" in err
     _assert_close(_losses(log), _losses(reference[3]), LOSS_RTOL_ACROSS_WORLDS)
 
 

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from test_train_cli import assert_one_clean_error, run_side_by_side
 sys.path.insert(0, str(ROOT / "launch"))
 
 import train_ckpt  # noqa: E402
+import train_lock  # noqa: E402
 import train_log  # noqa: E402
 from train_config import UsageError  # noqa: E402
 
@@ -131,13 +133,16 @@ def test_crafted_bytes_entry_is_refused_and_not_run(tmp_path):
 
 
 def test_crafted_progress_is_refused_and_not_run(saved, tmp_path):
-    """The progress is JSON: a pickle planted there is unreadable data, never unpickled."""
+    """The progress is JSON: a pickle planted there (the manifest rewritten to match) is unreadable data,
+    never unpickled."""
     path = _copy(saved, tmp_path) / "step_00000004"
     marker = tmp_path / "pwned"
     (path / "progress.json").write_bytes(_crafted(marker))
+    train_ckpt.write_manifest(path, 4)
     with pytest.raises(train_ckpt.DamagedCheckpointError, match="progress.json unreadable"):
         train_ckpt.read_progress(path)
     (path / "progress.json").write_text(json.dumps({"step": "4"}))
+    train_ckpt.write_manifest(path, 4)
     with pytest.raises(train_ckpt.DamagedCheckpointError, match="integer 'step' and 'samples'"):
         train_ckpt.read_progress(path)
     assert not marker.exists()
@@ -206,6 +211,115 @@ def test_json_log_marks_redone_steps(tmp_path):
         (1, False), (2, False), (3, False), (3, True), (4, False), (5, False)]
 
 
+def _metadata(path: Path):
+    """A checkpoint's .metadata, unpickled without the allow-list (the test's own, trusted files)."""
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def _point_shards(metadata, where) -> None:
+    """Rewrite every storage record of ``metadata`` to read its shard file from ``where(name)``."""
+    for info in metadata.storage_data.values():
+        info.relative_path = where(info.relative_path)
+
+
+@pytest.mark.parametrize("what", ["progress.json", ".metadata", "__1_0.distcp", "directory", "subdirectory"])
+def test_symlinks_are_refused_on_verify_and_load(saved, tmp_path, what):
+    """A link anywhere in a checkpoint is refused by name, even one whose target has the right bytes (an
+    identical copy outside: every digest matches, the link alone is the fault)."""
+    ckpt = _copy(saved, tmp_path)
+    path = ckpt / "step_00000004"
+    outside = tmp_path / "outside"
+    shutil.copytree(path, outside)
+    if what == "directory":  # the newest checkpoint is a link to another directory
+        link = path = ckpt / "step_00000006"
+        link.symlink_to(outside, target_is_directory=True)
+        runs = tmp_path / "runs"  # --ckpt-dir itself may be a link (runs -> scratch space): not inside a checkpoint
+        runs.symlink_to(ckpt, target_is_directory=True)
+        train_ckpt.verify(runs / "step_00000004")
+    elif what == "subdirectory":  # an extra directory, unlisted, as a link
+        link = path / "extra"
+        link.symlink_to(tmp_path, target_is_directory=True)
+    else:
+        link = path / what
+        link.unlink()
+        link.symlink_to(outside / what)
+    with pytest.raises(train_ckpt.DamagedCheckpointError, match=f"{re.escape(str(link))} is a symbolic link"):
+        train_ckpt.verify(path)
+    # The loaders refuse it too (verify found nothing wrong yet when the link was planted after it ran).
+    if what in ("progress.json", ".metadata", "directory"):
+        with pytest.raises(train_ckpt.DamagedCheckpointError, match=f"{re.escape(str(link))} is a symbolic link"):
+            if what == "progress.json":
+                train_ckpt.read_progress(path)
+            else:
+                train_ckpt.SafeReader(str(path)).read_metadata()
+    if what == "__1_0.distcp":  # DCP opens shards through the reader's file system (what dcp.load calls)
+        reader = train_ckpt.SafeReader(str(path))
+        reader.read_metadata()
+        with pytest.raises(train_ckpt.UnsafeCheckpointError, match=f"{re.escape(str(link))} is a symbolic link"):
+            with reader.fs.create_stream(reader.fs.concat_path(reader.path, what), "rb"):
+                pass
+        with reader.fs.create_stream(reader.fs.concat_path(reader.path, "__0_0.distcp"), "rb") as f:
+            assert f.read(1)  # an unlinked shard still opens
+
+
+def test_metadata_reading_outside_the_checkpoint_is_refused(saved, tmp_path):
+    """The issue's crafted checkpoint: no shard files of its own, a ``.metadata`` whose storage paths point at
+    another run's shards, a manifest listing what is there. It verified and loaded the other run's weights;
+    now every variant is refused, naming the path."""
+    victim = tmp_path / "victim"  # another run's checkpoint
+    shutil.copytree(saved[0] / "step_00000002", victim)
+    evil = tmp_path / "evil" / "step_00000004"
+    evil.mkdir(parents=True)
+    shutil.copy(saved[0] / "step_00000004" / "progress.json", evil)
+    variants = {
+        "relative": (lambda n: f"../../victim/{n}", "a path outside the checkpoint"),
+        "absolute": (lambda n: str(victim / n), "a path outside the checkpoint"),
+        "unlisted": (lambda n: n, "which is not a shard file its manifest.json lists"),
+        "bookkeeping": (lambda n: "progress.json", "which is not a shard file its manifest.json lists"),
+    }
+    for name, (where, why) in variants.items():
+        metadata = _metadata(saved[0] / "step_00000004")
+        _point_shards(metadata, where)
+        (evil / ".metadata").write_bytes(pickle.dumps(metadata))
+        for shard in evil.glob("*.distcp"):
+            shard.unlink()
+        train_ckpt.write_manifest(evil, 4)  # lists .metadata and progress.json only
+        if name == "unlisted":  # the shards appear after the manifest was written: present, not listed
+            for shard in (saved[0] / "step_00000004").glob("*.distcp"):
+                shutil.copy(shard, evil)
+        target = where("__0_0.distcp")
+        assert (evil / target).is_file(), name  # DCP's own reader would have opened it
+        with pytest.raises(train_ckpt.UnsafeCheckpointError, match=f"reads tensors from {re.escape(repr(target))}"
+                                                                   f", {why}"):
+            train_ckpt.verify(evil)
+        with pytest.raises(train_ckpt.UnsafeCheckpointError, match=re.escape(why)):
+            train_ckpt.SafeReader(str(evil)).read_metadata()
+    # Were .metadata accepted somehow, DCP still could not open a file outside the shards it names.
+    reader = train_ckpt.SafeReader(str(saved[0] / "step_00000004"))
+    reader.read_metadata()
+    for path in (reader.fs.concat_path(reader.path, "../../victim/__0_0.distcp"), victim / "__0_0.distcp"):
+        with pytest.raises(train_ckpt.UnsafeCheckpointError, match="not a shard file of the checkpoint"):
+            with reader.fs.create_stream(path, "rb"):
+                pass
+
+
+def test_tampered_progress_is_refused(saved, tmp_path):
+    """progress.json is in the manifest and hashed as it is read: a same-size edit of the step is caught."""
+    path = _copy(saved, tmp_path) / "step_00000004"
+    text = (path / "progress.json").read_text()
+    assert '"step": 4,' in text
+    (path / "progress.json").write_text(text.replace('"step": 4,', '"step": 8,'))
+    for check in (train_ckpt.verify, train_ckpt.read_progress):
+        with pytest.raises(train_ckpt.DamagedCheckpointError, match="progress.json: sha256 differs"):
+            check(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"]["progress.json"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(train_ckpt.DamagedCheckpointError, match="manifest.json does not list progress.json"):
+        train_ckpt.read_progress(path)
+
+
 # ------------------------------------------------------------------------------------------ torchrun jobs
 
 
@@ -234,9 +348,10 @@ def test_damaged_newest_is_skipped_and_resume_is_bit_identical(saved, tmp_path):
     assert sorted(got) == [3]
     assert got[3] == pytest.approx(want[3], rel=LOSS_RTOL_RESUMED)
     assert f"removing {partial}: an unfinished save" in err and f"warning: ignoring {legacy}: it has no" in err
-    names = sorted(p.name for p in ckpt.iterdir())
+    names = sorted(p.name for p in ckpt.glob("step_*"))
     # --keep 2 counts intact checkpoints only: steps 2 and 3 (the damaged 4 and the unverifiable 1 are not)
     assert names == ["step_00000001", "step_00000002", "step_00000003", "step_00000004"], names
+    assert (ckpt / train_lock.LOCK_FILE).read_text() == ""  # beside them: the job's lock, released
     train_ckpt.verify(ckpt / "step_00000003")
 
 
@@ -261,3 +376,36 @@ def test_refusals_after_init_are_one_line_and_exit_2(saved, tmp_path):
                            f"checkpoint {other / 'step_00000004'} does not fit this model (ValueError: Size "
                            f"mismatch", before_init=False)
     assert "resume with the --model it was trained with" in results["another model"][2]
+
+
+def test_crafted_checkpoints_end_to_end(saved, tmp_path):
+    """Side by side: the newest checkpoint a link to a copy elsewhere (skipped with a warning naming the link,
+    resumed from the one before, the link's target never deleted); a checkpoint whose .metadata reads another
+    run's shards (one line from rank 0 naming the path, exit status 2 on every rank, nothing trained)."""
+    linked = _copy(saved, tmp_path / "linked")
+    outside = tmp_path / "outside"
+    shutil.copytree(saved[0] / "step_00000004", outside)
+    (linked / "step_00000006").symlink_to(outside, target_is_directory=True)
+    victim, evil = tmp_path / "victim", tmp_path / "evil" / "step_00000004"
+    shutil.copytree(saved[0] / "step_00000002", victim)
+    evil.mkdir(parents=True)
+    shutil.copy(saved[0] / "step_00000004" / "progress.json", evil)
+    metadata = _metadata(saved[0] / "step_00000004")
+    _point_shards(metadata, lambda n: f"../../victim/{n}")
+    (evil / ".metadata").write_bytes(pickle.dumps(metadata))
+    train_ckpt.write_manifest(evil, 4)
+    resume = [*SAVED, "--resume"]
+    resume[resume.index("--steps") + 1], resume[resume.index("--save-every") + 1] = "5", "5"
+    results = run_side_by_side({
+        "linked newest": ([*resume, "--ckpt-dir", str(linked)], {}),
+        "metadata outside": ([*resume, "--ckpt-dir", str(evil.parent)], {}),
+    }, timeout=JOB_TIMEOUT_S)
+    rc, _, err = results["linked newest"]
+    assert rc == 0, err[-4000:]
+    assert (f"warning: skipping damaged checkpoint {linked / 'step_00000006'}: {linked / 'step_00000006'} is a "
+            f"symbolic link (to {outside})") in err
+    assert f"resumed from {linked / 'step_00000004'} (step 4" in err and "saved checkpoint step 5" in err
+    train_ckpt.verify(outside)  # the target was neither read as a checkpoint nor deleted
+    assert_one_clean_error("metadata outside", *results["metadata outside"],
+                           f"checkpoint {evil}: its .metadata reads tensors from '../../victim/__0_0.distcp', a path "
+                           f"outside the checkpoint: refusing to load it", before_init=False)

@@ -117,7 +117,8 @@ def _prepare_error(monkeypatch, argv, env=None) -> str:
 
 
 @pytest.mark.parametrize("name", ["seq-len", "preset", "missing data", "unwritable ckpt dir", "read-only ckpt dir",
-                                  "resume must, nothing", "ulysses", "zigzag seq-len", "autotune env"])
+                                  "resume must, nothing", "ulysses", "zigzag seq-len", "autotune env",
+                                  "tile-loss", "tile-mlp"])
 def test_preflight_errors_in_process(name, tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -137,8 +138,20 @@ def test_preflight_errors_in_process(name, tmp_path, monkeypatch):
         "zigzag seq-len": (["--schedule", "zigzag", "--seq-len", "258"], {},
                            "--seq-len 258 is not divisible by twice the sequence-parallel size 2 (--schedule zigzag"),
         "autotune env": ([], {"DISTATTN_AUTOTUNE": "yes"}, "DISTATTN_AUTOTUNE='yes' must be 0 or 1"),
+        "tile-loss": (["--tile-loss", "0"], {}, "--tile-loss must be a positive number of tokens per tile, got 0"),
+        "tile-mlp": (["--tile-mlp", "-8"], {}, "--tile-mlp must be a positive number of tokens per tile, got -8"),
     }[name]
     assert reason in _prepare_error(monkeypatch, argv, env)
+
+
+def test_tile_size_that_is_not_an_int_is_one_line(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train_config
+
+    with pytest.raises(SystemExit) as exit_:
+        train_config.build_parser().parse_args(["--tile-mlp", "1.5"])
+    assert exit_.value.code == train_config.EXIT_BAD_ARGS
+    assert "train.py: error: argument --tile-mlp: invalid int value: '1.5'" in capsys.readouterr().err
 
 
 def test_autotune_tunes_the_runs_attention_shapes_and_is_skipped_on_cpu(monkeypatch):

@@ -60,6 +60,12 @@ pre-hook (installed by ``use_distattn``, see ``_hf_packing``) derives the whole 
 forward, and attention stays inside each document (``distattn.dist_flash_attn_varlen_func``). Sliding-window
 models (Mistral) and attention logit soft-capping (Gemma-2) are computed.
 
+Sequence tiling (``_hf_tiling``, ``distattn.tiling``): ``tile_mlp(model, tokens=4096)`` runs every decoder layer's MLP
+over 4096-token tiles, keeping only its input for backward; ``tile_loss(model, tokens=4096, group=group)`` makes
+``model(..., shift_labels=batch["shift_labels"]).loss`` equal ``causal_lm_loss``'s, computed over tiles with no
+``(batch, n, vocab)`` logits (``tiled_causal_lm_loss(hidden, head, labels)`` for your own loop). Both compose with
+either checkpointing.
+
 Not supported (each raises ``ValueError`` at the first forward): padding masks and prepared 4-D masks, attention
 dropout in training, and generation with a KV cache (``use_distattn`` sets ``config.use_cache = False``).
 """
@@ -77,6 +83,7 @@ from distattn import kernels
 from distattn._ops import group_key, group_of
 from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
 from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
+from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
 from distattn.checkpoint import remat_context_fn
 from distattn.schedule import SCHEDULES
 from distattn.packing import (Packed, cu_seqlens_from_position_ids, pack_padded, pack_sequences,
@@ -89,7 +96,7 @@ from distattn.topology import all_reduce as all_reduce_group
 from distattn.topology import split as _split_group
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "ATTN_IMPLEMENTATION",
-           "IGNORE_INDEX"]
+           "IGNORE_INDEX", "tiled_causal_lm_loss", "tile_loss", "tile_mlp"]
 
 ATTN_IMPLEMENTATION = "distattn"
 """Name (prefix) under which distattn is registered in transformers' ``AttentionInterface``."""
@@ -449,7 +456,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
     Returns:
         A scalar: the same global mean on every rank (0 when no rank has a target). Its gradient with
         respect to this rank's logits is that of the global mean, so summing parameter gradients over the
-        ranks gives the full-sequence gradient.
+        ranks gives the full-sequence gradient. Without the logits: ``tiled_causal_lm_loss``.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(f"logits must be (batch, n, vocab) and labels (batch, n) of this rank, got logits "
@@ -457,13 +464,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
     labels = labels.to(logits.device)
     local_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="sum")
-    # Sum and count in fp64 across ranks: exact token counts, and one value that every rank agrees on.
-    stats = torch.stack([local_sum.detach().double(), (labels != IGNORE_INDEX).sum().double()])
-    if _group_size(group) > 1:
-        all_reduce_group(stats, group)  # every rank of the group: U * R of a two-dimensional one
-    total, count = stats[0], stats[1].clamp(min=1.0)
-    # Value: the global mean (identical bits on every rank). Gradient: d(local_sum)/count, this rank's share.
-    return (total / count).float() + (local_sum - local_sum.detach()) / count.float()
+    return global_mean(local_sum, labels, group)  # sum and count over the group in fp64: one value on every rank
 
 
 # -- checkpointing ------------------------------------------------------------------------------------------
