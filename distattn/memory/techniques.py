@@ -29,14 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from distattn.memory.model import ModelSpec, Saved, _dtypes, layer_saved_tensors, model_saved_tensors, steady_state_bytes
+from distattn.tiling import tiled_loss_bytes, tiled_mlp_bytes
 
-__all__ = ["Techniques", "TechniquePeak", "technique_peak", "tiled_loss_transient_bytes", "tiled_mlp_transient_bytes",
-           "mlp_saved_names", "step_flops"]
-
-# Tensors of shape (tile, f) alive at once in the tiled MLP's backward of one tile (LLaMA: the recomputed gate and
-# up outputs, the activation output, and the gradients of the product, of the activation and of the up output;
-# GPT: the recomputed fc1 output, the activation output and two gradients).
-_MLP_TILE_TENSORS = {"llama": 6, "gpt": 4}
+__all__ = ["Techniques", "TechniquePeak", "technique_peak", "mlp_saved_names", "step_flops", "host_limit_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,17 +84,6 @@ class TechniquePeak:
     @property
     def dominant(self) -> str:
         return max(self.parts, key=self.parts.get)
-
-
-def tiled_loss_transient_bytes(tile: int, vocab: int, act_bytes: int) -> int:
-    """The tiled loss's backward working set of one tile: the recomputed logits in the activation dtype, their fp32
-    upcast (log-softmax) and the fp32 gradient of the logits."""
-    return tile * vocab * (act_bytes + 4 + 4)
-
-
-def tiled_mlp_transient_bytes(tile: int, ffn: int, act_bytes: int, family: str = "llama") -> int:
-    """The tiled MLP's backward working set of one tile: ``_MLP_TILE_TENSORS`` tensors of shape ``(tile, f)``."""
-    return _MLP_TILE_TENSORS[family] * tile * ffn * act_bytes
 
 
 def mlp_saved_names(saved: list[Saved]) -> list[Saved]:
@@ -165,13 +149,16 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
 
     rest_list = model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp, impl=impl)
     logits = batch * n * model.vocab * (A + 4 + 4)  # half logits + fp32 log-softmax grad + fp32 logit grad
-    if tech.loss_tile:
+    if tech.loss_tile:  # distattn.tiling's own byte model: one tile's working set, the fp32 weight-gradient sum
         rest_list = [t for t in rest_list if not t.name.startswith("loss.log_softmax")]
-        logits = tiled_loss_transient_bytes(min(tech.loss_tile, batch * n), model.vocab, A) \
-            + batch * n * lay.hidden * 4  # the fp32 gradient of the hidden states, accumulated over tiles
+        tb = tiled_loss_bytes(batch * n, lay.hidden, model.vocab, tech.loss_tile, A)
+        logits = tb.tile_working + tb.backward_fixed + batch * n * lay.hidden * 4  # + the fp32 input gradient
     rest = sum(t.nbytes for t in rest_list)
-    mlp_tile_ws = tiled_mlp_transient_bytes(min(tech.mlp_tile, batch * n), lay.ffn, A, lay.family) \
-        if tech.mlp_tile else 0
+    mlp_tile_ws = 0
+    if tech.mlp_tile:  # one tile's working set and the fp32 parameter-gradient sums beside a tile's gradients
+        mb = tiled_mlp_bytes(batch * n, lay.hidden, lay.ffn, tech.mlp_tile, A,
+                             kind="swiglu" if lay.family == "llama" else "gelu")
+        mlp_tile_ws = mb.tile_working + mb.backward_fixed
 
     steady_name = "gathered params" if tech.offload_optimizer else "weights+grads+adam"
     begin = {steady_name: steady_total,
