@@ -1,8 +1,9 @@
 """A cost model of the sequence-parallel plans on a cluster, and the choice among them (``choose``).
 
 Every number is read off the plan objects that the executors run (:func:`distattn.schedule.ring_plan`), step by
-step (their runs, as arrays: seconds at P = 16384), never from closed-form formulas. Legend: ``P`` ranks, ``U`` Ulysses degree (heads split over ``U`` ranks by
-an all-to-all), ``R = P / U`` ranks of the ring level, ``n`` tokens per rank, ``m = U * n`` tokens per ring shard.
+step (their runs, as arrays: seconds at P = 16384), never from closed-form formulas. Legend: ``P`` ranks, ``U``
+Ulysses degree (heads split over ``U`` ranks by an all-to-all), ``R = P / U`` ranks of the ring level, ``n`` tokens
+per rank, ``m = U * n`` tokens per ring shard.
 
 Time of one phase (forward or backward) of one attention layer, on the busiest rank::
 

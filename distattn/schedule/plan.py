@@ -1,4 +1,4 @@
-"""The plan object (:class:`Plan`) and its construction (:func:`make_plan`); see the package docstring for the schedules.
+"""The plan object (:class:`Plan`) and its construction (:func:`make_plan`); the schedules: the package docstring.
 
 A plan is stored as *runs* (:class:`RunTable`): in one step, the ranks ``[start, stop)`` each compute
 ``(r + dq, r + dkv)`` at the same cost. The dense plans are one or two runs per step (ring: owners, wrapped or not;
