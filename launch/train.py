@@ -44,7 +44,8 @@ that it is skipped.
 
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint with safetensors weights;
-its tokenizer is used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face tokenizer).
+its tokenizer is used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face
+tokenizer).
 ``--sp-size S`` splits each sequence over S ranks only; the world is then ``world/S`` data-parallel replicas.
 ``--schedule zigzag`` lays each sequence out as chunks ``r`` and ``2S-1-r`` of ``2S`` (causal work balanced by
 layout); ``--ulysses U`` makes the sequence-parallel group two-dimensional: ``U`` consecutive ranks split the heads
