@@ -328,13 +328,13 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
     cu = tuple(check_cu_seqlens(cu_seqlens, None, "cu_seqlens", cu_seqlens.device))
-    longest = max(b - a for a, b in zip(cu, cu[1:]))
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
-        raise ValueError(f"max_seqlen ({max_seqlen!r}) must be an int >= the longest document ({longest})")
     cfg = make_config(q4, k4, v4, causal=check_causal(causal), softmax_scale=softmax_scale,
                       window=check_window(window_size), softcap=check_softcap(softcap), group=group,
                       schedule=schedule, backend=backend, overlap=overlap, timeout=timeout, partials=partials,
                       documents=cu)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
+        raise ValueError(f"max_seqlen ({max_seqlen!r}) must be an int >= the longest document ({longest})")
     cfg = dataclasses.replace(cfg, cu_seqlens=cu)
     out, lse = dist_attention(q4, k4, v4, cfg)
     return _returns(out[0], lse[0], return_attn_probs, return_lse)
