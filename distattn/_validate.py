@@ -38,6 +38,11 @@ def check_qkv(q, k, v, *, same_seq: bool = False, allow_empty: bool = False) -> 
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}; move "
                          f"them with .to(device)")
+    if q.device.type == "meta":
+        raise ValueError(f"q, k, v are on the meta device (shapes without data), where attention cannot be computed; "
+                         f"distattn runs on CUDA (triton backend) and CPU (sdpa and torch backends) tensors: move them "
+                         f"with .to('cuda') or .to('cpu'), or materialize a meta-initialized model first "
+                         f"(model.to_empty(device=...), then load or initialize its weights)")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
     b, s_q, h_q, d = q.shape

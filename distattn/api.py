@@ -32,7 +32,6 @@ from distattn._validate import check_qkv, resolve_scale
 from distattn.attention import DistAttnConfig, reject_call
 from distattn.comm import DEFAULT_TIMEOUT_S, default_timeout
 from distattn.schedule import PARTIALS, SCHEDULES, layout_of, ulysses_heads
-from distattn.sharding import group_size
 from distattn.topology import split as split_group
 from distattn.topology import topology
 from distattn.single import attention, attention_with_bounds
@@ -150,6 +149,9 @@ def check_cu_seqlens(cu_seqlens, total: int | None, name: str, device) -> list[i
         raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
         raise ValueError(f"{name} is on {cu_seqlens.device} but the tokens are on {device}; move it with .to()")
+    if cu_seqlens.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (a shape without values), but distattn reads the document "
+                         f"lengths; pass a CPU or CUDA tensor, e.g. torch.tensor([0, len0, ...], dtype=torch.int32)")
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
@@ -342,23 +344,18 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
 def _varlen_config(q4, k4, v4, cu_seqlens, max_seqlen, *, causal, softmax_scale, window_size, softcap, group,
                    schedule, backend, overlap, timeout, partials) -> DistAttnConfig:
     """``make_config`` for a packed stream, with ``cu_seqlens`` and ``max_seqlen`` checked."""
+    # cu_seqlens first: schedule="auto" reads it in make_config (its cost model builds the masked plans)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
+    cu = tuple(check_cu_seqlens(cu_seqlens, None, "cu_seqlens", cu_seqlens.device))
     cfg = make_config(q4, k4, v4, causal=check_causal(causal), softmax_scale=softmax_scale,
                       window=check_window(window_size), softcap=check_softcap(softcap), group=group,
                       schedule=schedule, backend=backend, overlap=overlap, timeout=timeout, partials=partials,
-                      documents=cu_seqlens)
-    q = q4[0]
-    total = q.shape[0] * group_size(group)
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
-    cu = check_cu_seqlens(cu_seqlens, None, "cu_seqlens", cu_seqlens.device)
-    if cu[-1] > total:
-        raise ValueError(f"cu_seqlens[-1] = {cu[-1]} is more than the stream holds ({total} = {group_size(group)}"
-                         f" ranks x {q.shape[0]} tokens); every rank must pass its n = T / P tokens and the global "
-                         f"cu_seqlens")
+                      documents=cu)
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
         raise ValueError(f"max_seqlen ({max_seqlen!r}) must be an int >= the longest document ({longest})")
-    return dataclasses.replace(cfg, cu_seqlens=tuple(cu))
+    return dataclasses.replace(cfg, cu_seqlens=cu)
 
 
 def validated_everywhere(validate, group, timeout, like):
@@ -396,7 +393,8 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
                 timeout=None, partials="fp32", documents=None):
     """Validate this rank's shards and options; the frozen ``DistAttnConfig``. Raises before any communication.
 
-    ``documents``: the call's ``cu_seqlens`` (varlen), for ``schedule="auto"``'s cost model."""
+    ``documents``: the call's ``cu_seqlens`` (varlen) as validated ints, checked against the stream's length here,
+    before ``schedule="auto"``'s cost model reads them."""
     check_group(group)
     ring_group = split_group(group)[1]
     check_qkv(q, k, v, same_seq=True)
@@ -414,6 +412,11 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
         raise ValueError(f"partials={partials!r} is not one of {PARTIALS}: 'fp32' (default) sends partial results "
                          f"in fp32, 'input' in the inputs' dtype (half the bytes)")
     topo = topology(group)
+    total = q.shape[1] * topo.world_size
+    if documents is not None and documents[-1] > total:
+        raise ValueError(f"cu_seqlens[-1] = {documents[-1]} is more than the stream holds ({total} = "
+                         f"{topo.world_size} ranks x {q.shape[1]} tokens); every rank must pass its n = T / P tokens "
+                         f"and the global cu_seqlens")
     if topo.two_d:
         ulysses_heads(q.shape[2], k.shape[2], topo.U)  # heads that cannot be split raise here, on every rank
     if schedule == "auto":
@@ -481,7 +484,7 @@ def resolve_auto(q, k, topo, *, causal, window, documents, partials) -> str:
     resolves the same (and the agreement check compares the resolved name)."""
     from distattn.schedule.cost import choose
 
-    mask = _mask(causal, window, documents.tolist() if documents is not None else None)
+    mask = _mask(causal, window, documents)
     choice = choose(topo.world_size, _shapes(q, k), causal=causal, mask=mask, cluster=_cluster(),
                     partials=partials, allow={"ring", "balanced"}, ulysses=topo.U)
     return choice.best.schedule

@@ -50,8 +50,9 @@ every MLP over tiles, keeping only its input for backward. Same loss and gradien
 compose with ``--remat``.
 
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
-Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint; its tokenizer is
-used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face tokenizer).
+Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint with safetensors weights;
+its tokenizer is used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face
+tokenizer).
 ``--sp-size S`` splits each sequence over S ranks only; the world is then ``world/S`` data-parallel replicas.
 ``--schedule zigzag`` lays each sequence out as chunks ``r`` and ``2S-1-r`` of ``2S`` (causal work balanced by
 layout); ``--ulysses U`` makes the sequence-parallel group two-dimensional: ``U`` consecutive ranks split the heads
@@ -432,6 +433,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
     check_checkpoint_dir(cfg, config)
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
+    train_model.check_weights(cfg)  # --model DIR: safetensors present (rank 0 alone reads them, after this)
     return cfg, dataset, config, tokenizer.name
 
 

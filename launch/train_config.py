@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "(torchrun entry point; see the module docstring for commands).")
     a = p.add_argument_group("model")
     a.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face "
-                   "checkpoint directory (config.json + weights)")
+                   "checkpoint directory (config.json + safetensors weights)")
     a.add_argument("--schedule", default="balanced", choices=("balanced", "ring", "zigzag", "auto"),
                    help="distattn causal schedule (default: balanced); zigzag lays each sequence out as chunks r "
                    "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size); auto: the cost "

@@ -17,11 +17,16 @@ wrapper (``distattn.gradients``: a DDP communication hook, FSDP2's gradient divi
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from train_config import RunConfig, UsageError
+
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def hf_config(cfg: RunConfig, vocab_size: int):
@@ -43,6 +48,47 @@ def hf_config(cfg: RunConfig, vocab_size: int):
     return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=max(cfg.args.seq_len, 2048),
                        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
                        tie_word_embeddings=False, use_cache=False, **fields)
+
+
+def check_weights(cfg: RunConfig) -> None:
+    """``--model DIR`` must hold safetensors weights: ``model.safetensors``, or ``model.safetensors.index.json`` and
+    every shard it names. Checked on every rank before the process group exists, since only rank 0 reads them
+    (in :func:`build`, after it), where a failure could not be reported as one clean error.
+
+    A pickle-only checkpoint (``pytorch_model.bin``) is refused with the command that converts it, rather than
+    loaded with ``torch.load(weights_only=True)``: unpickling is the part of loading that can run code from the
+    file, and the restricted unpickler has had bypasses (CVE-2025-32434); a safetensors file holds tensors and a
+    JSON header, nothing else, which is the promise the job's own checkpoints keep ("loading never runs code from
+    the files"). Converting is one explicit step that the user takes once, trusting the file.
+    """
+    if cfg.preset is not None:
+        return
+    path = Path(cfg.args.model)
+    if (path / SAFETENSORS).is_file():
+        return
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UsageError(f"--model {path}: cannot read {SAFETENSORS_INDEX} ({type(exc).__name__}: {exc}); "
+                             f"re-save the model with save_pretrained") from exc
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            more = ", ..." if len(missing) > 3 else ""
+            raise UsageError(f"--model {path}: {SAFETENSORS_INDEX} names {len(shards)} weight shards but "
+                             f"{len(missing)} are missing ({', '.join(missing[:3])}{more}); finish the download or "
+                             f"copy")
+        return
+    pickles = [name for name in PICKLES if (path / name).is_file()]
+    if pickles:
+        raise UsageError(f"--model {path} has its weights only as {pickles[0]}, a pickle file, and train.py loads "
+                         f"safetensors weights only (a pickle can run code when loaded); if you trust the file, "
+                         f"convert it once: python -c \"from transformers import AutoModelForCausalLM as M; "
+                         f"M.from_pretrained('{path}').save_pretrained('{path}')\" (writes {SAFETENSORS})")
+    raise UsageError(f"--model {path} has a config.json but no weights: found neither {SAFETENSORS} nor "
+                     f"{SAFETENSORS_INDEX} (train.py loads safetensors weights); copy the weights into it, or train "
+                     f"from random initialization with a preset (--model tiny, small, ...)")
 
 
 def build(cfg: RunConfig, config, materialize: bool) -> torch.nn.Module:

@@ -154,6 +154,64 @@ def test_tile_size_that_is_not_an_int_is_one_line(monkeypatch, capsys):
     assert "train.py: error: argument --tile-mlp: invalid int value: '1.5'" in capsys.readouterr().err
 
 
+def _write_weights(path, kind):
+    """Weight files of ``kind`` in the model directory ``path`` (their content is never read by the preflight)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    if kind in ("pickle", "pickle and safetensors"):
+        torch.save({"lm_head.weight": torch.zeros(8, 24)}, path / "pytorch_model.bin")
+    if kind == "pickle index":
+        (path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "pytorch_model-1.bin"}}))
+    if kind in ("safetensors", "pickle and safetensors"):
+        save_file({"lm_head.weight": torch.zeros(8, 24)}, path / "model.safetensors")
+    if kind in ("shards", "shard missing"):
+        index = {"metadata": {}, "weight_map": {"a": shards[0], "b": shards[1], "c": shards[1]}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        for name in shards[:2 if kind == "shards" else 1]:
+            save_file({"x": torch.zeros(1)}, path / name)
+    if kind == "bad index":
+        (path / "model.safetensors.index.json").write_text("{not json")
+
+
+@pytest.mark.parametrize("kind", ["none", "pickle", "pickle index", "shard missing", "bad index"])
+def test_model_dir_without_safetensors_weights_is_one_clear_error(kind, tmp_path, monkeypatch):
+    """``--model DIR`` with a config but no weights, or only a pickle: a ``UsageError`` (one ``train.py: error:``
+    line, exit 2) that says what was found and what is accepted, before the process group exists."""
+    path = _three_head_model(tmp_path)
+    _write_weights(path, kind)
+    reason = {
+        "none": f"--model {path} has a config.json but no weights: found neither model.safetensors nor "
+                f"model.safetensors.index.json (train.py loads safetensors weights)",
+        "pickle": f"--model {path} has its weights only as pytorch_model.bin, a pickle file, and train.py loads "
+                  f"safetensors weights only (a pickle can run code when loaded); if you trust the file, convert it "
+                  f"once: python -c \"from transformers import AutoModelForCausalLM as M; "
+                  f"M.from_pretrained('{path}').save_pretrained('{path}')\"",
+        "pickle index": f"--model {path} has its weights only as pytorch_model.bin.index.json, a pickle file",
+        "shard missing": f"--model {path}: model.safetensors.index.json names 2 weight shards but 1 are missing "
+                         f"(model-00002-of-00002.safetensors)",
+        "bad index": f"--model {path}: cannot read model.safetensors.index.json (JSONDecodeError",
+    }[kind]
+    assert reason in _prepare_error(monkeypatch, ["--model", str(path), "--data", str(path / "text.txt"),
+                                                  "--seq-len", "64"])
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "shards", "pickle and safetensors"])
+def test_model_dir_with_safetensors_weights_passes_the_preflight(kind, tmp_path, monkeypatch):
+    path = _three_head_model(tmp_path)
+    _write_weights(path, kind)
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train
+
+    cfg, _, config, _ = train.prepare(["--device", "cpu", "--model", str(path), "--data", str(path / "text.txt"),
+                                       "--seq-len", "64"])
+    assert cfg.preset is None and config.num_attention_heads == 3
+
+
 def test_autotune_tunes_the_runs_attention_shapes_and_is_skipped_on_cpu(monkeypatch):
     """``DISTATTN_AUTOTUNE=1``: the shapes a rank's attention kernels see (4 ranks, 2048 tokens, the tiny-gqa
     preset: 4/2 heads of 32), and one line saying it is skipped on CPU (no process group needed for that)."""
@@ -190,7 +248,7 @@ def test_autotune_tunes_the_runs_attention_shapes_and_is_skipped_on_cpu(monkeypa
 
 def _three_head_model(tmp_path):
     """A model directory whose 3 query heads cannot split over 2 Ulysses ranks: config.json, a word-level
-    tokenizer and a small text (no weights: the job must stop before reading them)."""
+    tokenizer and a small text (no weights: the job must stop before reading them; ``_write_weights`` adds some)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 

@@ -1,8 +1,9 @@
 """A cost model of the sequence-parallel plans on a cluster, and the choice among them (``choose``).
 
 Every number is read off the plan objects that the executors run (:func:`distattn.schedule.ring_plan`), step by
-step, never from closed-form formulas. Legend: ``P`` ranks, ``U`` Ulysses degree (heads split over ``U`` ranks by
-an all-to-all), ``R = P / U`` ranks of the ring level, ``n`` tokens per rank, ``m = U * n`` tokens per ring shard.
+step (their runs, as arrays: seconds at P = 16384), never from closed-form formulas. Legend: ``P`` ranks, ``U``
+Ulysses degree (heads split over ``U`` ranks by an all-to-all), ``R = P / U`` ranks of the ring level, ``n`` tokens
+per rank, ``m = U * n`` tokens per ring shard.
 
 Time of one phase (forward or backward) of one attention layer, on the busiest rank::
 
@@ -39,6 +40,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from distattn.schedule import (
     PARTIALS,
     SCHEDULES,
@@ -46,13 +49,13 @@ from distattn.schedule import (
     MaskSpec,
     Plan,
     Shapes,
-    _task_cost,
     a2a_bytes,
     payload_bytes,
     ring_plan,
     simulate,
     ulysses_heads,
 )
+from distattn.schedule.sim import step_costs, transfer_spans
 
 __all__ = ["Link", "LINKS", "Cluster", "Candidate", "Choice", "predict", "choose", "BWD_FLOP_FACTOR",
            "H100_FA2_FLOPS", "TIE_ORDER"]
@@ -201,17 +204,29 @@ class Candidate:
 # -- the time model --------------------------------------------------------------------------------------------
 
 
-def _comm_time(transfers, sizes: dict, link: Link) -> float:
-    """Seconds the busiest rank needs for ``transfers``: its larger direction's bytes, plus a latency per message."""
-    sent, recv, msgs = {}, {}, {}
-    for tr in transfers:
-        size = sizes[tr.kind]
-        sent[tr.src] = sent.get(tr.src, 0) + size
-        recv[tr.dst] = recv.get(tr.dst, 0) + size
-        for rank in (tr.src, tr.dst):  # the sender posts a send, the receiver a receive
-            msgs[rank] = msgs.get(rank, 0) + 1
-    return max((max(sent.get(r, 0), recv.get(r, 0)) / link.bandwidth + msgs[r] * link.latency for r in msgs),
-               default=0.0)
+def _slot_comm(plan: Plan, phase: str, sizes: dict, link: Link) -> list[float]:
+    """Seconds the busiest rank needs for each overlap slot's transfers: its larger direction's bytes, plus a
+    latency per message posted (sent or received). Slot 0 holds the fetches of step 0; slot ``t + 1`` the fetches of
+    step ``t + 1`` and the returns of step ``t - 1`` (they travel while step t computes); slot ``n + 1`` the returns
+    of the last step. Read off the plan's runs in one sweep: a run's messages cover a range of senders and a range
+    of receivers, so sorting the range ends by (slot, rank) and taking running sums gives every rank's totals."""
+    p, n = plan.world_size, plan.num_steps()
+    fetch, back = (transfer_spans(plan, phase, which, sizes) for which in ("fetch", "return"))
+    slot = np.tile(np.concatenate([fetch.step, back.step + 2]), 4)
+    src, dst, length, size = (np.concatenate([getattr(fetch, f), getattr(back, f)]) for f in
+                              ("src", "dst", "length", "size"))
+    zero, one = np.zeros_like(size), np.ones_like(size)
+    pos = np.concatenate([src, src + length, dst, dst + length])  # a range starts adding, ends taking away
+    deltas = {"sent": [size, -size, zero, zero], "recv": [zero, zero, size, -size], "msgs": [one, -one, one, -one]}
+    key = slot * (p + 1) + pos
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    sent, recv, msgs = (np.cumsum(np.concatenate(d)[order]) for d in deltas.values())  # a slot's deltas sum to 0
+    last = np.append(key[1:] != key[:-1], True)[:len(key)]  # the totals on ranks [pos, next pos) of a slot
+    seconds = np.maximum(sent[last], recv[last]) / link.bandwidth + msgs[last] * link.latency
+    out = np.zeros(n + 2)
+    np.maximum.at(out, key[last] // (p + 1), seconds)
+    return out.tolist()
 
 
 def _phase(plan: Plan, phase: str, ring_shapes: Shapes, link: Link, flops: float,
@@ -223,12 +238,11 @@ def _phase(plan: Plan, phase: str, ring_shapes: Shapes, link: Link, flops: float
     kinds = ("kv", "q", "out") if phase == "forward" else ("kv", "q", "dkv", "dq")
     sizes = {kind: payload_bytes(kind, phase, ring_shapes, partials) for kind in kinds}
     n_steps = plan.num_steps()
-    compute = [max((_task_cost(t, plan) for t in tasks), default=0.0) * pair_flops / flops for tasks in plan.steps]
-    fetches = [plan.fetches(t, phase) for t in range(n_steps)] + [()]
-    returns = [()] + [plan.returns(t, phase) for t in range(n_steps)]  # returns[t + 1]: produced by step t
-    total = _comm_time(fetches[0], sizes, link) + _comm_time(returns[n_steps], sizes, link)
+    compute = (step_costs(plan) * pair_flops / flops).tolist()
+    comm = _slot_comm(plan, phase, sizes, link)
+    total = comm[0] + comm[n_steps + 1]
     for t in range(n_steps):
-        total += max(compute[t], _comm_time(fetches[t + 1] + returns[t], sizes, link))
+        total += max(compute[t], comm[t + 1])
     return sum(compute), total
 
 
@@ -251,16 +265,21 @@ def predict(world_size: int, shapes: Shapes, schedule: str, ulysses: int = 1, *,
         if ulysses > 1:
             a2a = a2a_bytes(phase, shapes, ulysses) / a2a_link.bandwidth + (ulysses - 1) * a2a_link.latency
         times[phase] = (compute, ring_time - compute, a2a)
-    busiest = lambda sent, recv: max(max(s, r) for s, r in zip(sent, recv))  # noqa: E731
+    busiest = lambda sent, recv: max(max(sent), max(recv))  # noqa: E731  (the larger direction of the busiest rank)
     return Candidate(
         world_size=world_size, schedule=schedule, ulysses=ulysses, steps=plan.num_steps(),
         bytes_fwd=busiest(report.bytes_sent_fwd, report.bytes_recv_fwd),
         bytes_bwd=busiest(report.bytes_sent_bwd, report.bytes_recv_bwd),
         compute_fwd=times["forward"][0], exposed_fwd=times["forward"][1], a2a_fwd=times["forward"][2],
         compute_bwd=times["backward"][0], exposed_bwd=times["backward"][1], a2a_bwd=times["backward"][2],
-        helper_tasks=sum(t.is_helper for tasks in plan.steps for t in tasks),
+        helper_tasks=_helper_tasks(plan),
         ring_link=link.name if plan.world_size > 1 else "none",
     )  # fmt: skip
+
+
+def _helper_tasks(plan: Plan) -> int:
+    rt = plan.run_table
+    return int((rt.stop - rt.start)[(rt.dkv == 0) & (rt.dq != 0)].sum())
 
 
 # -- the choice ------------------------------------------------------------------------------------------------

@@ -1,0 +1,458 @@
+"""The plan object (:class:`Plan`) and its construction (:func:`make_plan`); the schedules: the package docstring.
+
+A plan is stored as *runs* (:class:`RunTable`): in one step, the ranks ``[start, stop)`` each compute
+``(r + dq, r + dkv)`` at the same cost. The dense plans are one or two runs per step (ring: owners, wrapped or not;
+balanced: helpers and owners), built as arrays, so a plan of P = 16384 ranks is ~3 x 10^4 runs, not the ~10^8 tasks
+it describes. The executors read single tasks and transfers (:meth:`Plan.task`, :meth:`Plan.fetches`), the simulator
+and the cost model read the runs as arrays. Masked plans are built task by task and stored as runs of neighbouring
+equal tasks. Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from distattn.schedule.layouts import Layout, layout_of
+from distattn.schedule.masks import MaskSpec, pair_work
+
+SCHEDULES = ("ring", "balanced", "zigzag")
+PHASES = ("forward", "backward")
+__all__ = ["SCHEDULES", "PHASES", "Task", "Transfer", "RunTable", "Plan", "make_plan"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One (query chunk, kv chunk) pair computed by ``rank`` at some step."""
+
+    rank: int  # who computes
+    q_chunk: int  # query chunk index (== owner rank of the queries)
+    kv_chunk: int  # kv chunk index (== owner rank of the keys/values)
+
+    def __post_init__(self):
+        assert self.rank in (self.q_chunk, self.kv_chunk), f"{self} computed by a rank owning neither"
+
+    @property
+    def is_local(self) -> bool:
+        """Needs no communication: the rank's own queries against its own kv."""
+        return self.q_chunk == self.kv_chunk == self.rank
+
+    @property
+    def is_helper(self) -> bool:
+        """Computed by the kv owner on behalf of the query owner (needs q in, partial out back)."""
+        return self.rank == self.kv_chunk != self.q_chunk
+
+    @property
+    def is_diagonal(self) -> bool:
+        """Query and kv chunk coincide; under a causal mask this pair is half the work."""
+        return self.q_chunk == self.kv_chunk
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point message. ``kind`` per phase:
+
+    forward:  "kv" (k, v to a query owner), "q" (query chunk to a helper),
+              "out" (helper's fp32 partial out + lse back to the query owner);
+    backward: "kv", "q" (q, dout, lse, delta to a helper), "dkv" (fp32 dk, dv partial back to the kv
+              owner), "dq" (fp32 dq partial back to the query owner).
+    """
+
+    src: int
+    dst: int
+    kind: str
+    chunk: int  # whose data it is (the chunk index of the payload)
+    step: int
+
+    def __post_init__(self):
+        assert self.src != self.dst, f"{self} sends to itself"
+
+
+@dataclass(frozen=True, eq=False)
+class RunTable:
+    """Every run of a plan as read-only arrays, one entry per run, sorted by step then rank: in step ``step[k]`` the
+    ranks ``r`` in ``[start[k], stop[k])`` compute ``(r + dq[k], r + dkv[k])``, each task ``cost[k]`` (units of one
+    full ``n x n`` pair). ``dq == 0``: owner tasks (``dkv == 0`` too: local); ``dkv == 0``: helper tasks (the kv
+    owner computes for query owner ``r + dq``). Runs of step t are the entries ``offsets[t]:offsets[t + 1]``."""
+
+    step: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    dq: np.ndarray
+    dkv: np.ndarray
+    cost: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def build(cls, n_steps: int, step, start, stop, dq, dkv, cost) -> "RunTable":
+        *ints, cost = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (step, start, stop, dq, dkv)),
+                                          np.asarray(cost, dtype=np.float64))  # scalars: the same in every run
+        order = np.lexsort((ints[1], ints[0]))  # by step, then by first rank
+        cols = [x[order] for x in ints] + [cost[order]]
+        offsets = np.searchsorted(cols[0], np.arange(n_steps + 1), side="left")
+        for arr in (*cols, offsets):
+            arr.flags.writeable = False
+        return cls(*cols, offsets)
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def rows(self, step: int) -> list[tuple[int, int, int, int]]:
+        """``(start, stop, dq, dkv)`` of the runs of ``step``, as Python ints."""
+        lo, hi = self.offsets[step], self.offsets[step + 1]
+        return list(zip(*(col[lo:hi].tolist() for col in (self.start, self.stop, self.dq, self.dkv))))
+
+
+def _sort_key(tr: Transfer):
+    return (tr.src, tr.dst, tr.kind, tr.chunk)
+
+
+def _check_phase(phase: str) -> None:
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r} is not one of {PHASES}; pass phase='forward' or 'backward'")
+
+
+def _fetch(task: Task, step: int) -> Transfer | None:
+    """The input a task needs from another rank (same kinds in both phases; payloads differ)."""
+    if task.is_local:
+        return None
+    if task.is_helper:
+        return Transfer(task.q_chunk, task.rank, "q", task.q_chunk, step)
+    return Transfer(task.kv_chunk, task.rank, "kv", task.kv_chunk, step)
+
+
+def _return(task: Task, step: int, phase: str) -> Transfer | None:
+    """The partial result a task sends back to the owner of the data it borrowed."""
+    if task.is_local:
+        return None
+    if task.is_helper:  # partial belongs to the query owner
+        kind = "out" if phase == "forward" else "dq"
+        return Transfer(task.rank, task.q_chunk, kind, task.q_chunk, step)
+    if phase == "forward":  # owner computed with borrowed kv: its output is already at home
+        return None
+    return Transfer(task.rank, task.kv_chunk, "dkv", task.kv_chunk, step)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """An immutable schedule: the runs of every step (``run_table``); every rank computes at most one task per step.
+    Built by :func:`make_plan`, which caches it: one object per arguments."""
+
+    world_size: int
+    causal: bool
+    schedule: str
+    run_table: RunTable
+    work: tuple[tuple[int, ...], ...] | _DenseZigzagWork | None = None
+    """Visible (query, key) pairs of every (q chunk, kv chunk) pair, ``work[i][j]``, for plans built from a mask
+    and for zigzag (else None)."""
+    chunk: int | None = None
+    """Tokens per chunk the work was computed for (mask and zigzag plans only)."""
+    layout: Layout | None = None
+    """Which positions each rank holds (``None``: contiguous, rank r holds ``[r*n, (r+1)*n)``)."""
+
+    def num_steps(self) -> int:
+        return len(self.run_table.offsets) - 1
+
+    @functools.cached_property
+    def steps(self) -> tuple[tuple[Task, ...], ...]:
+        """``steps[t]``: the tasks of step t sorted by rank (built on first use: one object per task; the simulator
+        and the cost model never need it)."""
+        return tuple(self._tasks(s) for s in range(self.num_steps()))
+
+    def _tasks(self, step: int) -> tuple[Task, ...]:
+        return tuple(Task(r, r + dq, r + dkv) for start, stop, dq, dkv in self.run_table.rows(step)
+                     for r in range(start, stop))
+
+    def task(self, step: int, rank: int) -> Task | None:
+        """The task ``rank`` computes at ``step``, or None when it is idle."""
+        rt = self.run_table
+        lo, hi = rt.offsets[step], rt.offsets[step + 1]
+        k = lo + int(np.searchsorted(rt.start[lo:hi], rank, side="right")) - 1  # the last run starting <= rank
+        if k < lo or rank >= rt.stop[k]:
+            return None
+        return Task(rank, rank + int(rt.dq[k]), rank + int(rt.dkv[k]))
+
+    def fetches(self, step: int, phase: str = "forward") -> tuple[Transfer, ...]:
+        """Inputs that step ``step``'s tasks need, sorted by (src, dst, kind): post in this order."""
+        _check_phase(phase)
+        found = (_fetch(t, step) for t in self._tasks(step))
+        return tuple(sorted((tr for tr in found if tr is not None), key=_sort_key))
+
+    def returns(self, step: int, phase: str = "forward") -> tuple[Transfer, ...]:
+        """Partial results produced at step ``step``, sorted by (src, dst, kind)."""
+        _check_phase(phase)
+        found = (_return(t, step, phase) for t in self._tasks(step))
+        return tuple(sorted((tr for tr in found if tr is not None), key=_sort_key))
+
+    def rank_ops(self, step: int, rank: int, phase: str = "forward", which: str = "fetch"):
+        """``(sends, recvs)`` of ``rank`` among the step's fetches (``which="fetch"``) or returns."""
+        if which not in ("fetch", "return"):
+            raise ValueError(f"which={which!r} is not one of ('fetch', 'return'); pass one of them")
+        transfers = self.fetches(step, phase) if which == "fetch" else self.returns(step, phase)
+        sends = tuple(tr for tr in transfers if tr.src == rank)
+        recvs = tuple(tr for tr in transfers if tr.dst == rank)
+        return sends, recvs
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """All (q_chunk, kv_chunk) pairs, in step order then rank order."""
+        return [(t.q_chunk, t.kv_chunk) for s in range(self.num_steps()) for t in self._tasks(s)]
+
+    def num_tasks(self) -> int:
+        """How many (q chunk, kv chunk) pairs the plan computes (without listing them)."""
+        return int((self.run_table.stop - self.run_table.start).sum())
+
+    def render(self) -> str:
+        """ASCII picture of the plan (rows = steps, columns = ranks, ``h`` = helper task)."""
+        kind = "causal" if self.causal else "non-causal"
+        lines = [f"P={self.world_size}, {kind}, {self.schedule}"]
+        lines.append("step  " + "".join(f"{'rank' + str(r):<8}" for r in range(self.world_size)).rstrip())
+        for s in range(self.num_steps()):
+            cells = [_cell(self.task(s, r)) for r in range(self.world_size)]
+            lines.append(f"{s:>4}  " + "".join(cells).rstrip())
+        return "\n".join(lines)
+
+
+def _cell(task: Task | None) -> str:
+    if task is None:
+        return "  .     "
+    return f"({task.q_chunk},{task.kv_chunk}){'h' if task.is_helper else ''}".ljust(8)
+
+
+# -- dense plans, run by run ------------------------------------------------------------------------------------
+
+
+def _ring_runs(p: int, causal: bool, diag: float, off: float) -> RunTable:
+    """Step t: every rank r computes (r, r - t) with kv fetched from r - t (non-causal: mod P, so the ranks r < t
+    are a second run with kv chunk r - t + P); causal ranks r < t idle."""
+    t = np.arange(1, p)
+    steps, starts, stops, dkvs = [[0], t], [[0], t], [[p], np.full(p - 1, p)], [[0], -t]
+    if not causal:
+        steps, starts, stops, dkvs = steps + [t], starts + [0 * t], stops + [t], dkvs + [p - t]
+    cat = np.concatenate
+    cost = np.where(cat(dkvs) == 0, diag, off)
+    return RunTable.build(p, cat(steps), cat(starts), cat(stops), 0, cat(dkvs), cost)
+
+
+def _balanced_causal_runs(p: int) -> RunTable:
+    """Diagonals, then distance d (owners) paired with distance P - d (helpers); even P ends with P/2. At step d,
+    ranks r < d have no distance-d pair: they help with (r + P - d, r); owners i >= d compute (i, i - d)."""
+    d = np.arange(1, (p + 1) // 2)  # d = 1 .. ceil(P/2) - 1
+    half = np.arange(p // 2, p // 2 + 1) if p > 1 and p % 2 == 0 else d[:0]  # distance P/2: half the ranks idle
+    cat = np.concatenate
+    step = cat([[0], d, d, half])
+    start, stop = cat([[0], 0 * d, d, half]), cat([[p], d, p + 0 * d, p + 0 * half])
+    dq, dkv = cat([[0], p - d, 0 * d, 0 * half]), cat([[0], 0 * d, -d, -half])
+    return RunTable.build(len(d) + len(half) + 1, step, start, stop, dq, dkv, np.where(step == 0, 0.5, 1.0))
+
+
+def _check_runs(p: int, causal: bool, rt: RunTable) -> None:
+    """Internal invariants of a dense plan, in O(runs): runs of a step are disjoint and inside the group, tasks are
+    owner or helper tasks, and every required pair is computed exactly once. A run covers the pairs at distance
+    ``q - kv = dq - dkv`` with queries ``[start + dq, stop + dq)``; per distance these intervals must tile the
+    required queries (causal: distances 0..P-1, queries d..P-1; non-causal: -(P-1)..P-1, all valid queries)."""
+    same_step = rt.step[1:] == rt.step[:-1]
+    assert np.all(rt.stop[:-1][same_step] <= rt.start[1:][same_step]), "runs of a step overlap or are unsorted"
+    assert np.all((rt.dq == 0) | (rt.dkv == 0)), "a task computed by a rank owning neither chunk"
+    for lo, hi in ((rt.start, rt.stop), (rt.start + rt.dq, rt.stop + rt.dq), (rt.start + rt.dkv, rt.stop + rt.dkv)):
+        assert np.all((0 <= lo) & (lo < hi) & (hi <= p)), f"P={p}: a run leaves the group"
+    d, q_lo, q_hi = rt.dq - rt.dkv, rt.start + rt.dq, rt.stop + rt.dq
+    order = np.lexsort((q_lo, d))
+    d, q_lo, q_hi = d[order], q_lo[order], q_hi[order]
+    first = np.append(True, d[1:] != d[:-1])
+    last = np.append(d[1:] != d[:-1], True)
+    want = np.arange(0 if causal else 1 - p, p)
+    assert np.array_equal(d[first], want), f"P={p} causal={causal}: distances {d[first]} != {want}"
+    assert np.array_equal(q_lo[first], np.maximum(0, want)) and np.array_equal(q_hi[last], p + np.minimum(0, want))
+    assert np.array_equal(q_hi[~last], q_lo[1:][~last[:-1]]), f"P={p}: queries of a distance do not tile once"
+
+
+# -- zigzag: closed-form work ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _DenseZigzagWork:
+    """``work[i][j]`` of the dense zigzag layout (rank r holds chunks r and 2P-1-r of ``n / 2`` tokens), in closed
+    form, equal to ``pair_work(MaskSpec(causal=causal), P, n, Layout("zigzag", P))``: causal, an off-diagonal
+    shard pair sees two of its four chunk pairs fully (``n^2 / 2``), a diagonal one a full chunk pair and two
+    causal diagonals (``n^2 / 2 + n / 2``); non-causal, everything (``n^2``)."""
+
+    world_size: int
+    n: int
+    causal: bool
+
+    @property
+    def diagonal(self) -> int:
+        return self.n * self.n // 2 + self.n // 2 if self.causal else self.n * self.n
+
+    @property
+    def off_diagonal(self) -> int:
+        return self.n * self.n // 2 if self.causal else self.n * self.n
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def __getitem__(self, i: int) -> tuple[int, ...]:
+        if not 0 <= i < self.world_size:
+            raise IndexError(i)
+        return tuple(self.diagonal if j == i else self.off_diagonal for j in range(self.world_size))
+
+    def __iter__(self):
+        return (self[i] for i in range(self.world_size))
+
+
+# -- make_plan ------------------------------------------------------------------------------------------------
+
+
+def _validate(world_size, causal, schedule) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(
+            f"world_size={world_size!r} must be an int (the sequence-parallel group size); "
+            f"pass e.g. world_size=dist.get_world_size(group)"
+        )
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1; pass the number of ranks in the group")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal={causal!r} must be a bool; pass causal=True or causal=False")
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"schedule={schedule!r} is not one of {SCHEDULES}; pass schedule='balanced' for the "
+            f"load-balanced plan, 'zigzag' for the balanced layout, or 'ring' for the unbalanced baseline"
+        )
+
+
+def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", *, mask: MaskSpec | None = None,
+              chunk: int | None = None) -> Plan:
+    """Build (and cache) the plan for ``world_size`` ranks.
+
+    Args:
+        world_size: P, the number of ranks in the sequence-parallel group (>= 1).
+        causal: whether only pairs ``kv_chunk <= q_chunk`` are needed (dense plans).
+        schedule: one of :data:`SCHEDULES`. "balanced" equals "ring" for non-causal dense attention; "zigzag"
+            runs on the zigzag layout (the plan's ``layout``; shard with ``shard_sequence(..., schedule="zigzag")``).
+        mask: packed documents and/or a sliding window (``MaskSpec``); ``None`` or a dense spec gives the dense
+            plans. A masked plan drops every pair with no visible (query, key) pair and, balanced, assigns
+            each remaining pair to its query owner or its kv owner (helper) so that the work is balanced.
+        chunk: tokens per rank; needed with a non-dense ``mask`` (zigzag: default 2, even).
+
+    Returns:
+        An immutable :class:`Plan`; dense causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P,
+        "zigzag" P (every step half a pair of work on every rank when causal).
+    """
+    _validate(world_size, causal, schedule)
+    if schedule == "zigzag":
+        chunk = 2 if chunk is None else chunk
+        mask = mask if mask is not None else MaskSpec(causal=causal)
+    if mask is None or (mask.dense and schedule != "zigzag"):
+        return _make_plan_cached(world_size, mask.causal if mask is not None else causal, schedule)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
+    if schedule == "zigzag":
+        Layout("zigzag", world_size).check(chunk)
+        if mask.dense:  # every shard pair has work: the ring order over all P * P pairs, work in closed form
+            return _make_zigzag_plan(world_size, mask.causal, chunk)
+    return _make_masked_plan(world_size, schedule, mask, chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_plan_cached(p: int, causal: bool, schedule: str) -> Plan:
+    if schedule == "balanced" and causal:
+        runs = _balanced_causal_runs(p)
+    else:
+        runs = _ring_runs(p, causal, 0.5 if causal else 1.0, 1.0)
+    _check_runs(p, causal, runs)
+    return Plan(world_size=p, causal=causal, schedule=schedule, run_table=runs)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_zigzag_plan(p: int, causal: bool, n: int) -> Plan:
+    work = _DenseZigzagWork(p, n, causal)
+    runs = _ring_runs(p, False, work.diagonal / n ** 2, work.off_diagonal / n ** 2)  # every (i, j) has work
+    _check_runs(p, False, runs)
+    return Plan(world_size=p, causal=causal, schedule="zigzag", run_table=runs, work=work, chunk=n,
+                layout=Layout("zigzag", p))
+
+
+def _as_runs(steps: list[list[Task]], work, n: int) -> RunTable:
+    """Tasks step by step (any order within a step) as runs: neighbouring ranks with the same offsets and work
+    share one run."""
+    rows: list[list] = []  # step, start, stop, dq, dkv, cost
+    for s, tasks in enumerate(steps):
+        for t in sorted(tasks, key=lambda t: t.rank):
+            row = [s, t.rank, t.rank + 1, t.q_chunk - t.rank, t.kv_chunk - t.rank, work[t.q_chunk][t.kv_chunk] / n ** 2]
+            if rows and rows[-1][0] == s and rows[-1][2] == t.rank and rows[-1][3:] == row[3:]:
+                rows[-1][2] = t.rank + 1
+            else:
+                rows.append(row)
+    cols = list(zip(*rows)) if rows else [()] * 6
+    return RunTable.build(len(steps), *cols)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int) -> Plan:
+    layout = layout_of(schedule, p)
+    work = pair_work(mask, p, n, None if layout.contiguous else layout)
+    needed = {(i, j) for i in range(p) for j in range(p) if work[i][j] > 0}
+    # ring: every pair computed by its query owner, in ring order, empty pairs dropped
+    ring = [[Task(r, r, (r - t) % p) for t in range(p) if ((r, (r - t) % p)) in needed] for r in range(p)]
+    per_rank = ring
+    if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
+        owners = [[ts[0]] + sorted(ts[1:], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.kv_chunk)) if ts else []
+                  for ts in ring]
+        balanced = _balance_by_work(p, work, needed)
+        per_rank = min((owners, balanced), key=lambda plan: _length(plan, work))
+    steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
+    got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
+    assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
+    return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(steps, work, n), work=work,
+                chunk=n, layout=None if layout.contiguous else layout)
+
+
+def _length(per_rank: list[list[Task]], work) -> int:
+    """The simulator's length of a plan given as per-rank task lists: sum over steps of the largest task."""
+    steps = max(map(len, per_rank), default=0)
+    return sum(max(work[ts[t].q_chunk][ts[t].kv_chunk] for ts in per_rank if t < len(ts)) for t in range(steps))
+
+
+def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
+    """Diagonals first; then each off-diagonal pair, largest first, to the owner that keeps the plan shortest.
+
+    A pair ``(i, j)`` can be computed by query owner ``i`` (fetching kv ``j``) or by kv owner ``j`` as a helper
+    (fetching q ``i``, returning a partial): DistFlashAttn's load balancing, generalized from "idle ranks help"
+    to "whichever owner makes the plan shorter" so that it works for any mask. Each rank runs its tasks
+    largest first, and the plan's length is the simulator's: the sum over steps of the step's largest task.
+    A pair goes to the helper only if that is strictly shorter (an owner step moves only k/v, a helper step q
+    and a partial back). Deterministic: every rank builds the same plan from the same work matrix.
+    """
+    import numpy as np
+
+    lists = [[work[r][r]] if (r, r) in needed else [] for r in range(p)]  # per rank: task work, largest first
+    tasks: list[list[Task]] = [[] for _ in range(p)]
+    off = sorted((pair for pair in needed if pair[0] != pair[1]), key=lambda ij: (-work[ij[0]][ij[1]], ij))
+    width = 1 + len(off)
+
+    def profile(rows) -> np.ndarray:
+        mat = np.zeros((p, width))
+        for r, row in enumerate(rows):
+            mat[r, :len(row)] = sorted(row, reverse=True)
+        return mat
+
+    mat = profile(lists)
+    for i, j in off:
+        w = work[i][j]
+        best = None
+        for rank in (i, j):  # the owner first: on a tie it keeps the pair
+            row = np.sort(np.append(mat[rank][mat[rank] > 0], w))[::-1]
+            trial = mat.copy()
+            trial[rank, :] = 0.0
+            trial[rank, :len(row)] = row
+            length = trial.max(axis=0).sum()
+            if best is None or length < best[0]:
+                best = (length, rank, trial)
+        _, rank, mat = best
+        tasks[rank].append(Task(rank, i, j))
+    per_rank = [[Task(r, r, r)] if (r, r) in needed else [] for r in range(p)]
+    for r in range(p):
+        per_rank[r] += sorted(tasks[r], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.q_chunk, t.kv_chunk))
+    return per_rank
