@@ -116,3 +116,35 @@ def test_plan_without_strategy_shows_optimizer_offload_when_the_states_do_not_fi
     assert plan.main(["plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40"]) == 0
     out = capsys.readouterr().out
     assert "only optimizer offload fits" in out and "offload optim" in out
+
+
+# -- the model against what a tiled layer really keeps (CPU, tiny LLaMA layers) --------------------------------
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "bf16"])
+@pytest.mark.parametrize("kv", [2, 4])  # GQA and MHA
+def test_tiled_mlp_layer_keeps_exactly_the_modelled_bytes(precision, kv):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distattn.integrations.hf import tile_mlp
+    from distattn.memory import saved_activations
+    from distattn.memory.model import LayerSpec
+    from distattn.memory.techniques import tiled_layer_saved_tensors
+
+    b, n, h, a, f = 2, 12, 32, 4, 88
+    cfg = LlamaConfig(hidden_size=h, intermediate_size=f, num_hidden_layers=1, num_attention_heads=a,
+                      num_key_value_heads=kv, vocab_size=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).train()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    tile_mlp(model, 5)  # 12 tokens: tiles of 5, 5, 2
+    layer = model.model.layers[0]
+    x = torch.randn(b, n, h, dtype=next(model.parameters()).dtype, requires_grad=True)
+    pos = torch.arange(n)[None].expand(b, n)
+    cos, sin = model.model.rotary_emb(x, pos)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "amp-bf16" else torch.autocast("cpu", enabled=False)
+    with amp, saved_activations(ignore=[*model.parameters(), cos, sin], model=model) as acc:
+        y = layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)  # noqa: F841 - keeps the graph
+    want = tiled_layer_saved_tensors(LayerSpec(hidden=h, heads=a, kv_heads=kv, ffn=f), b, n, impl="sdpa",
+                                     precision=precision, device="cpu")
+    assert acc.bytes == sum(t.nbytes for t in want), (acc.records, want)

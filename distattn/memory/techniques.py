@@ -31,7 +31,8 @@ import torch
 from distattn.memory.model import ModelSpec, Saved, _dtypes, layer_saved_tensors, model_saved_tensors, steady_state_bytes
 from distattn.tiling import tiled_loss_bytes, tiled_mlp_bytes
 
-__all__ = ["Techniques", "TechniquePeak", "technique_peak", "mlp_saved_names", "step_flops", "host_limit_bytes"]
+__all__ = ["Techniques", "TechniquePeak", "technique_peak", "mlp_saved_names", "step_flops", "host_limit_bytes",
+           "tiled_layer_saved_tensors"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +90,7 @@ class TechniquePeak:
 def mlp_saved_names(saved: list[Saved]) -> list[Saved]:
     """The entries of a layer's saved list that belong to its MLP (what the tiled MLP replaces by its input)."""
     keys = ("gate_proj", "up_proj", "gate/up_proj", "down_proj", "mlp.", "fc1", "fc2")
-    return [s for s in saved if any(s.name.startswith(k) for k in keys) and "weight" not in s.name]
+    return [s for s in saved if any(s.name.startswith(k) for k in keys)]
 
 
 def step_flops(model: ModelSpec, batch: int, seq: int, sp: int, *, causal: bool = True) -> tuple[float, float, float]:
@@ -137,7 +138,7 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     layer_list = layer_saved_tensors(lay, batch, seq, strategy=strategy, **kw)
     full_list = layer_saved_tensors(lay, batch, seq, strategy="none", **kw)
     if tech.mlp_tile:
-        full_list = _with_tiled_mlp(full_list, batch, n, lay.hidden, act)
+        full_list = _with_tiled_mlp(full_list, batch, n, lay.hidden, _dtypes(precision)[1])
         if strategy == "none":
             layer_list = full_list
     layer_kept = sum(t.nbytes for t in layer_list)
@@ -187,13 +188,21 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     return TechniquePeak(sum(parts.values()), parts, moment, host, traffic, base + recompute, recompute)
 
 
-def _with_tiled_mlp(saved: list[Saved], b: int, n: int, h: int, act: torch.dtype) -> list[Saved]:
-    """A layer's saved list with the MLP's entries replaced by what the tiled MLP keeps: its input."""
+def tiled_layer_saved_tensors(spec, batch: int, seq: int, *, impl: str = "distattn", precision: str = "bf16",
+                              strategy: str = "none", sp: int = 1, device: str = "cuda") -> list[Saved]:
+    """``layer_saved_tensors`` of a layer whose MLP runs tiled (``distattn.tiling``): the MLP keeps its input only."""
+    saved = layer_saved_tensors(spec, batch, seq, impl=impl, precision=precision, strategy=strategy, sp=sp,
+                                device=device)
+    if strategy in ("full", "remat"):
+        return saved
+    return _with_tiled_mlp(saved, batch, seq // sp, spec.hidden, _dtypes(precision)[1])
+
+
+def _with_tiled_mlp(saved: list[Saved], b: int, n: int, h: int, norm_dtype: torch.dtype) -> list[Saved]:
+    """A layer's saved list with the MLP's entries (inputs, intermediates, autocast's weight copies) replaced by what
+    the tiled MLP keeps: its input, the second norm's output (fp32 under autocast: the cast happens per tile)."""
     mlp = mlp_saved_names(saved)
-    out = [s for s in saved if s not in mlp]
-    if not any(s.shape == (b, n, h) and s.dtype == act and "ln2" in s.name for s in out):
-        out.append(Saved("tiled_mlp.input", (b, n, h), act))
-    return out
+    return [s for s in saved if s not in mlp] + [Saved("tiled_mlp.input (ln2 output)", (b, n, h), norm_dtype)]
 
 
 def check_tile(name: str, tile, tokens: int) -> int:
