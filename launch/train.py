@@ -80,6 +80,7 @@ import train_data
 import train_log
 import train_memory
 import train_model
+import train_offload
 import train_tune
 from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError
 
@@ -148,12 +149,13 @@ def sequence_group(cfg: RunConfig):
 
 def setup_model(cfg: RunConfig, config, group, device):
     """Build, switch attention to distattn, optionally remat, shard; returns ``(model, shard_mode)``."""
-    from distattn.integrations.hf import enable_remat_checkpointing, use_distattn
+    from distattn.integrations.hf import use_distattn
 
-    model = train_model.build(cfg, config, materialize=cfg.env.world_size == 1 or cfg.env.rank == 0)
+    # --offload-optimizer: every rank builds the weights (train_model.shard says why)
+    everywhere = cfg.env.world_size == 1 or cfg.args.offload_optimizer
+    model = train_model.build(cfg, config, materialize=everywhere or cfg.env.rank == 0)
     use_distattn(model, group=group, schedule=cfg.args.schedule, backend=cfg.attn_backend)
-    if cfg.args.remat:
-        enable_remat_checkpointing(model)
+    train_offload.enable_checkpointing(cfg, model)  # --remat, --offload-checkpoints
     model, mode = train_model.shard(model, cfg, device, log)
     model.train()
     return model, mode
@@ -168,7 +170,7 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
             f"{f' (ulysses {cfg.ulysses} x ring {cfg.sp_size // cfg.ulysses})' if cfg.ulysses > 1 else ''} x dp "
             f"{cfg.dp_size}, seq "
             f"{a.seq_len} ({a.seq_len // cfg.sp_size} per rank), batch {a.batch_size}/replica | {cfg.device_type} "
-            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}, params "
+            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}{' +offload-ckpt' if a.offload_checkpoints else ''}, params "
             f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name} "
             f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch"
             f"{', ' + str(len(dataset.docs)) + ' documents packed' if a.pack else ''})")
@@ -412,6 +414,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
     check_checkpoint_dir(cfg, config)
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
+    train_offload.check(cfg, config)  # offload: pinned memory on CUDA, and the node's host memory
     return cfg, dataset, config, tokenizer.name
 
 
