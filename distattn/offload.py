@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from distattn._ops import OP
 
 __all__ = ["CheckpointOffload", "LayerAccount", "KeptTensor", "OffloadBytes", "offload_bytes",
-           "optimizer_offload_bytes", "host_memory_available", "check_host_memory", "pinned_memory_available"]
+           "optimizer_offload_bytes", "host_memory_available", "check_host_memory", "pinned_memory_available", "format_bytes"]
 
 GIB = 1 << 30
 LSE_BYTES = 4  # lse is fp32 at every API (ARCHITECTURE.md)
@@ -107,6 +107,11 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def format_bytes(nbytes: int) -> str:
+    """``1.50 GiB`` from a tenth of a GiB up, else ``12.00 MiB``."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.2f} MiB"
+
+
 def check_host_memory(needed: int, limit: int | None = None, what: str = "offload") -> None:
     """Raise ``ValueError`` if ``needed`` bytes exceed ``limit`` (default: :func:`host_memory_available`)."""
     if limit is not None and limit <= 0:
@@ -114,8 +119,8 @@ def check_host_memory(needed: int, limit: int | None = None, what: str = "offloa
     available = host_memory_available() if limit is None else limit
     if needed > available:
         source = "the limit given" if limit is not None else "MemAvailable in /proc/meminfo"
-        raise ValueError(f"{what} needs {needed / GIB:.3f} GiB of host memory but {source} is "
-                         f"{available / GIB:.3f} GiB; use more nodes, a shorter sequence, fewer offloaded "
+        raise ValueError(f"{what} needs {format_bytes(needed)} of host memory but {source} is "
+                         f"{format_bytes(available)}; use more nodes, a shorter sequence, fewer offloaded "
                          f"tensors, or raise the limit if the host has the memory")
 
 

@@ -41,7 +41,7 @@ def host_bytes(cfg: RunConfig, config) -> dict[str, int]:
 
 def check(cfg: RunConfig, config) -> None:
     """Refuse (``UsageError``) offload without pinned memory on CUDA, or more host memory than the node has."""
-    from distattn.offload import check_host_memory, pinned_memory_available
+    from distattn.offload import check_host_memory, format_bytes, pinned_memory_available
 
     args = cfg.args
     if not (args.offload_checkpoints or args.offload_optimizer):
@@ -51,10 +51,10 @@ def check(cfg: RunConfig, config) -> None:
                          "`ulimit -l`); run without --offload-checkpoints/--offload-optimizer")
     need = host_bytes(cfg, config)
     per_node = cfg.env.local_world_size * sum(need.values())
-    parts = ", ".join(f"{k} {v / GIB:.3f} GiB" for k, v in need.items())
+    parts = " + ".join(f"{kind} {format_bytes(n)}" for kind, n in need.items())
     try:
         check_host_memory(per_node, None if args.host_mem is None else int(args.host_mem * GIB),
-                          what=f"offload ({cfg.env.local_world_size} ranks on this node x {parts})")
+                          what=f"offload ({cfg.env.local_world_size} ranks on this node x ({parts}))")
     except ValueError as exc:
         raise UsageError(f"{exc} (--host-mem)") from exc
 
