@@ -379,3 +379,31 @@ def test_byte_model_formulas():
     assert remat.per_layer == full.per_layer + 1000 * 32 * 128 * 2 + 32 * 1000 * 4
     assert off.format_bytes(3 << 29) == "1.50 GiB" and off.format_bytes(12 << 20) == "12.00 MiB"
     assert off.optimizer_offload_bytes(10, 3) == {"host": 64, "h2d_per_step": 32, "d2h_per_step": 16}
+
+
+@pytest.mark.gpu  # the side streams, pinned buffers and events exist only on CUDA
+def test_cuda_offload_same_gradients_pinned_host_and_freed_device():
+    torch.manual_seed(0)
+    width, layers = 1024, 4
+    stack = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)).cuda()
+    x0 = torch.randn(8, 512, width, device="cuda")
+    grads = {}
+    for name in ("plain", "offload"):
+        offload = off.CheckpointOffload(remat=False) if name == "offload" else None
+        stack.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        h = x
+        for layer in stack:
+            h = ck.full_checkpoint(layer, h, offload=offload)
+        if offload is not None:
+            torch.cuda.synchronize()
+            assert offload.pin_memory
+            assert [layer.device_bytes for layer in offload.layers][1:] == [0] * (layers - 1)
+            assert offload.host_bytes == layers * x0.numel() * 4
+        h.square().sum().backward()
+        torch.cuda.synchronize()
+        grads[name] = [x.grad] + [p.grad for p in stack.parameters()]
+        if offload is not None:
+            assert offload.events[layers:] == _expected_backward_events(layers)
+    for a, b in zip(grads["plain"], grads["offload"], strict=True):
+        assert torch.equal(a, b)

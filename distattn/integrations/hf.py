@@ -12,7 +12,8 @@ works the same way. Every rank runs the same model on its own shard of the seque
     dist.init_process_group("nccl")        # "gloo" on CPU
     model = LlamaForCausalLM.from_pretrained(...).cuda()
     use_distattn(model)                    # attention = distattn over the default group, no 4-D mask
-    enable_remat_checkpointing(model)      # optional: checkpoint at attention outputs (distattn.checkpoint)
+    enable_remat_checkpointing(model)      # optional: checkpoint at attention outputs (distattn.checkpoint);
+                                           # offload=True: what it keeps waits in host memory (distattn.offload)
     model.train()
 
     batch = shard_batch(input_ids, labels=input_ids)   # full (batch, seq) on every rank -> this rank's shard
