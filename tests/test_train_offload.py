@@ -65,3 +65,18 @@ def test_host_memory_counts_every_rank_of_the_node(monkeypatch):
     msg = _prepare_error(monkeypatch, ["--offload-checkpoints", "--seq-len", "128", "--host-mem", "0.0004"])
     assert "offload (2 ranks on this node x (checkpoints 0.25 MiB)) needs 0.50 MiB of host memory but the " \
            "limit given is 0.41 MiB" in msg
+
+
+def test_offload_on_cuda_without_pinned_memory_is_refused(monkeypatch):
+    """On CUDA, offload without pinned memory stops in ``prepare`` (before the process group, nothing allocated)."""
+    import types
+
+    import distattn.offload
+    import train_config
+    import train_offload
+
+    monkeypatch.setattr(distattn.offload, "pinned_memory_available", lambda: False)
+    args = types.SimpleNamespace(offload_checkpoints=True, offload_optimizer=False, host_mem=None)
+    cfg = types.SimpleNamespace(args=args, device_type="cuda")
+    with pytest.raises(train_config.UsageError, match=r"offload on CUDA needs pinned host memory.*ulimit -l"):
+        train_offload.check(cfg, config=None)
