@@ -42,7 +42,8 @@ from torch.utils.checkpoint import checkpoint
 from distattn._ops import OP
 
 __all__ = ["CheckpointOffload", "LayerAccount", "KeptTensor", "OffloadBytes", "offload_bytes",
-           "optimizer_offload_bytes", "host_memory_available", "check_host_memory", "pinned_memory_available", "format_bytes"]
+           "optimizer_offload_bytes", "host_memory_available", "check_host_memory", "pinned_memory_available",
+           "format_bytes"]
 
 GIB = 1 << 30
 LSE_BYTES = 4  # lse is fp32 at every API (ARCHITECTURE.md)
@@ -78,7 +79,8 @@ def offload_bytes(*, batch: int, tokens: int, hidden: int, heads_q: int, head_di
     """
     per_layer = batch * tokens * hidden * act_bytes
     if remat:
-        per_layer += batch * tokens * heads_q * head_dim * (attn_bytes or act_bytes) + batch * heads_q * tokens * LSE_BYTES
+        out = batch * tokens * heads_q * head_dim * (attn_bytes or act_bytes)  # (b, n, h_q, d)
+        per_layer += out + batch * heads_q * tokens * LSE_BYTES  # + lse (b, h_q, n) fp32
     return OffloadBytes(per_layer=per_layer, host_per_step=layers * per_layer, device_per_layer=0,
                         device_transient=min(2, layers) * per_layer, traffic_per_step=2 * layers * per_layer)
 

@@ -170,7 +170,8 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
             f"{f' (ulysses {cfg.ulysses} x ring {cfg.sp_size // cfg.ulysses})' if cfg.ulysses > 1 else ''} x dp "
             f"{cfg.dp_size}, seq "
             f"{a.seq_len} ({a.seq_len // cfg.sp_size} per rank), batch {a.batch_size}/replica | {cfg.device_type} "
-            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}{' +offload-ckpt' if a.offload_checkpoints else ''}, params "
+            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}"
+            f"{' +offload-ckpt' if a.offload_checkpoints else ''}, params "
             f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name} "
             f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch"
             f"{', ' + str(len(dataset.docs)) + ' documents packed' if a.pack else ''})")

@@ -1,4 +1,4 @@
-"""Offload in ``launch/train.py``: checkpoints (``--offload-checkpoints``) and optimizer state (``--offload-optimizer``).
+"""Offload in ``launch/train.py``: checkpoints (``--offload-checkpoints``), optimizer state (``--offload-optimizer``).
 
 ``--offload-checkpoints`` keeps what each decoder layer's checkpoint keeps in host memory between forward and
 backward (``distattn.offload``): the layer input with layer-boundary checkpointing, plus attention's
