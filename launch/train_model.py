@@ -137,7 +137,7 @@ def shard(model, cfg: RunConfig, device: torch.device, log, group=None) -> tuple
         why = _fsdp_unsupported(device) if cfg.env.world_size > 1 else None
         if why is not None:
             raise UsageError(f"--offload-optimizer needs FSDP2, but {why}")
-        return _fully_shard(model, cfg, device), "fsdp2"
+        return _fully_shard(model, cfg, device, group), "fsdp2"
     if cfg.env.world_size == 1:
         if cfg.dtype == torch.float32:
             return model.to(device), "none"

@@ -383,6 +383,7 @@ def test_byte_model_formulas():
     assert off.optimizer_offload_bytes(10, 3) == {"host": 64, "h2d_per_step": 32, "d2h_per_step": 16}
 
 
+# CUDA-only: distattn/offload.py's side streams, pinned host buffers and events (CheckpointOffload on CUDA).
 @pytest.mark.gpu  # the side streams, pinned buffers and events exist only on CUDA
 def test_cuda_offload_same_gradients_pinned_host_and_freed_device():
     torch.manual_seed(0)
