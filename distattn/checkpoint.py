@@ -36,6 +36,13 @@ registered op) and checkpoint the block with ``remat_checkpoint``::
 Anything that accepts a checkpoint ``context_fn`` takes ``remat_context_fn``:
 ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=remat_context_fn)``.
 Hugging Face models: ``distattn.integrations.hf.enable_remat_checkpointing(model)``.
+
+Offloaded checkpoints (``distattn.offload``): what a checkpoint keeps per layer waits in host memory between
+forward and backward, copied out as it is produced and prefetched one layer ahead in backward::
+
+    offload = CheckpointOffload(remat=True)            # one per model; offload.layers: bytes per layer
+    for block in blocks:
+        x = remat_checkpoint(block, x, offload=offload)   # or full_checkpoint(block, x, offload=...)
 """
 
 from __future__ import annotations
@@ -49,11 +56,14 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from distattn._ops import COUNTERS, OP, OpCounters, reset_counters
+from distattn.offload import CheckpointOffload
 
 __all__ = [
     "remat_policy",
     "remat_context_fn",
     "remat_checkpoint",
+    "full_checkpoint",
+    "CheckpointOffload",
     "COUNTERS",
     "OpCounters",
     "reset_counters",
@@ -71,13 +81,33 @@ def remat_context_fn():
     return create_selective_checkpoint_contexts(remat_policy)
 
 
-def remat_checkpoint(function, *args, **kwargs):
+def remat_checkpoint(function, *args, offload: CheckpointOffload | None = None, **kwargs):
     """``function(*args, **kwargs)``, checkpointed so that only its input and attention's ``(out, lse)`` stay.
 
     ``function`` must call attention through ``distattn.dist_flash_attn_func`` (an attention called any other way is
     recomputed like the rest). Non-reentrant checkpointing, so keyword arguments and nested calls work.
+    ``offload``: a ``CheckpointOffload(remat=True)``; what stays then waits in host memory. Tensor arguments
+    shared by every layer (rotary tables, masks) belong in ``kwargs``: positional tensors are what is kept.
     """
-    return checkpoint(function, *args, use_reentrant=False, context_fn=remat_context_fn, **kwargs)
+    if offload is None:
+        return checkpoint(function, *args, use_reentrant=False, context_fn=remat_context_fn, **kwargs)
+    if not offload.remat:
+        raise ValueError("remat_checkpoint(offload=...) needs CheckpointOffload(remat=True); this one is for "
+                         "layer-boundary checkpoints (use full_checkpoint with it)")
+    return offload.checkpoint(function, *args, **kwargs)
+
+
+def full_checkpoint(function, *args, offload: CheckpointOffload | None = None, **kwargs):
+    """``function(*args, **kwargs)`` checkpointed at its input (layer-boundary): only the input stays.
+
+    ``offload``: a ``CheckpointOffload(remat=False)``; the input then waits in host memory.
+    """
+    if offload is None:
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    if offload.remat:
+        raise ValueError("full_checkpoint(offload=...) needs CheckpointOffload(remat=False); this one keeps "
+                         "attention outputs (use remat_checkpoint with it)")
+    return offload.checkpoint(function, *args, **kwargs)
 
 
 # -- measuring what a forward keeps ---------------------------------------------------------------------

@@ -89,6 +89,7 @@ import train_lock
 import train_log
 import train_memory
 import train_model
+import train_offload
 import train_tune
 from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError
 
@@ -157,12 +158,13 @@ def sequence_group(cfg: RunConfig):
 
 def setup_model(cfg: RunConfig, config, group, device):
     """Build, switch attention to distattn, optionally remat, shard; returns ``(model, shard_mode)``."""
-    from distattn.integrations.hf import enable_remat_checkpointing, tile_loss, tile_mlp, use_distattn
+    from distattn.integrations.hf import tile_loss, tile_mlp, use_distattn
 
-    model = train_model.build(cfg, config, materialize=cfg.env.world_size == 1 or cfg.env.rank == 0)
+    # --offload-optimizer: every rank builds the weights (train_model.shard says why)
+    everywhere = cfg.env.world_size == 1 or cfg.args.offload_optimizer
+    model = train_model.build(cfg, config, materialize=everywhere or cfg.env.rank == 0)
     use_distattn(model, group=group, schedule=cfg.args.schedule, backend=cfg.attn_backend)
-    if cfg.args.remat:
-        enable_remat_checkpointing(model)
+    train_offload.enable_checkpointing(cfg, model)  # --remat, --offload-checkpoints
     if cfg.args.tile_mlp:
         tile_mlp(model, cfg.args.tile_mlp)
     if cfg.args.tile_loss:  # model(..., shift_labels=) returns the group's mean loss; the head stays in the root
@@ -183,7 +185,7 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
             f"{a.seq_len} ({a.seq_len // cfg.sp_size} per rank), batch {a.batch_size}/replica | {cfg.device_type} "
             f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}"
             f"{f' +tile-mlp {a.tile_mlp}' if a.tile_mlp else ''}{f' +tile-loss {a.tile_loss}' if a.tile_loss else ''}"
-            f", params "
+            f"{' +offload-ckpt' if a.offload_checkpoints else ''}, params "
             f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name} "
             f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch"
             f"{', ' + str(len(dataset.docs)) + ' documents packed' if a.pack else ''})")
@@ -434,6 +436,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
     check_checkpoint_dir(cfg, config)
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
     train_model.check_weights(cfg)  # --model DIR: safetensors present (rank 0 alone reads them, after this)
+    train_offload.check(cfg, config)  # offload: pinned memory on CUDA, and the node's host memory
     return cfg, dataset, config, tokenizer.name
 
 

@@ -189,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tile-mlp", type=int, default=None, metavar="TOKENS",
                    help="every decoder layer's MLP over tiles of TOKENS tokens, recomputed per tile in backward: "
                    "only the MLP input is kept (distattn.integrations.hf.tile_mlp)")
+    a.add_argument("--offload-checkpoints", action="store_true",
+                   help="keep what checkpointing keeps per layer in host memory between forward and backward "
+                   "(copied out as produced, prefetched a layer ahead); layer-boundary checkpointing, or with "
+                   "--remat the layer input and attention's out/lse")
+    a.add_argument("--offload-optimizer", action="store_true",
+                   help="FSDP2 CPUOffloadPolicy: fp32 parameters, gradients and AdamW states in host memory, the "
+                   "optimizer step on the CPU (pinned memory on CUDA)")
+    a.add_argument("--host-mem", type=float, default=None,
+                   help="GiB of host memory per node that offload may use (default: MemAvailable)")
     a.add_argument("--no-memory-check", action="store_true",
                    help="start even if the memory model predicts the step will not fit the GPU")
     a.add_argument("--sp-size", type=int, default=0,
@@ -253,6 +262,10 @@ def _check_ranges(args) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of tokens per tile, got "
                              f"{getattr(args, name)}; e.g. 4096 (a tile longer than the shard is one tile)")
+    if args.host_mem is not None and not args.host_mem > 0:
+        raise UsageError(f"--host-mem must be > 0 GiB, got {args.host_mem}")
+    if args.offload_optimizer and args.shard == "ddp":
+        raise UsageError("--offload-optimizer needs FSDP2 (CPUOffloadPolicy); drop --shard ddp")
     if not args.lr > 0:
         raise UsageError(f"--lr must be > 0, got {args.lr}")
     if args.warmup is not None and not 0 <= args.warmup <= args.steps:

@@ -3,7 +3,9 @@
 Initialization is rank 0's: rank 0 builds (or loads) the full model on the CPU with the job's seed, every
 other rank builds the same architecture on the ``meta`` device (no memory, no reading of the checkpoint),
 and the weights are broadcast into the shards. So a run starts from the same weights at every world size,
-and a 7B checkpoint is read once, not once per rank.
+and a 7B checkpoint is read once, not once per rank. With ``--offload-optimizer`` (FSDP2's ``CPUOffloadPolicy``)
+every rank builds the same weights itself (same seed, or the same files), since the parameter shards then live
+on the CPU, where an NCCL broadcast cannot reach them.
 
 Gradients: with a sequence split over the ``sp`` ranks of a group, each rank's backward produces only the
 part of every parameter's gradient that flows through its tokens (its loss term, its queries' attention),
@@ -131,6 +133,11 @@ def shard(model, cfg: RunConfig, device: torch.device, log, group=None) -> tuple
     Rank 0's model holds the weights; the others' are on ``meta`` and receive them here. ``group``: the
     sequence-parallel group (``train.sequence_group``), over which the gradient reduction sums.
     """
+    if cfg.args.offload_optimizer:  # CPUOffloadPolicy is FSDP2's
+        why = _fsdp_unsupported(device) if cfg.env.world_size > 1 else None
+        if why is not None:
+            raise UsageError(f"--offload-optimizer needs FSDP2, but {why}")
+        return _fully_shard(model, cfg, device, group), "fsdp2"
     if cfg.env.world_size == 1:
         if cfg.dtype == torch.float32:
             return model.to(device), "none"
@@ -155,17 +162,25 @@ def shard(model, cfg: RunConfig, device: torch.device, log, group=None) -> tuple
 def _fully_shard(model, cfg: RunConfig, device: torch.device, group):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from distattn import set_fsdp_gradient_divide_factor
 
-    full_sd = model.state_dict() if cfg.env.rank == 0 else {}  # references to rank 0's full fp32 tensors
+    offload = cfg.args.offload_optimizer
+    full_sd = model.state_dict() if cfg.env.rank == 0 and not offload else {}  # rank 0's full fp32 tensors
     mesh = init_device_mesh(device.type, (cfg.env.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
+    # Parameter shards, gradients and AdamW states in host memory (pinned on CUDA: train_offload checked it).
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, **policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **policy)
     set_fsdp_gradient_divide_factor(model, group)  # sum over sp, mean over dp (module docstring)
+    if offload:
+        # Every rank built the same weights (the seed, or the same files): nothing to send. Broadcasting from
+        # rank 0 is not possible here: set_model_state_dict broadcasts on the parameters' device, now the CPU,
+        # which NCCL cannot. fully_shard moved the buffers (rotary inv_freq) to the device.
+        return model
     if cfg.env.rank != 0:
         model.to_empty(device=device)
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -22,6 +22,14 @@ _M = "tests/test_gpu_model.py::"
 _T = "tests/test_gpu_train.py::"
 
 COVERAGE: dict[str, list[str]] = {
+    "distattn/offload.py:CheckpointOffload.__init__": ["tests/test_offload.py::test_cuda_offload_same_gradients_pinned_host_and_freed_device", _T + "test_train_one_gpu_with_every_offload"],
+    "distattn/offload.py:CheckpointOffload._copy_in": ["tests/test_offload.py::test_cuda_offload_same_gradients_pinned_host_and_freed_device", _T + "test_train_one_gpu_with_every_offload"],
+    "distattn/offload.py:CheckpointOffload._fetch": ["tests/test_offload.py::test_cuda_offload_same_gradients_pinned_host_and_freed_device", _T + "test_train_one_gpu_with_every_offload"],
+    "distattn/offload.py:CheckpointOffload._offload": ["tests/test_offload.py::test_cuda_offload_same_gradients_pinned_host_and_freed_device", _T + "test_train_one_gpu_with_every_offload"],
+    "distattn/offload.py:CheckpointOffload._stream": ["tests/test_offload.py::test_cuda_offload_same_gradients_pinned_host_and_freed_device", _T + "test_train_one_gpu_with_every_offload"],
+    "distattn/offload.py:pinned_memory_available": ["tests/test_offload.py::test_cuda_offload_same_gradients_pinned_host_and_freed_device", _T + "test_train_one_gpu_with_every_offload"],
+    "launch/train_model.py:_fully_shard": [_T + "test_train_one_gpu_with_every_offload"],
+    "launch/train_offload.py:check": [_T + "test_train_one_gpu_with_every_offload"],
     "distattn/api.py:validated_everywhere": [_D + "test_bad_input_on_one_rank_and_nan_rows_on_cuda"],
     # -- kernels: compiled Triton, descriptors, the CUDA sdpa ops, autotune ------------------------------------
     "kernels/__init__.py:available_backends": [_K + "test_sdpa_backend_on_cuda_by_rule"],

@@ -87,3 +87,14 @@ def test_planner_predicts_the_measured_peak(tmp_path):
     measured, predicted = summary["peak_mem_bytes"][0], summary["predicted_peak_bytes"]
     assert measured > 1 << 30, summary  # activations dominate: the comparison is about them
     assert measured == pytest.approx(predicted, rel=PEAK_RTOL), (measured, predicted)
+
+
+# CUDA-only: launch/train_offload.check (pinned memory on CUDA) and launch/train_model._fully_shard's pinned
+# CPUOffloadPolicy; distattn/offload.py's side streams and pinned buffers inside a real training step.
+def test_train_one_gpu_with_every_offload(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    rc, out, err = _torchrun(1, *JOB, "--offload-optimizer", "--offload-checkpoints", "--remat", "--log-json",
+                             str(log), "--ckpt-dir", str(tmp_path / "c"), "--no-memory-check", timeout=JOB_TIMEOUT_S)
+    assert rc == 0, err[-4000:]
+    losses = [r["loss"] for r in _records(log)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses

@@ -12,7 +12,8 @@ works the same way. Every rank runs the same model on its own shard of the seque
     dist.init_process_group("nccl")        # "gloo" on CPU
     model = LlamaForCausalLM.from_pretrained(...).cuda()
     use_distattn(model)                    # attention = distattn over the default group, no 4-D mask
-    enable_remat_checkpointing(model)      # optional: checkpoint at attention outputs (distattn.checkpoint)
+    enable_remat_checkpointing(model)      # optional: checkpoint at attention outputs (distattn.checkpoint);
+                                           # offload=True: what it keeps waits in host memory (distattn.offload)
     model.train()
 
     batch = shard_batch(input_ids, labels=input_ids)   # full (batch, seq) on every rank -> this rank's shard
@@ -84,7 +85,7 @@ from distattn._ops import group_key, group_of
 from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
 from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
 from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
-from distattn.checkpoint import remat_context_fn
+from distattn.integrations._hf_checkpointing import enable_remat_checkpointing, offload_checkpoints
 from distattn.schedule import SCHEDULES
 from distattn.packing import (Packed, cu_seqlens_from_position_ids, pack_padded, pack_sequences,
                               shift_labels_by_document)
@@ -95,8 +96,8 @@ from distattn.sharding import shard_sequence
 from distattn.topology import all_reduce as all_reduce_group
 from distattn.topology import split as _split_group
 
-__all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "ATTN_IMPLEMENTATION",
-           "IGNORE_INDEX", "tiled_causal_lm_loss", "tile_loss", "tile_mlp"]
+__all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "offload_checkpoints",
+           "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "tiled_causal_lm_loss", "tile_loss", "tile_mlp"]
 
 ATTN_IMPLEMENTATION = "distattn"
 """Name (prefix) under which distattn is registered in transformers' ``AttentionInterface``."""
@@ -465,30 +466,3 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group=None) -> to
     local_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="sum")
     return global_mean(local_sum, labels, group)  # sum and count over the group in fp64: one value on every rank
-
-
-# -- checkpointing ------------------------------------------------------------------------------------------
-def enable_remat_checkpointing(model):
-    """Checkpoint every decoder layer at its attention output (``distattn.checkpoint``) instead of its input.
-
-    Uses transformers' own per-layer checkpointing hook with PyTorch's selective checkpointing: per layer
-    the layer input and attention's ``(out, lse)`` are kept, the rest is recomputed in backward, and
-    attention's forward (with its communication) runs once per step. Only layers in training mode are
-    checkpointed (``model.train()``). Undo with ``model.activation_checkpointing_disable()`` (older 5.x:
-    ``model.gradient_checkpointing_disable()``).
-
-    Raises:
-        ValueError: the model does not use distattn attention (call ``use_distattn(model)`` first), or does
-            not support checkpointing.
-    """
-    if not str(model.config._attn_implementation).startswith(ATTN_IMPLEMENTATION):
-        raise ValueError(f"enable_remat_checkpointing needs distattn attention, but the model uses "
-                         f"{model.config._attn_implementation!r}: call use_distattn(model) first")
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-    ckpt_kwargs = {"use_reentrant": False, "context_fn": remat_context_fn}
-    if hasattr(model, "activation_checkpointing_enable"):  # the newer 5.x name; the old one is its deprecated alias
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
-    return model
