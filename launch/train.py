@@ -434,6 +434,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
         raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
     check_checkpoint_dir(cfg, config)
+    train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
     train_model.check_weights(cfg)  # --model DIR: safetensors present (rank 0 alone reads them, after this)
     train_offload.check(cfg, config)  # offload: pinned memory on CUDA, and the node's host memory

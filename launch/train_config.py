@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "optimizer step on the CPU (pinned memory on CUDA)")
     a.add_argument("--host-mem", type=float, default=None,
                    help="GiB of host memory per node that offload may use (default: MemAvailable)")
+    a.add_argument("--memory", choices=("manual", "auto"), default="manual",
+                   help="auto: the planner (python -m distattn.memory plan) picks remat or offloaded checkpoints, "
+                   "tiled loss and MLP and optimizer offload, the cheapest combination that fits --seq-len on this GPU "
+                   "and host (--gpu-mem overrides the GPU's memory; needed on CPU); refused if nothing fits")
+    a.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU for --memory auto (default: the device's)")
     a.add_argument("--no-memory-check", action="store_true",
                    help="start even if the memory model predicts the step will not fit the GPU")
     a.add_argument("--sp-size", type=int, default=0,
@@ -262,6 +267,8 @@ def _check_ranges(args) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of tokens per tile, got "
                              f"{getattr(args, name)}; e.g. 4096 (a tile longer than the shard is one tile)")
+    if args.gpu_mem is not None and not args.gpu_mem > 0:
+        raise UsageError(f"--gpu-mem must be > 0 GiB, got {args.gpu_mem}")
     if args.host_mem is not None and not args.host_mem > 0:
         raise UsageError(f"--host-mem must be > 0 GiB, got {args.host_mem}")
     if args.offload_optimizer and args.shard == "ddp":

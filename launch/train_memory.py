@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+import train_plan
 from train_config import RunConfig, UsageError
 
 _RESERVE = 1 << 30  # CUDA context, allocator fragmentation: not in the byte model
@@ -30,12 +31,20 @@ def _shard(cfg: RunConfig) -> int:
 
 
 def predicted_peak(cfg: RunConfig, config):
-    """``distattn.memory.StepPeak`` of one step on one rank of this job."""
+    """``distattn.memory.StepPeak`` of one step on one rank of this job (with tiles or offload: the techniques'
+    byte model, ``distattn.memory.techniques``, whose peak has the same ``total``/``parts``/``dominant``)."""
     from distattn.memory import predicted_peak_bytes
 
+    if train_plan.uses_techniques(cfg):
+        return train_plan.technique_peak(cfg, config, _precision(cfg), _shard(cfg))
     return predicted_peak_bytes(config, batch=cfg.args.batch_size, seq_len=cfg.args.seq_len, sp_size=cfg.sp_size,
-                                shard_size=_shard(cfg), precision=_precision(cfg), remat=cfg.args.remat,
-                                chunked_loss=bool(cfg.args.tile_loss))  # the model's stand-in for the tiled loss
+                                shard_size=_shard(cfg), precision=_precision(cfg), remat=cfg.args.remat)
+
+
+def plan(cfg: RunConfig, config, log) -> None:
+    """``--memory auto``: apply the planner's cheapest combination that fits (``train_plan``)."""
+    if cfg.args.memory == "auto":
+        log(train_plan.apply_auto(cfg, config, _precision(cfg), ddp=cfg.args.shard == "ddp"))
 
 
 def check(cfg: RunConfig, config) -> None:

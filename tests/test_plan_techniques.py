@@ -148,3 +148,47 @@ def test_tiled_mlp_layer_keeps_exactly_the_modelled_bytes(precision, kv):
     want = tiled_layer_saved_tensors(LayerSpec(hidden=h, heads=a, kv_heads=kv, ffn=f), b, n, impl="sdpa",
                                      precision=precision, device="cpu")
     assert acc.bytes == sum(t.nbytes for t in want), (acc.records, want)
+
+
+# -- launch/train.py --memory auto ------------------------------------------------------------------------------
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _prepare(monkeypatch, argv):
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train
+
+    return train.prepare(["--device", "cpu", "--model", "tiny", *argv])[0]
+
+
+def test_train_memory_auto_applies_the_planners_pick(monkeypatch, capsys):
+    # plenty of memory: remat alone (no recomputation of attention, no copies, no tiles)
+    cfg = _prepare(monkeypatch, ["--memory", "auto", "--gpu-mem", "64", "--seq-len", "256"])
+    assert cfg.args.remat and not (cfg.args.tile_loss or cfg.args.tile_mlp or cfg.args.offload_checkpoints
+                                   or cfg.args.offload_optimizer)
+    assert "--memory auto: remat ckpt" in capsys.readouterr().err
+    # half a GiB per rank: a length that remat alone does not fit and remat with the tiles does
+    import train_memory
+
+    precision = train_memory._precision(cfg)
+    cluster = plan.Cluster(2, 0.5 * GIB, 64 * GIB)
+    kw = dict(precision=precision, batch=cfg.args.batch_size)
+    alone = plan.longest_with(get_preset("tiny"), plan.Combo("remat", Techniques()), cluster, **kw)
+    tiled = plan.longest_with(get_preset("tiny"), plan.Combo("remat", Techniques(loss_tile=4096, mlp_tile=4096)),
+                              cluster, **kw)
+    seq = (alone.seq + tiled.seq) // 2 // 256 * 256
+    assert alone.seq < seq <= tiled.seq
+    cfg = _prepare(monkeypatch, ["--memory", "auto", "--gpu-mem", "0.5", "--host-mem", "128", "--seq-len", str(seq)])
+    assert cfg.args.remat and (cfg.args.tile_loss or cfg.args.tile_mlp)
+
+
+def test_train_memory_auto_refuses_a_length_nothing_fits(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train_config
+
+    with pytest.raises(train_config.UsageError, match="--memory auto: nothing fits --seq-len 1048576"):
+        _prepare(monkeypatch, ["--memory", "auto", "--gpu-mem", "0.001", "--host-mem", "1", "--seq-len", "1048576"])
+    with pytest.raises(train_config.UsageError, match="--memory auto on CPU needs --gpu-mem"):
+        _prepare(monkeypatch, ["--memory", "auto", "--seq-len", "256"])

@@ -195,10 +195,14 @@ def cost(result: ComboResult, cluster: Cluster) -> float:
 
 
 def choose(model: ModelSpec, seq: int, cluster: Cluster, *, loss_tile: int, mlp_tile: int, batch: int = 1,
-           precision: str = "bf16") -> tuple[Combo, TechniquePeak] | None:
-    """The cheapest combination (least recomputation and exposed traffic) that fits ``seq``; ``None``: none fits."""
+           precision: str = "bf16", allow=None) -> tuple[Combo, TechniquePeak] | None:
+    """The cheapest combination (least recomputation and exposed traffic) that fits ``seq``; ``None``: none fits.
+
+    ``allow``: a predicate on ``Combo`` (e.g. what a launcher can run)."""
     fitting = []
     for combo in combos(loss_tile, mlp_tile):
+        if allow is not None and not allow(combo):
+            continue
         peak = combo_peak(model, combo, seq, gpus=cluster.gpus, batch=batch, precision=precision)
         if peak.total <= cluster.gpu_bytes and peak.host_total <= cluster.host_bytes:
             fitting.append((cost(ComboResult(combo, seq, peak, ""), cluster), combo, peak))
