@@ -17,7 +17,11 @@ RUN = ["--model", "tiny", "--seq-len", "128", "--batch-size", "2", "--steps", "3
        "--no-progress"]
 JOBS_TIMEOUT_S = 300  # five 2-rank jobs at once on a shared two-core machine
 VARIANTS = {"base": [], "offload-full": ["--offload-checkpoints"], "remat": ["--remat"],
-            "offload-remat": ["--remat", "--offload-checkpoints"], "offload-optimizer": ["--offload-optimizer"]}
+            "offload-remat": ["--remat", "--offload-checkpoints"], "offload-optimizer": ["--offload-optimizer"],
+            # issue 22: every technique at once (tiles of 48 and 40 tokens on a 64-token shard: two tiles each)
+            "everything": ["--remat", "--offload-checkpoints", "--offload-optimizer", "--tile-loss", "48",
+                           "--tile-mlp", "40"]}
+TILED_RTOL = 1e-4  # tiles change the fp32 summation order of the head and MLP gradients (tests/test_tiling.py)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,13 @@ def test_offloaded_runs_give_the_same_losses(jobs, name):
     losses, _ = jobs
     assert len(losses["base"]) == 3
     assert losses[name] == losses["base"], f"{name}: {losses[name]} vs {losses['base']}"
+
+
+def test_every_technique_at_once_trains_to_the_same_losses(jobs):
+    losses, results = jobs
+    assert "+tile-mlp 40 +tile-loss 48 +offload-ckpt" in results["everything"][2]
+    for ours, base in zip(losses["everything"], losses["base"], strict=True):
+        assert abs(ours - base) <= TILED_RTOL * abs(base), (losses["everything"], losses["base"])
 
 
 def test_offload_optimizer_runs_fsdp2(jobs):
