@@ -36,25 +36,7 @@ MODES = ("remat", "remat-offload", "full", "full-offload", "remat-offload-tiled"
 MLP_TILE = 5  # tokens per tile of the tiled MLP in the "-tiled" modes (shards of 12, 6, 4 tokens)
 
 
-class Block(nn.Module):
-    """A pre-norm block calling attention through the registered op (as distattn.checkpoint tells users to)."""
-
-    def __init__(self, group):
-        super().__init__()
-        self.group = group
-        self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
-        self.q = nn.Linear(HIDDEN, HEADS_Q * HEAD_DIM)
-        self.kv = nn.Linear(HIDDEN, 2 * HEADS_KV * HEAD_DIM)
-        self.proj = nn.Linear(HEADS_Q * HEAD_DIM, HIDDEN)
-        self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
-
-    def forward(self, x):
-        b, n, _ = x.shape
-        h = self.norm1(x)
-        q = self.q(h).view(b, n, HEADS_Q, HEAD_DIM)
-        k, v = self.kv(h).view(b, n, 2, HEADS_KV, HEAD_DIM).unbind(2)
-        x = x + self.proj(distattn.dist_flash_attn_func(q, k, v, causal=True, group=self.group).flatten(2))
-        return x + self.mlp(self.norm2(x))
+from test_checkpoint import Block  # noqa: E402 - the same pre-norm block and shapes (HIDDEN, HEADS_Q, ...)
 
 
 def _summary(offload):
