@@ -72,6 +72,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distattn import kernels
+from distattn._compat import hf_checkpointing_enable
 from distattn._ops import group_key, group_of
 from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
 from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
@@ -483,8 +484,5 @@ def enable_remat_checkpointing(model):
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
     ckpt_kwargs = {"use_reentrant": False, "context_fn": remat_context_fn}
-    if hasattr(model, "activation_checkpointing_enable"):  # the newer 5.x name; the old one is its deprecated alias
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    hf_checkpointing_enable(model, ckpt_kwargs)  # activation_ (newer 5.x) or gradient_checkpointing_enable (5.17)
     return model
