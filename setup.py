@@ -15,13 +15,14 @@ setup(
     python_requires=">=3.10",
     packages=["distattn", "distattn.integrations", "distattn.kernels", "distattn.schedule", "distattn.memory"],
     package_dir={"distattn": "distattn", "distattn.kernels": "kernels"},
-    install_requires=["torch>=2.4", "triton>=3.0", "numpy"],
+    # The supported ranges; CI tests both ends (README "Install"): the lower end is what the GPU machines have.
+    install_requires=["torch>=2.11", "triton>=3.6", "numpy"],
     extras_require={
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
         # matplotlib is deliberately absent: the tests and bench scripts write their tables without it.
-        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.0,<6", "numpy"],
-        "hf": ["transformers>=5.0,<6"],
-        "bench": ["matplotlib>=3.5", "transformers>=5.0,<6"],  # plots; bench/checkpoint.py builds HF models
+        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "numpy"],
+        "hf": ["transformers>=5.17,<6"],
+        "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],
     },
     license="Apache-2.0",

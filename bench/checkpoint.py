@@ -44,6 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench._util import cpu_name, pyplot_or_note, smoke_out  # noqa: E402
+from distattn._compat import hf_checkpointing_disable, hf_checkpointing_enable  # noqa: E402
 from distattn import checkpoint as ck  # noqa: E402
 from distattn.integrations import hf  # noqa: E402
 
@@ -109,11 +110,9 @@ def build(args, device, dtype, max_tokens):
 
 
 def set_variant(model, variant: str):
-    # Newer transformers 5.x names first; gradient_checkpointing_* are their (deprecated) aliases there.
-    new_names = hasattr(model, "activation_checkpointing_enable")
-    (model.activation_checkpointing_disable if new_names else model.gradient_checkpointing_disable)()
+    hf_checkpointing_disable(model)  # under whichever name this transformers 5.x has
     if variant == "hf":  # HF's default: non-reentrant checkpoint at every layer input
-        (model.activation_checkpointing_enable if new_names else model.gradient_checkpointing_enable)()
+        hf_checkpointing_enable(model)
     elif variant == "remat":
         hf.enable_remat_checkpointing(model)
 

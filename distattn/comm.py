@@ -57,6 +57,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distattn._compat import keeps_order, new_group_in_order
+
 __all__ = ["PeerExchange", "CommCounters", "COUNTERS", "reset_counters", "DistAttnError", "Communicator",
            "communicator", "default_timeout", "message_tag", "ROUNDS_PER_CALL"]
 
@@ -132,7 +134,9 @@ class Communicator:
         # hash that includes how many groups the calling process has, which differs between the members of a
         # subgroup as soon as they made different groups (a stale or mismatched name: the rendezvous hangs).
         # A subgroup's traffic therefore stays on the subgroup itself: bounded, tagged, never aborted.
-        self.owned = len(ranks) == dist.get_world_size()
+        # In order: group rank r of the library's groups is group rank r of the user's group (a torch that cannot
+        # keep an unsorted order, see distattn._compat, has the user's group serve as for a subgroup).
+        self.owned = len(ranks) == dist.get_world_size() and keeps_order(ranks)
         self.fetch = self.ret = None
         self.seq = 0
         self.aborted = False
@@ -142,14 +146,13 @@ class Communicator:
             return
         _Rendezvous(self.name, epoch, self.rank, self.world_size).join(timeout if join_timeout is None else join_timeout)
         if self.nccl:
-            # sort_ranks=False: group rank r of the library's groups is group rank r of the user's group.
-            kw = dict(ranks=ranks, timeout=_group_timeout(timeout, True), backend=backend, sort_ranks=False)
+            kw = dict(ranks=ranks, timeout=_group_timeout(timeout, True), backend=backend)
             options = _nccl_options() if backend == "nccl" else None  # a mixed backend takes no NCCL options
-            self.fetch = dist.new_group(**kw, pg_options=options)
-            self.ret = dist.new_group(**kw, pg_options=_nccl_options() if options is not None else None)
+            self.fetch = new_group_in_order(**kw, pg_options=options)
+            self.ret = new_group_in_order(**kw, pg_options=_nccl_options() if options is not None else None)
         else:
-            self.fetch = self.ret = dist.new_group(ranks=ranks, timeout=_group_timeout(timeout, False),
-                                                   backend=backend, sort_ranks=False)
+            self.fetch = self.ret = new_group_in_order(ranks=ranks, timeout=_group_timeout(timeout, False),
+                                                       backend=backend)
 
     def set_timeout(self, timeout: float) -> None:
         """Bound the groups' own operations by ``timeout`` too (gloo collectives honour the group's timeout,

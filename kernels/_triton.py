@@ -35,6 +35,9 @@ except ImportError as exc:  # the package stays importable without triton; get_b
 
 # Decided once, when the kernels were decorated: read it off the kernel object rather than the environment.
 _INTERPRET = _IMPORT_ERROR is None and type(_fwd._fwd_kernel).__name__ == "InterpretedFunction"
+if _INTERPRET:
+    from . import _interp_compat
+    _interp_compat.install()  # Triton 3.6's interpreter under NumPy >= 2.4 (a no-op elsewhere)
 _INTERP_BLOCK = 16  # smallest tile tl.dot accepts; keeps the interpreter fast enough for CI
 _MIN_BLOCK_D = 16
 

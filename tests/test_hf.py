@@ -20,6 +20,7 @@ from dist_utils import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
+from distattn._compat import hf_checkpointing_disable, hf_checkpointing_enable  # noqa: E402
 from distattn import checkpoint as ck  # noqa: E402
 from distattn import comm  # noqa: E402
 from distattn.integrations import hf  # noqa: E402
@@ -51,15 +52,9 @@ def make_ids():
 
 
 def set_checkpointing(model, mode):
-    if hasattr(model, "activation_checkpointing_disable"):
-        model.activation_checkpointing_disable()
-    else:
-        model.gradient_checkpointing_disable()
+    hf_checkpointing_disable(model)
     if mode == "hf":  # HF's own: checkpoint at the layer input, recompute the whole layer
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable()
-        else:
-            model.gradient_checkpointing_enable()
+        hf_checkpointing_enable(model)
     elif mode == "ours":
         hf.enable_remat_checkpointing(model)
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from dist_utils import run_distributed
+from distattn._compat import hf_checkpointing_enable
 from distattn.checkpoint import retained_bytes
 from distattn.memory import model as mm
 from distattn.memory import saved_activations
@@ -197,7 +198,7 @@ def test_whole_llama_with_hf_gradient_checkpointing_matches_model(impl, precisio
     (cos/sin, position_ids, eager's 4-D mask) are kept by the checkpoints and counted once."""
     shape = LLAMA_SHAPES[0]
     model = _llama(shape, impl=impl, layers=2)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing_enable(model, {"use_reentrant": False})  # the name differs across transformers 5.x
     model.config.use_cache = False
     ms = mm.ModelSpec(layer=_spec(shape), layers=2, vocab=120)
     ids = torch.randint(0, 120, (shape["b"], shape["n"]))

@@ -25,6 +25,7 @@ from dist_utils import run_distributed
 
 import distattn
 from distattn import checkpoint as ck
+from distattn._compat import hf_checkpointing_enable
 from distattn import offload as off
 
 TIMEOUT_S = 240  # three ranks importing transformers on a shared two-core machine, 3 x (2 x 4 + 2 x 4) steps
@@ -116,7 +117,7 @@ def _hf_case(group):
                 offload = off.CheckpointOffload(remat=True)
                 hf.enable_remat_checkpointing(model, offload=offload)
             elif mode == "full":
-                model.activation_checkpointing_enable()
+                hf_checkpointing_enable(model)
             else:
                 offload = hf.offload_checkpoints(model)
             res[(kind, mode)] = _hf_step(model, ids, group, offload)

@@ -371,12 +371,12 @@ def _hf_step(model, batch, group=None, tiled=False):
 
 def _hf_checkpointing(model, reentrant):
     """transformers' own layer checkpointing (``reentrant=None``: off), by its current name."""
+    from distattn._compat import hf_checkpointing_disable, hf_checkpointing_enable
+
     if reentrant is None:
-        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
-    elif hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        hf_checkpointing_disable(model)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        hf_checkpointing_enable(model, {"use_reentrant": reentrant})
 
 
 def _set_tiling(model, tokens, group=None):

@@ -7,6 +7,7 @@ to exactly the tensors the layer's checkpoint keeps. Public through ``distattn.i
 
 from __future__ import annotations
 
+from distattn._compat import hf_checkpointing_enable
 from distattn.checkpoint import remat_context_fn
 from distattn.offload import CheckpointOffload
 
@@ -57,10 +58,7 @@ def offload_checkpoints(model, remat: bool = False, offload: CheckpointOffload |
 def _enable_checkpointing(model, ckpt_kwargs: dict) -> None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
-    if hasattr(model, "activation_checkpointing_enable"):  # the newer 5.x name; the old one is its deprecated alias
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    hf_checkpointing_enable(model, ckpt_kwargs)  # activation_ (newer 5.x) or gradient_checkpointing_enable (5.17)
 
 
 def _check_distattn(model, who: str) -> None:

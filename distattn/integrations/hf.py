@@ -81,6 +81,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distattn import kernels
+from distattn._compat import hf_checkpointing_enable
 from distattn._ops import group_key, group_of
 from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
 from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
