@@ -334,7 +334,7 @@ def _reject_flat(group, phase: str, error: Exception, timeout: float, device):
     except DistAttnError:
         lib.abort()
         raise error from None  # the peers are gone or stalled: this rank's own error is the useful one
-    raise agreement.rejection([own] * lib.world_size) from error  # every rank: rejected for the same reason
+    raise error  # every rank's input failed alike: each raises that same error, as one process would
 
 
 # -- forward ------------------------------------------------------------------------------------------------

@@ -98,3 +98,10 @@ def test_train_one_gpu_with_every_offload(tmp_path):
     assert rc == 0, err[-4000:]
     losses = [r["loss"] for r in _records(log)]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+# CUDA-only: launch/train_plan.apply_auto reads the GPU's memory (get_device_properties) to plan --memory auto.
+def test_train_memory_auto_plans_for_this_gpu(tmp_path):
+    rc, out, err = _torchrun(1, *JOB, "--memory", "auto", "--ckpt-dir", str(tmp_path / "c"), timeout=JOB_TIMEOUT_S)
+    assert rc == 0, err[-4000:]
+    assert "--memory auto: remat ckpt" in err, err[-4000:]  # a small job fits with remat alone
