@@ -59,3 +59,30 @@ def hf_checkpointing_disable(model) -> None:
         model.activation_checkpointing_disable()
     else:
         model.gradient_checkpointing_disable()
+
+
+HF_OFFLOAD_MIN = (5, 23)
+"""Offloaded checkpoints on Hugging Face decoder layers (``distattn.offload.CheckpointOffload.attach``) enter their
+region in the layer's forward pre-hook, which transformers 5.23 runs before the layer's checkpoint; 5.17's layers
+call the checkpoint first (its ``context_fn`` then runs outside the region). Tested: 5.23 works, 5.17 does not."""
+
+
+def hf_offload_supported() -> bool:
+    """Whether this transformers runs offloaded checkpoints on its decoder layers (``HF_OFFLOAD_MIN``)."""
+    import re
+
+    import transformers
+
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", transformers.__version__).groups())
+    return (major, minor) >= HF_OFFLOAD_MIN
+
+
+def check_hf_offload() -> None:
+    """A clear error where ``hf_offload_supported()`` is false."""
+    if not hf_offload_supported():
+        import transformers
+
+        raise ValueError(f"offloaded checkpoints on Hugging Face models need transformers >= "
+                         f"{'.'.join(map(str, HF_OFFLOAD_MIN))} (this is {transformers.__version__}, whose decoder "
+                         f"layers call their checkpoint before the layer's hooks); upgrade transformers, or use "
+                         f"distattn.checkpoint.remat_checkpoint(..., offload=) on your own blocks")

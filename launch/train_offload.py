@@ -46,6 +46,13 @@ def check(cfg: RunConfig, config) -> None:
     args = cfg.args
     if not (args.offload_checkpoints or args.offload_optimizer):
         return
+    if args.offload_checkpoints:
+        from distattn._compat import check_hf_offload
+
+        try:
+            check_hf_offload()
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if cfg.device_type == "cuda" and not pinned_memory_available():
         raise UsageError("offload on CUDA needs pinned host memory, which cannot be allocated here (check "
                          "`ulimit -l`); run without --offload-checkpoints/--offload-optimizer")

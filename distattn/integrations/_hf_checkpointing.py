@@ -7,7 +7,7 @@ to exactly the tensors the layer's checkpoint keeps. Public through ``distattn.i
 
 from __future__ import annotations
 
-from distattn._compat import hf_checkpointing_enable
+from distattn._compat import check_hf_offload, hf_checkpointing_enable
 from distattn.checkpoint import remat_context_fn
 from distattn.offload import CheckpointOffload
 
@@ -47,6 +47,7 @@ def offload_checkpoints(model, remat: bool = False, offload: CheckpointOffload |
         raise ValueError(f"offload_checkpoints(remat={remat}) got a CheckpointOffload(remat={offload.remat})")
     if remat:
         _check_distattn(model, "offload_checkpoints(remat=True)")
+    check_hf_offload()
     _enable_checkpointing(model, {"use_reentrant": False, "context_fn": offload.context_fn})
     from transformers.modeling_layers import GradientCheckpointingLayer
 
