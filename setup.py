@@ -13,7 +13,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["distattn", "distattn.integrations", "distattn.kernels", "distattn.schedule", "distattn.memory"],
+    packages=["distattn", "distattn.integrations", "distattn.kernels", "distattn.schedule", "distattn.memory",
+              "distattn.compat"],
     package_dir={"distattn": "distattn", "distattn.kernels": "kernels"},
     # The supported ranges; CI tests both ends (README "Install"): the lower end is what the GPU machines have.
     install_requires=["torch>=2.11", "triton>=3.6", "numpy"],

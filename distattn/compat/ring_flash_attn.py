@@ -1,0 +1,499 @@
+"""ring-flash-attention's API on distattn: change one import, keep the call.
+
+``from ring_flash_attn import zigzag_ring_flash_attn_func`` -> ``from distattn.compat.ring_flash_attn import
+zigzag_ring_flash_attn_func``. Every function takes ring-flash-attention's (0.1.x) arguments in its positional order,
+expects its layout of the shards and returns what it returns (``out``; ``(out, lse, None)`` with
+``return_attn_probs=True``; ``lse`` fp32 natural log, ``(b, h, n)`` for the dense functions and ``(h, n)`` for the
+varlen ones, in the local token order of the call). Each is a thin translation onto ``distattn.dist_flash_attn_func``
+/ ``dist_flash_attn_varlen_func`` (one plan, one op): no attention code of its own.
+
+Layouts, per rank ``r`` of ``P`` (``n`` tokens per rank):
+
+    ring_*            contiguous: tokens [r*n, (r+1)*n)                  -> distattn schedule "balanced", as is
+    zigzag_ring_*     chunks r and 2P-1-r of 2P                          -> distattn schedule "zigzag", as is
+    stripe_*          token i on rank i % P                              -> moved to contiguous and back (*)
+    ring_*_varlen     chunk r of P of EVERY document; local cu_seqlens   -> moved to contiguous and back (*)
+                      (each document's local length; global = P x local)
+    zigzag_*_varlen   chunks r and 2P-1-r of 2P of every document        -> moved to contiguous and back (*)
+    llama3_*_varlen   contiguous; per-rank local cu_seqlens_q, cu_seqlens_k + local_k_slice from
+                      llama3_flash_attn_prepare_cu_seqlens               -> the global cu_seqlens rebuilt (**)
+
+(*) distattn has no plan for these layouts, so the call moves q, k, v to the contiguous layout in ONE all-to-all
+(``distattn.compat._relayout``), runs the balanced schedule there and moves ``out`` back (``lse`` too when
+returned); the backward moves ``dout`` in and ``dq, dk, dv`` back. Cost per call and rank: ``(P-1)/P`` of
+``q + k + v + out`` forward and of ``dout + dq + dk + dv`` backward crosses ranks once (about two ring steps of
+k/v traffic with GQA-free shapes), plus one agreement all-reduce. Shard in the contiguous (or zigzag) layout to
+avoid it.
+(**) llama3's arguments describe only the rank's own neighbourhood; the call gathers every rank's (a few ints, one
+agreement all-reduce and two small all-gathers), rebuilds the global ``cu_seqlens``, and checks that each rank's
+arguments are exactly what ``llama3_flash_attn_prepare_cu_seqlens`` gives for it (a clear error on every rank
+otherwise). ``substitute_hf_flash_attn`` skips all of this: ``update_ring_flash_attn_params`` keeps the global
+``cu_seqlens``.
+
+Arguments, decided one by one:
+    * ``dropout_p > 0``: ``ValueError`` (ring-flash-attention applies dropout per block without saving the RNG
+      state for its backward; distattn computes no attention dropout).
+    * ``alibi_slopes``: ``ValueError`` unless None (ring-flash-attention asserts None too).
+    * ``deterministic``: accepted; distattn's backward is always deterministic.
+    * ``window_size``: computed on GLOBAL positions for every layout (ring-flash-attention passes it to each
+      block's kernel, which is only right for ``(-1, -1)``). ``causal=False`` is accepted by the zigzag and stripe
+      functions too (ring-flash-attention asserts causal there): the result is exact for any layout.
+    * ``heads_k_stride`` (llama3, HF adapter): validated as there (> 0, divides ``h_kv``) and otherwise unused: it
+      bounds llama3's all-gather buffer, and distattn never gathers k/v (they travel chunk by chunk).
+    * ``max_seqlen*``: checked to be at least the longest (local) document, as flash-attn; not otherwise needed.
+distattn's extras, keyword-only after ``group``: ``softcap`` (Gemma-2 soft-capping), ``backend``, ``timeout``;
+GQA/MQA without repeating k/v; the llama3 functions and the HF adapter take documents of any length (the others
+keep ring-flash-attention's divisibility rules, which their layouts need); every wait is bounded.
+``group`` is a flat process group (or None); distattn's two-dimensional groups go through its own API.
+
+Coverage of ring-flash-attention's ``__init__`` (every public name):
+
+    ============================================  ===========================================================
+    ring_flash_attn_func / _qkvpacked / _kvpacked  yes: dist_flash_attn_func, schedule "balanced"
+    ring_flash_attn_varlen_func / _qkvpacked /     yes: moved to contiguous (*), dist_flash_attn_varlen_func
+        _kvpacked
+    zigzag_ring_flash_attn_func / _qkvpacked /     yes: dist_flash_attn_func, schedule "zigzag"
+        _kvpacked
+    zigzag_ring_flash_attn_varlen_func /           yes: moved to contiguous (*), dist_flash_attn_varlen_func
+        _qkvpacked / _kvpacked
+    stripe_flash_attn_func / _qkvpacked /          yes: moved to contiguous (*), dist_flash_attn_func
+        _kvpacked
+    llama3_flash_attn_varlen_func / _qkvpacked /   yes: global cu_seqlens rebuilt (**), dist_flash_attn_varlen_func
+        _kvpacked
+    llama3_flash_attn_prepare_cu_seqlens           yes: same five results (tensors on cu_seqlens' device, ints,
+                                                   a slice)
+    substitute_hf_flash_attn                       yes: registers "flash_attention_2" in transformers'
+                                                   AttentionInterface (``_ring_hf``); transformers' private
+                                                   ``_flash_attention_forward`` is not patched
+    update_ring_flash_attn_params                  yes: keeps the global cu_seqlens for the adapter
+    ============================================  ===========================================================
+
+Not covered: names outside ``__init__`` (``adapters.hf_adapter.use_ring_attn``, the ``*_forward``/``*_backward``
+internals, ``RingComm``), which the projects above do not import.
+
+Legend: ``b`` batch, ``n`` this rank's tokens, ``h``/``h_kv`` heads, ``d`` head dim, ``P`` ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from distattn.api import (check_causal, check_cu_seqlens, check_softcap, check_timeout, check_unsupported,
+                          check_window, dist_flash_attn_func, dist_flash_attn_varlen_func, validated_everywhere)
+from distattn.compat._relayout import TokenLayout, agree_on_move, gather_call_texts, relayout, relayout_many
+from distattn.compat._ring_hf import check_heads_k_stride, substitute_hf_flash_attn, update_ring_flash_attn_params
+from distattn.topology import is_2d
+
+__all__ = [
+    "ring_flash_attn_func", "ring_flash_attn_qkvpacked_func", "ring_flash_attn_kvpacked_func",
+    "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_qkvpacked_func", "ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_qkvpacked_func", "zigzag_ring_flash_attn_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_qkvpacked_func",
+    "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "stripe_flash_attn_func", "stripe_flash_attn_qkvpacked_func", "stripe_flash_attn_kvpacked_func",
+    "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_qkvpacked_func",
+    "llama3_flash_attn_varlen_kvpacked_func", "llama3_flash_attn_prepare_cu_seqlens",
+    "substitute_hf_flash_attn", "update_ring_flash_attn_params",
+]
+
+
+# -- shared checks ------------------------------------------------------------------------------------------
+def _flat(group):
+    if is_2d(group):
+        raise TypeError("distattn.compat.ring_flash_attn takes one flat process group (or None), as "
+                        "ring-flash-attention; for a two-dimensional (Ulysses x ring) group call "
+                        "distattn.dist_flash_attn_func directly")
+    return group
+
+
+def _check_options(dropout_p, alibi_slopes, deterministic, causal, window_size, softcap) -> None:
+    check_unsupported(dropout_p, alibi_slopes, deterministic)
+    check_causal(causal)
+    check_window(window_size)
+    check_softcap(softcap)
+
+
+def _check_tokens(q, k, v, ndim: int, seq_dim: int) -> None:
+    """What moving q, k, v in one exchange needs: tensors of ``ndim`` dims, one dtype and device, equal token counts
+    along ``seq_dim`` (the remaining shape checks are distattn's own, after the move, on every rank alike)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must share one dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
+                         f"{q.device}/{k.device}/{v.device}")
+    if not (q.shape[seq_dim] == k.shape[seq_dim] == v.shape[seq_dim]):
+        raise ValueError(f"q, k, v must hold the same tokens of this rank (dim {seq_dim}), got {q.shape[seq_dim]}, "
+                         f"{k.shape[seq_dim]}, {v.shape[seq_dim]}")
+
+
+def _check_max(name: str, given, cu: list[int]) -> int:
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < longest:
+        raise ValueError(f"{name} ({given!r}) must be an int >= the longest document of this rank ({longest})")
+    return longest
+
+
+def _returns(out, lse, return_attn_probs: bool):
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _distattn_kw(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, group, softcap,
+                 backend, timeout) -> dict:
+    return dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, group=_flat(group),
+                backend=backend, timeout=timeout)
+
+
+def _on_contiguous(q, k, v, src: TokenLayout, seq_dim: int, lse_dim: int, run, group, wait, return_attn_probs,
+                   what: str):
+    """Move q, k, v from ``src`` to the contiguous layout, ``run`` there (-> out, lse), move the results back."""
+    dst = TokenLayout("contiguous", src.world, src.n)
+    agree_on_move({"q": q, "k": k, "v": v}, src, dst, group, wait, what)
+    qc, kc, vc = relayout_many((q, k, v), src, dst, group, wait, dim=seq_dim)
+    out, lse = run(qc, kc, vc)
+    out = relayout(out, dst, src, group, wait, dim=seq_dim)
+    if not return_attn_probs:
+        return out
+    return out, relayout(lse, dst, src, group, wait, dim=lse_dim), None
+
+
+# -- contiguous and zigzag: distattn's own layouts ----------------------------------------------------------
+def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *, softcap=0.0,
+                         backend=None, timeout=None):
+    """ring-flash-attention's ``ring_flash_attn_func``: rank r holds tokens ``[r*n, (r+1)*n)``.
+
+    Args:
+        q: ``(b, n, h, d)``; k, v: ``(b, n, h_kv, d)``, ``h % h_kv == 0``.
+        the rest: as in the module doc; ``softcap``, ``backend``, ``timeout``: distattn's.
+
+    Returns:
+        ``out (b, n, h, d)``; ``(out, lse (b, h, n), None)`` with ``return_attn_probs``.
+    """
+    kw = _distattn_kw(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, group, softcap,
+                      backend, timeout)
+    return dist_flash_attn_func(q, k, v, schedule="balanced", return_attn_probs=return_attn_probs, **kw)
+
+
+def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                   alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                                   **extras):
+    """``qkv (b, n, 3, h, d)``; see :func:`ring_flash_attn_func`."""
+    return ring_flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                                window_size, alibi_slopes, deterministic, return_attn_probs, group, **extras)
+
+
+def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                  alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                                  **extras):
+    """``kv (b, n, 2, h_kv, d)``; see :func:`ring_flash_attn_func`."""
+    return ring_flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+                                alibi_slopes, deterministic, return_attn_probs, group, **extras)
+
+
+def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
+                                softcap=0.0, backend=None, timeout=None):
+    """ring-flash-attention's ``zigzag_ring_flash_attn_func``: rank r holds chunks r and 2P-1-r of 2P (``n`` even),
+    distattn's zigzag layout (``distattn.shard_sequence(x, schedule="zigzag")`` makes it). Shapes and returns as
+    :func:`ring_flash_attn_func`."""
+    kw = _distattn_kw(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, group, softcap,
+                      backend, timeout)
+    return dist_flash_attn_func(q, k, v, schedule="zigzag", return_attn_probs=return_attn_probs, **kw)
+
+
+def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                          alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                                          **extras):
+    """``qkv (b, n, 3, h, d)``; see :func:`zigzag_ring_flash_attn_func`."""
+    return zigzag_ring_flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                                       window_size, alibi_slopes, deterministic, return_attn_probs, group, **extras)
+
+
+def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                         alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                                         **extras):
+    """``kv (b, n, 2, h_kv, d)``; see :func:`zigzag_ring_flash_attn_func`."""
+    return zigzag_ring_flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+                                       alibi_slopes, deterministic, return_attn_probs, group, **extras)
+
+
+# -- stripe: moved to the contiguous layout -----------------------------------------------------------------
+def stripe_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
+                           softcap=0.0, backend=None, timeout=None):
+    """ring-flash-attention's ``stripe_flash_attn_func``: token ``i`` of the sequence on rank ``i % P`` (rank r
+    holds ``r, r+P, r+2P, ...``). Moved to the contiguous layout and back (module doc, (*)). Shapes and returns
+    as :func:`ring_flash_attn_func`."""
+    kw = _distattn_kw(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, group, softcap,
+                      backend, timeout)
+
+    def validate():
+        _check_options(dropout_p, alibi_slopes, deterministic, causal, window_size, softcap)
+        _check_tokens(q, k, v, 4, 1)
+        return check_timeout(timeout)
+
+    wait = validated_everywhere(validate, kw["group"], timeout, q)
+    src = TokenLayout("stripe", dist.get_world_size(kw["group"]), q.shape[1])
+    run = lambda qc, kc, vc: dist_flash_attn_func(qc, kc, vc, schedule="balanced", return_lse=True, **kw)  # noqa: E731
+    return _on_contiguous(q, k, v, src, 1, 2, run, kw["group"], wait, return_attn_probs, "stripe_flash_attn_func")
+
+
+def stripe_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                                     **extras):
+    """``qkv (b, n, 3, h, d)``; see :func:`stripe_flash_attn_func`."""
+    return stripe_flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                                  window_size, alibi_slopes, deterministic, return_attn_probs, group, **extras)
+
+
+def stripe_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                                    **extras):
+    """``kv (b, n, 2, h_kv, d)``; see :func:`stripe_flash_attn_func`."""
+    return stripe_flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+                                  alibi_slopes, deterministic, return_attn_probs, group, **extras)
+
+
+# -- varlen with every document split per rank: moved to the contiguous layout ------------------------------
+def _varlen_chunked(q, k, v, cu_seqlens, max_seqlen, pieces: int, return_attn_probs, kw, timeout, what: str):
+    """Each rank holds ``pieces`` (1: ring, 2: zigzag) equal chunks of every document; ``cu_seqlens`` is local."""
+    def validate():
+        _check_options(kw["dropout_p"], kw["alibi_slopes"], kw["deterministic"], kw["causal"], kw["window_size"],
+                       kw["softcap"])
+        _check_tokens(q, k, v, 3, 0)
+        cu = check_cu_seqlens(cu_seqlens, q.shape[0], "cu_seqlens", q.device)
+        odd = next(((i, b - a) for i, (a, b) in enumerate(zip(cu, cu[1:])) if (b - a) % pieces), None)
+        if odd is not None:
+            raise ValueError(f"{what}: document {odd[0]} has {odd[1]} tokens on this rank, but the zigzag layout "
+                             f"gives every rank two equal chunks of every document (an even local length); pad "
+                             f"each document to a multiple of 2 x world_size tokens before splitting")
+        return tuple(cu), _check_max("max_seqlen", max_seqlen, cu), check_timeout(timeout)
+
+    cu, longest, wait = validated_everywhere(validate, kw["group"], timeout, q)
+    world = dist.get_world_size(kw["group"])
+    global_cu = tuple(world * c for c in cu)  # every document is world x its local length
+    src = TokenLayout("doc_chunks", world, q.shape[0], cu=global_cu, chunks=world * pieces)
+    cu_t = torch.tensor(global_cu, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    run = lambda qc, kc, vc: dist_flash_attn_varlen_func(qc, kc, vc, cu_t, world * longest, return_lse=True,  # noqa: E731
+                                                         schedule="balanced", **kw)
+    return _on_contiguous(q, k, v, src, 0, 1, run, kw["group"], wait, return_attn_probs, what)
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                group=None, *, softcap=0.0, backend=None, timeout=None):
+    """ring-flash-attention's ``ring_flash_attn_varlen_func``: every document is cut into ``P`` equal chunks and
+    rank r holds chunk r of each, concatenated; ``cu_seqlens``/``max_seqlen`` are this rank's (the global ones
+    divided by ``P``; every document's length a multiple of ``P``). Moved to the contiguous layout and back
+    (module doc, (*)).
+
+    Args:
+        q: ``(n, h, d)``; k, v: ``(n, h_kv, d)``; cu_seqlens: ``(docs + 1,)`` int32/int64 local cumulative lengths.
+
+    Returns:
+        ``out (n, h, d)``; ``(out, lse (h, n), None)`` with ``return_attn_probs``.
+    """
+    kw = _distattn_kw(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, group, softcap,
+                      backend, timeout)
+    return _varlen_chunked(q, k, v, cu_seqlens, max_seqlen, 1, return_attn_probs, kw, timeout,
+                           "ring_flash_attn_varlen_func")
+
+
+def ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                          causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                          return_attn_probs=False, group=None, **extras):
+    """``qkv (n, 3, h, d)``; see :func:`ring_flash_attn_varlen_func`."""
+    return ring_flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, dropout_p,
+                                       softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                                       return_attn_probs, group, **extras)
+
+
+def ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                         causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                         return_attn_probs=False, group=None, **extras):
+    """``kv (n, 2, h_kv, d)``; see :func:`ring_flash_attn_varlen_func`."""
+    return ring_flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens, max_seqlen, dropout_p, softmax_scale,
+                                       causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                       **extras)
+
+
+def zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                       causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                       return_attn_probs=False, group=None, *, softcap=0.0, backend=None,
+                                       timeout=None):
+    """ring-flash-attention's ``zigzag_ring_flash_attn_varlen_func``: every document is cut into ``2P`` equal chunks
+    and rank r holds chunks r and 2P-1-r of each; ``cu_seqlens``/``max_seqlen`` local (global / P; every document a
+    multiple of 2P). Moved to the contiguous layout and back (module doc, (*)). Shapes and returns as
+    :func:`ring_flash_attn_varlen_func`."""
+    kw = _distattn_kw(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, group, softcap,
+                      backend, timeout)
+    return _varlen_chunked(q, k, v, cu_seqlens, max_seqlen, 2, return_attn_probs, kw, timeout,
+                           "zigzag_ring_flash_attn_varlen_func")
+
+
+def zigzag_ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                                 causal=False, window_size=(-1, -1), alibi_slopes=None,
+                                                 deterministic=False, return_attn_probs=False, group=None, **extras):
+    """``qkv (n, 3, h, d)``; see :func:`zigzag_ring_flash_attn_varlen_func`."""
+    return zigzag_ring_flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, dropout_p,
+                                              softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                                              return_attn_probs, group, **extras)
+
+
+def zigzag_ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                                causal=False, window_size=(-1, -1), alibi_slopes=None,
+                                                deterministic=False, return_attn_probs=False, group=None, **extras):
+    """``kv (n, 2, h_kv, d)``; see :func:`zigzag_ring_flash_attn_varlen_func`."""
+    return zigzag_ring_flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens, max_seqlen, dropout_p,
+                                              softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                                              return_attn_probs, group, **extras)
+
+
+# -- llama3: contiguous shards, local cu_seqlens --------------------------------------------------------------
+def _prepare(cu: list[int], causal: bool, rank: int, world: int):
+    """llama3's local view of rank ``rank`` from the global ``cu``: (cu_q, cu_k, max_q, max_k, (k_start, k_stop))."""
+    n = cu[-1] // world
+    lo, hi = rank * n, (rank + 1) * n
+    left = bisect.bisect_left(cu, lo)  # the first boundary >= lo; back one if lo is inside a document
+    if cu[left] != lo:
+        left -= 1
+    right = bisect.bisect_left(cu, hi)  # the first boundary >= hi: the end of the rank's last document
+    span = cu[left:right + 1]
+    cu_q = [0] + [c - lo for c in span[1:-1]] + [n]
+    k_stop = hi if causal else cu[right]  # causal: the last document's keys up to the rank's last query
+    cu_k = [c - cu[left] for c in span[:-1]] + [k_stop - cu[left]]
+    longest = lambda c: max(b - a for a, b in zip(c, c[1:]))  # noqa: E731
+    return cu_q, cu_k, longest(cu_q), longest(cu_k), (cu[left], k_stop)
+
+
+def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size):
+    """ring-flash-attention's helper: rank ``rank``'s llama3 arguments from the global ``cu_seqlens``.
+
+    Rank r holds tokens ``[r*n, (r+1)*n)`` of the ``T = cu_seqlens[-1]`` (a multiple of ``world_size``). Its
+    queries belong to the documents overlapping that range; ``cu_seqlens_q`` cuts the range at their boundaries,
+    and ``cu_seqlens_k`` cuts ``local_k_slice``, the keys they need (from the first such document's start to the
+    rank's last token, causal; to the last document's end otherwise), on the same boundaries.
+
+    Returns:
+        ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice)``: two tensors of
+        ``cu_seqlens``' dtype and device, two ints, a ``slice`` of global token positions.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
+    cu = check_cu_seqlens(cu_seqlens, None, "cu_seqlens", cu_seqlens.device)
+    causal = check_causal(causal)
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank ({rank}) must be in [0, world_size) = [0, {world_size})")
+    if cu[-1] % world_size:
+        raise ValueError(f"cu_seqlens[-1] = {cu[-1]} tokens cannot be split evenly over {world_size} ranks; pad the "
+                         f"stream (e.g. the last document) to a multiple of {world_size}")
+    cu_q, cu_k, max_q, max_k, (start, stop) = _prepare(cu, causal, rank, world_size)
+    as_tensor = lambda c: torch.tensor(c, dtype=cu_seqlens.dtype, device=cu_seqlens.device)  # noqa: E731
+    return as_tensor(cu_q), as_tensor(cu_k), max_q, max_k, slice(start, stop)
+
+
+def _dedup(c: list[int]) -> list[int]:
+    return [x for i, x in enumerate(c) if i == 0 or x != c[i - 1]]
+
+
+def _global_cu(texts: list[str], n: int, causal: bool) -> list[int]:
+    """The global ``cu_seqlens`` from every rank's llama3 arguments (the same on every rank, or the same
+    ``ValueError`` everywhere): the boundaries inside each rank's range, and where its first document starts."""
+    world, views = len(texts), [json.loads(t) for t in texts]
+    bounds = {0, world * n}
+    for r, view in enumerate(views):
+        bounds.add(view["k_slice"][0])
+        bounds.update(r * n + c for c in view["cu_q"][1:-1])
+        if not causal:
+            bounds.add(view["k_slice"][1])
+    cu = sorted(bounds)
+    wrong = [r for r, view in enumerate(views) if not 0 <= cu[0] <= cu[-1] <= world * n
+             or (lambda mine: (_dedup(mine[0]), _dedup(mine[1]), list(mine[4])))(_prepare(cu, causal, r, world))
+             != (_dedup(view["cu_q"]), _dedup(view["cu_k"]), view["k_slice"])]
+    if wrong:
+        raise ValueError(f"llama3_flash_attn_varlen_func: the local cu_seqlens_q, cu_seqlens_k and local_k_slice of "
+                         f"rank(s) {wrong} are not what llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal="
+                         f"{causal}, rank, world_size) gives for the stream the ranks describe together (every "
+                         f"rank: {views}); compute them with it from the global cu_seqlens, with the same causal as "
+                         f"this call, or call distattn.dist_flash_attn_varlen_func with the global cu_seqlens")
+    return cu
+
+
+def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
+                                  local_k_slice, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                  alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
+                                  softcap=0.0, backend=None, timeout=None):
+    """ring-flash-attention's ``llama3_flash_attn_varlen_func``: contiguous shards of a packed stream, with the
+    rank's local ``cu_seqlens_q``/``cu_seqlens_k``/``local_k_slice`` from
+    :func:`llama3_flash_attn_prepare_cu_seqlens`. The global ``cu_seqlens`` is rebuilt (module doc, (**)), so
+    documents may have any length.
+
+    Args:
+        q: ``(n, h, d)``; k, v: ``(n, h_kv, d)`` (this rank's tokens).
+        heads_k_stride: validated (> 0, divides ``h_kv``), otherwise unused.
+
+    Returns:
+        ``out (n, h, d)``; ``(out, lse (h, n), None)`` with ``return_attn_probs``.
+    """
+    kw = _distattn_kw(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, group, softcap,
+                      backend, timeout)
+
+    def validate():
+        _check_options(dropout_p, alibi_slopes, deterministic, causal, window_size, softcap)
+        _check_tokens(q, k, v, 3, 0)
+        check_heads_k_stride(heads_k_stride, k.shape[1])
+        if not (isinstance(local_k_slice, slice) and all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
+                                                         for x in (local_k_slice.start, local_k_slice.stop))):
+            raise TypeError(f"local_k_slice must be a slice(start, stop) of ints, as llama3_flash_attn_prepare_"
+                            f"cu_seqlens returns it, got {local_k_slice!r}")
+        span = [int(local_k_slice.start), int(local_k_slice.stop)]
+        cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", q.device)
+        cu_k = check_cu_seqlens(cu_seqlens_k, span[1] - span[0], "cu_seqlens_k", q.device)
+        if len(cu_q) != len(cu_k):
+            raise ValueError(f"cu_seqlens_q has {len(cu_q) - 1} documents but cu_seqlens_k has {len(cu_k) - 1}; "
+                             f"both come from llama3_flash_attn_prepare_cu_seqlens for this rank")
+        _check_max("max_seqlen_q", max_seqlen_q, cu_q)
+        _check_max("max_seqlen_k", max_seqlen_k, cu_k)
+        return json.dumps({"cu_q": cu_q, "cu_k": cu_k, "k_slice": span}), check_timeout(timeout)
+
+    text, wait = validated_everywhere(validate, kw["group"], timeout, q)
+    texts = gather_call_texts({"q": q, "k": k, "v": v}, text, kw["group"], wait, "llama3_flash_attn_varlen_func")
+    cu = _global_cu(texts, q.shape[0], causal)
+    cu_t = torch.tensor(cu, dtype=cu_seqlens_q.dtype, device=cu_seqlens_q.device)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    out, lse = dist_flash_attn_varlen_func(q, k, v, cu_t, longest, return_lse=True, schedule="balanced", **kw)
+    return _returns(out, lse, return_attn_probs)
+
+
+def llama3_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            heads_k_stride, local_k_slice, dropout_p=0.0, softmax_scale=None,
+                                            causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                            return_attn_probs=False, group=None, **extras):
+    """``qkv (n, 3, h, d)``; see :func:`llama3_flash_attn_varlen_func`."""
+    return llama3_flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale,
+                                         causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                         **extras)
+
+
+def llama3_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           heads_k_stride, local_k_slice, dropout_p=0.0, softmax_scale=None,
+                                           causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                           return_attn_probs=False, group=None, **extras):
+    """``kv (n, 2, h_kv, d)``; see :func:`llama3_flash_attn_varlen_func`."""
+    return llama3_flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale,
+                                         causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                         **extras)
