@@ -173,3 +173,104 @@ def test_llama3_prepare_cu_seqlens_by_hand():
     assert q.dtype == torch.int32
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] = 12 tokens cannot be split evenly over 5 ranks"):
         prepare(cu, True, 0, 5)
+
+
+# -- refused arguments: the same clear error on every rank, and the ranks stay in step -------------------------
+def _errors(rank, world):
+    import distattn.compat.ring_flash_attn as m
+
+    q, k, v, _ = make_qkv(1, 4 * world, 4 * world, 2, 2, DIM, torch.float32)
+    ql, kl, vl = (_contiguous(t, rank, world, 1) for t in (q, k, v))
+    refused = [
+        (r"dropout_p=0.1: distattn does not implement attention dropout", lambda: m.ring_flash_attn_func(ql, kl, vl, 0.1)),
+        (r"alibi_slopes", lambda: m.stripe_flash_attn_func(ql, kl, vl, alibi_slopes=torch.ones(2))),
+        # only rank 1's input is bad: every rank raises (naming rank 1) before the exchange, none waits for it
+        (r"(?s)rank\(s\) \[1\].*rank 1: dropout_p=0.1", lambda: m.stripe_flash_attn_func(ql, kl, vl, 0.1 if rank == 1 else 0.0)),
+        (r"document 0 has 3 tokens on this rank.*multiple of 2 x world_size", lambda: m.zigzag_ring_flash_attn_varlen_func(
+            ql[0], kl[0], vl[0], torch.tensor([0, 3, 4], dtype=torch.int32), 3, causal=True)),
+        (r"heads_k_stride \(3\) must divide the key/value heads \(2\)", lambda: m.llama3_flash_attn_varlen_func(
+            ql[0], kl[0], vl[0], *m.llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 4 * world]), True, rank,
+                                                                          world)[:4], 3, slice(0, 4 * (rank + 1)))),
+        # llama3 arguments prepared for causal=False, called with causal=True: rebuilt, checked, refused everywhere
+        (r"not what llama3_flash_attn_prepare_cu_seqlens\(cu_seqlens, causal=True, rank, world_size\) gives",
+         lambda: m.llama3_flash_attn_varlen_func(ql[0], kl[0], vl[0], *_llama3_args(m, [0, 3, 4 * world], False, rank,
+                                                                                     world), causal=True)),
+    ]
+    for pattern, call in refused:
+        with pytest.raises(ValueError, match=pattern):
+            call()
+    with pytest.raises(TypeError, match="one flat process group"):
+        m.ring_flash_attn_func(ql, kl, vl, group=(None, None))
+    out = m.stripe_flash_attn_func(ql, kl, vl, causal=True)  # the next call on every rank pairs up as usual
+    return bool(torch.isfinite(out).all())
+
+
+def _llama3_args(m, cu, causal, rank, world):
+    a = m.llama3_flash_attn_prepare_cu_seqlens(torch.tensor(cu), causal, rank, world)
+    return a[:4] + (1,) + a[4:]
+
+
+def test_refused_arguments_raise_on_every_rank():
+    assert run_distributed(_errors, 2, timeout=TIMEOUT_S) == [True, True]
+
+
+# -- the Hugging Face adapter as Axolotl and OpenRLHF call it ---------------------------------------------------
+HF_DOCS = (7, 12, 1, 9)  # 29 tokens: odd, so the stream is padded to a multiple of P as OpenRLHF pads it
+VOCAB = 40
+LOGITS_ATOL = 2e-5  # fp32 through two tiny layers differs by ~1e-6 in summation order; a wrong mask moves ~1e-1
+GRAD_RTOL = 1e-4  # relative to each gradient's largest entry (fp32, sums over 3 ranks in another order)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
+    return LlamaForCausalLM(cfg)
+
+
+def _hf_adapter(rank, world):
+    import torch.distributed as dist
+
+    import distattn.compat.ring_flash_attn as m
+
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in HF_DOCS]
+    total = sum(HF_DOCS)
+    weight = torch.randn(total, VOCAB, generator=g)
+    # one process: every document through the model on its own
+    ref = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
+    (ref * weight).sum().backward()
+    ref_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    # the packed stream, padded to a multiple of P by extending the last document (OpenRLHF's convention)
+    pad = -total % world
+    ids = torch.cat(docs + [torch.zeros(pad, dtype=torch.long)])
+    lens = list(HF_DOCS[:-1]) + [HF_DOCS[-1] + pad]
+    pos = torch.cat([torch.arange(n) for n in lens])
+    cu = torch.tensor(_cu(lens), dtype=torch.int32)
+    m.substitute_hf_flash_attn(None, 1)
+    # transformers refuses to switch to flash_attention_2 without the flash-attn package (CPU here); the registered
+    # function is what runs, so the config names it directly
+    model.config._attn_implementation = "flash_attention_2"
+    m.update_ring_flash_attn_params(cu, None)
+    n = (total + pad) // world
+    shard = slice(rank * n, (rank + 1) * n)
+    logits = model(input_ids=ids[None, shard], position_ids=pos[None, shard]).logits[0]
+    real = torch.arange(rank * n, (rank + 1) * n) < total  # the padding's logits are ignored, as OpenRLHF does
+    ref, weight = (torch.cat([t, t.new_zeros(pad, VOCAB)]) for t in (ref.detach(), weight))
+    err = (logits[real] - ref[shard][real]).abs().max().item()
+    assert err <= LOGITS_ATOL, f"logits differ from one process by {err:.2e}"
+    (logits[real] * weight[shard][real]).sum().backward()
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)  # each rank holds its share of the full-sequence gradient
+        scale = ref_grads[name].abs().max().item()
+        assert (p.grad - ref_grads[name]).abs().max().item() <= GRAD_RTOL * max(scale, 1e-6), name
+    return err
+
+
+def test_hf_adapter_matches_one_process():
+    errors = run_distributed(_hf_adapter, 3, timeout=TIMEOUT_S)
+    assert len(errors) == 3
