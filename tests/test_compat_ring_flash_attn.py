@@ -146,17 +146,23 @@ def _cases(world):
     yield "llama3", dict(lengths=any_docs, pack="kv", heads=6, heads_kv=2, window=(6, 0), softcap=1.5)
 
 
+def _cases_for(world):
+    """Every case at P = 2 and 3; one case per layout at P = 1 and 4 (the test-time budget: the packed forms are
+    five-line wrappers over the same call)."""
+    return [(name, kw) for name, kw in _cases(world) if world in (2, 3) or "pack" not in kw]
+
+
 def _all_functions(rank, world):
     import distattn.compat.ring_flash_attn as m
 
     torch.manual_seed(0)
-    return [_run(m, rank, world, name, seed=i, **kw) for i, (name, kw) in enumerate(_cases(world))]
+    return [_run(m, rank, world, name, seed=i, **kw) for i, (name, kw) in enumerate(_cases_for(world))]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_every_function_matches_the_reference(world):
     results = run_distributed(_all_functions, world, timeout=TIMEOUT_S)
-    assert all(r == results[0] for r in results) and len(results[0]) == len(list(_cases(world)))
+    assert all(r == results[0] for r in results) and len(results[0]) == len(_cases_for(world))
 
 
 # -- llama3's helper, worked by hand ---------------------------------------------------------------------------
@@ -217,7 +223,7 @@ def test_refused_arguments_raise_on_every_rank():
 # -- the Hugging Face adapter as Axolotl and OpenRLHF call it ---------------------------------------------------
 HF_DOCS = (7, 12, 1, 9)  # 29 tokens: odd, so the stream is padded to a multiple of P as OpenRLHF pads it
 VOCAB = 40
-LOGITS_ATOL = 2e-5  # fp32 through two tiny layers differs by ~1e-6 in summation order; a wrong mask moves ~1e-1
+LOGITS_ATOL = 2e-5  # fp32 through two tiny layers: measured <= 1e-7; one document too many in the mask: ~2e-1
 GRAD_RTOL = 1e-4  # relative to each gradient's largest entry (fp32, sums over 3 ranks in another order)
 
 

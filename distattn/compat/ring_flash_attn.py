@@ -419,9 +419,15 @@ def _global_cu(texts: list[str], n: int, causal: bool) -> list[int]:
         if not causal:
             bounds.add(view["k_slice"][1])
     cu = sorted(bounds)
-    wrong = [r for r, view in enumerate(views) if not 0 <= cu[0] <= cu[-1] <= world * n
-             or (lambda mine: (_dedup(mine[0]), _dedup(mine[1]), list(mine[4])))(_prepare(cu, causal, r, world))
-             != (_dedup(view["cu_q"]), _dedup(view["cu_k"]), view["k_slice"])]
+
+    def agrees(r: int, view: dict) -> bool:  # rank r's arguments are exactly the helper's for the rebuilt stream
+        if not 0 <= cu[0] <= cu[-1] <= world * n:
+            return False
+        cu_q, cu_k, _, _, span = _prepare(cu, causal, r, world)
+        return (_dedup(cu_q), _dedup(cu_k), list(span)) == (_dedup(view["cu_q"]), _dedup(view["cu_k"]),
+                                                             view["k_slice"])
+
+    wrong = [r for r, view in enumerate(views) if not agrees(r, view)]
     if wrong:
         raise ValueError(f"llama3_flash_attn_varlen_func: the local cu_seqlens_q, cu_seqlens_k and local_k_slice of "
                          f"rank(s) {wrong} are not what llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal="
