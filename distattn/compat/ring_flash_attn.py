@@ -76,7 +76,6 @@ Legend: ``b`` batch, ``n`` this rank's tokens, ``h``/``h_kv`` heads, ``d`` head 
 
 from __future__ import annotations
 
-import bisect
 import json
 import numbers
 
@@ -85,6 +84,7 @@ import torch.distributed as dist
 
 from distattn.api import (check_causal, check_cu_seqlens, check_softcap, check_timeout, check_unsupported,
                           check_window, dist_flash_attn_func, dist_flash_attn_varlen_func, validated_everywhere)
+from distattn.compat._llama3 import global_cu, prepare
 from distattn.compat._relayout import TokenLayout, agree_on_move, gather_call_texts, relayout, relayout_many
 from distattn.compat._ring_hf import check_heads_k_stride, substitute_hf_flash_attn, update_ring_flash_attn_params
 from distattn.topology import is_2d
@@ -359,22 +359,6 @@ def zigzag_ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen, d
 
 
 # -- llama3: contiguous shards, local cu_seqlens --------------------------------------------------------------
-def _prepare(cu: list[int], causal: bool, rank: int, world: int):
-    """llama3's local view of rank ``rank`` from the global ``cu``: (cu_q, cu_k, max_q, max_k, (k_start, k_stop))."""
-    n = cu[-1] // world
-    lo, hi = rank * n, (rank + 1) * n
-    left = bisect.bisect_left(cu, lo)  # the first boundary >= lo; back one if lo is inside a document
-    if cu[left] != lo:
-        left -= 1
-    right = bisect.bisect_left(cu, hi)  # the first boundary >= hi: the end of the rank's last document
-    span = cu[left:right + 1]
-    cu_q = [0] + [c - lo for c in span[1:-1]] + [n]
-    k_stop = hi if causal else cu[right]  # causal: the last document's keys up to the rank's last query
-    cu_k = [c - cu[left] for c in span[:-1]] + [k_stop - cu[left]]
-    longest = lambda c: max(b - a for a, b in zip(c, c[1:]))  # noqa: E731
-    return cu_q, cu_k, longest(cu_q), longest(cu_k), (cu[left], k_stop)
-
-
 def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size):
     """ring-flash-attention's helper: rank ``rank``'s llama3 arguments from the global ``cu_seqlens``.
 
@@ -399,42 +383,9 @@ def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size):
     if cu[-1] % world_size:
         raise ValueError(f"cu_seqlens[-1] = {cu[-1]} tokens cannot be split evenly over {world_size} ranks; pad the "
                          f"stream (e.g. the last document) to a multiple of {world_size}")
-    cu_q, cu_k, max_q, max_k, (start, stop) = _prepare(cu, causal, rank, world_size)
+    cu_q, cu_k, max_q, max_k, (start, stop) = prepare(cu, causal, rank, world_size)
     as_tensor = lambda c: torch.tensor(c, dtype=cu_seqlens.dtype, device=cu_seqlens.device)  # noqa: E731
     return as_tensor(cu_q), as_tensor(cu_k), max_q, max_k, slice(start, stop)
-
-
-def _dedup(c: list[int]) -> list[int]:
-    return [x for i, x in enumerate(c) if i == 0 or x != c[i - 1]]
-
-
-def _global_cu(texts: list[str], n: int, causal: bool) -> list[int]:
-    """The global ``cu_seqlens`` from every rank's llama3 arguments (the same on every rank, or the same
-    ``ValueError`` everywhere): the boundaries inside each rank's range, and where its first document starts."""
-    world, views = len(texts), [json.loads(t) for t in texts]
-    bounds = {0, world * n}
-    for r, view in enumerate(views):
-        bounds.add(view["k_slice"][0])
-        bounds.update(r * n + c for c in view["cu_q"][1:-1])
-        if not causal:
-            bounds.add(view["k_slice"][1])
-    cu = sorted(bounds)
-
-    def agrees(r: int, view: dict) -> bool:  # rank r's arguments are exactly the helper's for the rebuilt stream
-        if not 0 <= cu[0] <= cu[-1] <= world * n:
-            return False
-        cu_q, cu_k, _, _, span = _prepare(cu, causal, r, world)
-        return (_dedup(cu_q), _dedup(cu_k), list(span)) == (_dedup(view["cu_q"]), _dedup(view["cu_k"]),
-                                                             view["k_slice"])
-
-    wrong = [r for r, view in enumerate(views) if not agrees(r, view)]
-    if wrong:
-        raise ValueError(f"llama3_flash_attn_varlen_func: the local cu_seqlens_q, cu_seqlens_k and local_k_slice of "
-                         f"rank(s) {wrong} are not what llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal="
-                         f"{causal}, rank, world_size) gives for the stream the ranks describe together (every "
-                         f"rank: {views}); compute them with it from the global cu_seqlens, with the same causal as "
-                         f"this call, or call distattn.dist_flash_attn_varlen_func with the global cu_seqlens")
-    return cu
 
 
 def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
@@ -476,7 +427,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
 
     text, wait = validated_everywhere(validate, kw["group"], timeout, q)
     texts = gather_call_texts({"q": q, "k": k, "v": v}, text, kw["group"], wait, "llama3_flash_attn_varlen_func")
-    cu = _global_cu(texts, q.shape[0], causal)
+    cu = global_cu(texts, q.shape[0], causal)
     cu_t = torch.tensor(cu, dtype=cu_seqlens_q.dtype, device=cu_seqlens_q.device)
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     out, lse = dist_flash_attn_varlen_func(q, k, v, cu_t, longest, return_lse=True, schedule="balanced", **kw)
