@@ -5,8 +5,9 @@ The shards are made here, independently of the module, the way ring-flash-attent
 chunks, zigzag chunks r and 2P-1-r, stripes (token i on rank i % P), every document cut per rank (its varlen tests),
 llama3's contiguous shards with llama3_flash_attn_prepare_cu_seqlens. Each rank checks its out, lse, dq, dk, dv.
 Shapes: ring-flash-attention's nheads 5 and its varlen cu_seqlens [0, 120, 1248, 4232] / [0, 128, 1248, 4240],
-scaled down for CPU (d 8, lengths / 10 rounded to what the layout needs). All cases of one world size run in one
-spawn; the HF adapter runs a tiny LlamaForCausalLM against one-process logits and gradients.
+scaled down for CPU (d 8, lengths / 10 rounded to what the layout needs), plus distattn's extras (GQA, windows,
+softcap, llama3 documents of any length). All cases of one world size run in one spawn (the refused arguments ride
+with P = 2); the HF adapter runs a tiny LlamaForCausalLM against one-process logits and summed gradients.
 """
 
 from __future__ import annotations
