@@ -62,7 +62,7 @@ def _cu(lengths):
 
 # -- one case: reference, shards, the compat call, the check ---------------------------------------------------
 def _run(m, rank, world, name, *, pack=None, causal=True, window=(-1, -1), softcap=0.0, heads=HEADS, heads_kv=HEADS,
-         dtype=torch.float32, seqlen=None, lengths=None, batch=1, seed=0):
+         dtype=torch.float32, seqlen=None, lengths=None, batch=1, seed=0, device="cpu", backend=None):
     varlen = lengths is not None
     total = sum(lengths) if varlen else seqlen
     q, k, v, dout = make_qkv(1 if varlen else batch, total, total, heads, heads_kv, DIM, dtype, seed=seed)
@@ -83,7 +83,7 @@ def _run(m, rank, world, name, *, pack=None, causal=True, window=(-1, -1), softc
     def local(x):  # (1, T, h, d) -> (T, h, d) for the varlen functions
         return take(x[0] if varlen else x)
 
-    ql, kl, vl, dl = (local(t).detach().clone() for t in (q, k, v, dout))
+    ql, kl, vl, dl = (local(t).detach().to(device) for t in (q, k, v, dout))
     if pack == "qkv":
         leaf = torch.stack([ql, kl, vl], dim=-3).requires_grad_()
         tensors, grads = (leaf,), lambda: leaf.grad.unbind(-3)
@@ -98,13 +98,13 @@ def _run(m, rank, world, name, *, pack=None, causal=True, window=(-1, -1), softc
     fn = getattr(m, {"ring": "ring_flash_attn", "zigzag_ring": "zigzag_ring_flash_attn", "stripe": "stripe_flash_attn",
                      "ring_varlen": "ring_flash_attn_varlen", "zigzag_ring_varlen": "zigzag_ring_flash_attn_varlen",
                      "llama3": "llama3_flash_attn_varlen"}[name] + (f"_{pack}packed" if pack else "") + "_func")
-    opts = dict(causal=causal, window_size=window, return_attn_probs=True, softcap=softcap)
+    opts = dict(causal=causal, window_size=window, return_attn_probs=True, softcap=softcap, backend=backend)
     if name == "llama3":
-        cu_t = torch.tensor(cu, dtype=torch.int32)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
         args = m.llama3_flash_attn_prepare_cu_seqlens(cu_t, causal, rank, world)
         args = args[:4] + (1,) + args[4:]  # heads_k_stride after the max_seqlens, local_k_slice last
     elif varlen:
-        local_cu = torch.tensor(cu, dtype=torch.int32) // world  # ring-flash-attention's local cu_seqlens
+        local_cu = torch.tensor(cu, dtype=torch.int32, device=device) // world  # ring-flash-attention's local ones
         args = (local_cu, int((local_cu[1:] - local_cu[:-1]).max()))
     else:
         args = ()
@@ -112,7 +112,7 @@ def _run(m, rank, world, name, *, pack=None, causal=True, window=(-1, -1), softc
     assert probs is None
     out.backward(dl)
     lse_ref = [take(x[0] if varlen else x, 1 if varlen else 2) for x in (ref[1], base[1])]
-    ours = [out, lse, *grads()]
+    ours = [t.detach().cpu() for t in (out, lse, *grads())]
     refs = [take(x[0]) if varlen else take(x) for x in (ref[0], ref[2], ref[3], ref[4])]
     bases = [take(x[0]) if varlen else take(x) for x in (base[0], base[2], base[3], base[4])]
     assert_all_close_by_rule(["out", "lse", "dq", "dk", "dv"], ours, [bases[0], lse_ref[1], *bases[1:]],
@@ -169,6 +169,24 @@ def test_every_function_matches_the_reference(world):
     assert all(r == results[0] for r in results)
     assert len(results[0]) == len(_cases_for(world)) + (world == 2)
     assert world != 2 or results[0][-1] == "refused: True"
+
+
+def _on_cuda(rank, world):
+    import distattn.compat.ring_flash_attn as m
+
+    cases = [("stripe", dict(seqlen=8 * world)), ("ring_varlen", dict(lengths=_round(RING_VARLEN, world), pack="kv")),
+             ("zigzag_ring_varlen", dict(lengths=_round(ZIGZAG_VARLEN, 2 * world))),
+             ("llama3", dict(lengths=[5, 1, 23, 9 + -38 % world]))]
+    return [_run(m, rank, world, name, device="cuda", backend="torch", **kw) for name, kw in cases]
+
+
+# CUDA-only: _relayout._move's staging of CUDA tensors through host memory for a gloo all-to-all
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_moved_layouts_on_cuda_over_gloo():
+    """CUDA tensors through the all-to-all on gloo (staged through host memory) and the llama3 gather; the ranks
+    share cuda:0 (NCCL refuses two ranks on one device), the torch backend (the kernels are tested elsewhere)."""
+    assert len(run_distributed(_on_cuda, 2, timeout=TIMEOUT_S)[0]) == 4
 
 
 # -- llama3's helper, worked by hand ---------------------------------------------------------------------------
