@@ -212,12 +212,15 @@ def _errors(rank, world):
     q, k, v, _ = make_qkv(1, 4 * world, 4 * world, 2, 2, DIM, torch.float32)
     ql, kl, vl = (_contiguous(t, rank, world, 1) for t in (q, k, v))
     refused = [
-        (r"dropout_p=0.1: distattn does not implement attention dropout", lambda: m.ring_flash_attn_func(ql, kl, vl, 0.1)),
+        (r"dropout_p=0.1: distattn does not implement attention dropout",
+         lambda: m.ring_flash_attn_func(ql, kl, vl, 0.1)),
         (r"alibi_slopes", lambda: m.stripe_flash_attn_func(ql, kl, vl, alibi_slopes=torch.ones(2))),
         # only rank 1's input is bad: every rank raises (naming rank 1) before the exchange, none waits for it
-        (r"(?s)rank\(s\) \[1\].*rank 1: dropout_p=0.1", lambda: m.stripe_flash_attn_func(ql, kl, vl, 0.1 if rank == 1 else 0.0)),
-        (r"document 0 has 3 tokens on this rank.*multiple of 2 x world_size", lambda: m.zigzag_ring_flash_attn_varlen_func(
-            ql[0], kl[0], vl[0], torch.tensor([0, 3, 4], dtype=torch.int32), 3, causal=True)),
+        (r"(?s)rank\(s\) \[1\].*rank 1: dropout_p=0.1",
+         lambda: m.stripe_flash_attn_func(ql, kl, vl, 0.1 if rank == 1 else 0.0)),
+        (r"document 0 has 3 tokens on this rank.*multiple of 2 x world_size",
+         lambda: m.zigzag_ring_flash_attn_varlen_func(ql[0], kl[0], vl[0], torch.tensor([0, 3, 4], dtype=torch.int32),
+                                                      3, causal=True)),
         (r"heads_k_stride \(3\) must divide the key/value heads \(2\)", lambda: m.llama3_flash_attn_varlen_func(
             ql[0], kl[0], vl[0], *m.llama3_flash_attn_prepare_cu_seqlens(torch.tensor([0, 4 * world]), True, rank,
                                                                           world)[:4], 3, slice(0, 4 * (rank + 1)))),

@@ -1,4 +1,5 @@
-"""ring-flash-attention's Hugging Face adapter on distattn: ``substitute_hf_flash_attn`` + ``update_ring_flash_attn_params``.
+"""ring-flash-attention's Hugging Face adapter on distattn: ``substitute_hf_flash_attn`` and
+``update_ring_flash_attn_params``.
 
 How Axolotl (``context_parallel_size``), OpenRLHF (``--ds.ring_attn_size``) and similar trainers use it, unchanged:
 once, ``substitute_hf_flash_attn(group, heads_k_stride)`` on a model loaded with

@@ -4,8 +4,9 @@
 zigzag_ring_flash_attn_func``. Every function takes ring-flash-attention's (0.1.x) arguments in its positional order
 with its defaults (``causal=False`` everywhere, as there), expects its layout of the shards and returns what it
 returns (``out``; ``(out, lse, None)`` with ``return_attn_probs=True``; ``lse`` fp32 natural log, ``(b, h, n)`` for
-the dense functions and ``(h, n)`` for the varlen ones, in the local token order of the call). Each is a thin translation onto ``distattn.dist_flash_attn_func``
-/ ``dist_flash_attn_varlen_func`` (one plan, one op): no attention code of its own.
+the dense functions and ``(h, n)`` for the varlen ones, in the local token order of the call). Each is a thin
+translation onto ``distattn.dist_flash_attn_func`` / ``dist_flash_attn_varlen_func`` (one plan, one op): no attention
+code of its own.
 
 Layouts, per rank ``r`` of ``P`` (``n`` tokens per rank):
 
@@ -283,8 +284,11 @@ def _varlen_chunked(q, k, v, cu_seqlens, max_seqlen, pieces: int, return_attn_pr
     global_cu = tuple(world * c for c in cu)  # every document is world x its local length
     src = TokenLayout("doc_chunks", world, q.shape[0], cu=global_cu, chunks=world * pieces)
     cu_t = torch.tensor(global_cu, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-    run = lambda qc, kc, vc: dist_flash_attn_varlen_func(qc, kc, vc, cu_t, world * longest, return_lse=True,  # noqa: E731
-                                                         schedule="balanced", **kw)
+
+    def run(qc, kc, vc):
+        return dist_flash_attn_varlen_func(qc, kc, vc, cu_t, world * longest, return_lse=True, schedule="balanced",
+                                           **kw)
+
     return _on_contiguous(q, k, v, src, 0, 1, run, kw["group"], wait, return_attn_probs, what)
 
 
