@@ -85,6 +85,7 @@ import torch.distributed as dist
 
 import train_config
 import train_data
+import train_export
 import train_lock
 import train_log
 import train_memory
@@ -213,6 +214,9 @@ def maybe_resume(cfg: RunConfig, state) -> set[Path]:
         return damaged
     p = state.progress
     log(f"resumed from {path} (step {p['step']}, {p['samples']} samples consumed)")
+    moved = train_export.world_change(cfg, p)  # another world size: what changed, where the data continues
+    if moved:
+        log(moved)
     for key, now in (("seq_len", cfg.args.seq_len), ("seed", cfg.args.seed), ("data", str(cfg.data_path))):
         if p.get(key) != now:
             log(f"warning: the checkpoint was trained with {key}={p.get(key)!r}, this run uses {now!r}: the "
@@ -286,6 +290,7 @@ class Job:
     first_step: int = 0  # the step this run starts after (a resumed run: the checkpoint's)
     predicted_activations: int = 0  # the memory model's saved-activation bytes of one forward per rank
     predicted_peak: int = 0  # the memory model's peak bytes of one step per rank
+    hf_files: dict | None = None  # rank 0: the model's config and tokenizer files (checkpoints' hf/, --export-hf)
 
 
 def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
@@ -300,7 +305,7 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     optimizer = torch.optim.AdamW(train_model.param_groups(model, cfg.args.weight_decay), lr=cfg.args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     progress = {"step": 0, "samples": 0, "loss": float("nan"), "seq_len": cfg.args.seq_len, "seed": cfg.args.seed,
-                "data": str(cfg.data_path)}
+                "data": str(cfg.data_path), **train_export.layout(cfg)}
     state = train_ckpt.TrainState(model, optimizer, progress)
     damaged = maybe_resume(cfg, state)
     log(train_memory.describe(cfg, config))
@@ -308,7 +313,8 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     return Job(cfg=cfg, device=device, group=group, model=model, mode=mode, optimizer=optimizer, state=state,
                damaged=damaged, first_step=progress["step"],
                predicted_activations=train_memory.predicted_activation_bytes(cfg, config),
-               predicted_peak=train_memory.predicted_peak(cfg, config).total)
+               predicted_peak=train_memory.predicted_peak(cfg, config).total,
+               hf_files=train_export.files(cfg, config))
 
 
 def run_step(job: Job, dataset, step: int) -> dict:
@@ -377,7 +383,8 @@ def train(job: Job, dataset) -> dict:
             jlog.write(record)
             bar.update(step, record["loss"], timed_tokens / timed_s if timed_s else record["tokens_per_s"], peak)
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
-                train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep, job.damaged, log)
+                train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep, job.damaged, log,
+                                extra={f"hf/{name}": data for name, data in (job.hf_files or {}).items()})
             if crash_now(cfg, step):
                 bar.close()
                 log(f"--crash-at-step {step}: rank {cfg.env.world_size - 1} kills itself (SIGKILL, simulated failure)")
@@ -428,12 +435,14 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
     tokenizer = train_data.make_tokenizer(cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)
     dataset = train_data.load_dataset(cfg.data_path, tokenizer, cfg.args.seq_len, cfg.args.seed, pack=cfg.args.pack)
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
+    train_export.rope_guard(cfg, config)  # --rope-scaling applied, or a --seq-len past the model's positions warned
     train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
     train_config.resolve_schedule(cfg, config)  # --schedule auto: the cost model's pick, before sharding
     if int(dataset.tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
     check_checkpoint_dir(cfg, config)
+    train_export.preflight(cfg, config)  # --export-hf: a new or empty, writable directory with room
     train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
     train_model.check_weights(cfg)  # --model DIR: safetensors present (rank 0 alone reads them, after this)
@@ -454,7 +463,9 @@ def fail(message: str, code: int) -> int:
 def main(argv=None) -> int:
     try:
         cfg, dataset, config, tokenizer_name = prepare(argv)
-        summary = train(start(cfg, config, dataset, tokenizer_name), dataset)
+        job = start(cfg, config, dataset, tokenizer_name)
+        summary = train(job, dataset)
+        train_export.export_at_end(cfg, job.model, job.hf_files, log)  # --export-hf
     except UsageError as exc:
         return fail(str(exc), EXIT_BAD_ARGS)
     except JobFailed as exc:
