@@ -49,6 +49,24 @@ recomputing each tile's logits in backward (the ``(tokens, vocab)`` logits never
 every MLP over tiles, keeping only its input for backward. Same loss and gradients (to fp32 rounding); they
 compose with ``--remat``.
 
+A Hugging Face model at the end: ``--export-hf DIR`` (new or empty; checked before step 1) gathers the trained
+parameters on rank 0 after the last step and writes a Hugging Face folder there (``model.safetensors``,
+``config.json``, ``generation_config.json``, the tokenizer: a ``--tokenizer``/``--model`` one as saved by
+transformers, the byte tokenizer as an equivalent byte-level one) and logs ``exported the trained model to DIR``;
+``AutoModelForCausalLM.from_pretrained(DIR)`` gives the fp32 weights bit for bit. Every checkpoint carries the
+same config and tokenizer files (``hf/``, in its manifest), so ``python launch/export_hf.py CKPT_DIR OUT_DIR``
+(or ``python -m launch.export_hf`` from the repository root) converts the newest intact checkpoint of a
+``--ckpt-dir``, or one ``step_N`` directory, written at any world size::
+
+    torchrun --standalone --nproc-per-node 4 launch/train.py --save-every 20 --export-hf runs/tiny-hf
+    python launch/export_hf.py runs/train runs/tiny-hf-from-ckpt
+
+Positions: a ``--seq-len`` beyond a ``--model DIR``'s ``max_position_embeddings`` trains with one warning that
+names the RoPE scaling its config offers (``rope_parameters``); ``--rope-scaling linear:F`` or ``yarn:F`` (F >= 1)
+applies one, ``max_position_embeddings`` grows F times, and the exported config keeps it. ``--resume`` at another
+world size (DCP reshards parameters and optimizer state) logs the old and new layout (world, sp x dp, tokens per
+rank) and which samples the next step reads: the data position is a global sample count.
+
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint with safetensors weights;
 its tokenizer is used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face
@@ -63,7 +81,7 @@ by all-to-all and ``S/U`` of those groups form the ring (``U`` divides ``S`` and
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
 on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable, has no room
+A bad argument or an unusable path (missing ``--data``, an ``--export-hf`` folder that is not empty, a ``--ckpt-dir`` that is not writable, has no room
 for a checkpoint or is in use by another job, a checkpoint of another model) makes every rank exit with status
 2, rank 0 printing one ``train.py: error:`` line; the checks that need no process group run before it exists
 (before step 1). torchrun then adds its own failure report, whose root cause quotes the same line.
