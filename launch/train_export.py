@@ -46,6 +46,11 @@ def preflight(cfg: RunConfig, config) -> None:
     if cfg.args.export_hf is None:
         return
     out = Path(cfg.args.export_hf)
+    ckpt = Path(cfg.args.ckpt_dir)
+    if (cfg.args.save_every or cfg.args.resume) and (out.resolve() == ckpt.resolve()
+                                                      or ckpt.resolve() in out.resolve().parents):
+        raise UsageError(f"--export-hf {out} is inside --ckpt-dir {ckpt}, whose checkpoints train.py manages; pass "
+                         f"a directory outside it")
     check_destination(out, "--export-hf", ignore=PROBE)
     try:
         out.mkdir(parents=True, exist_ok=True)

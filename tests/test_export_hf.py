@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from test_train import JOB, JOB_TIMEOUT_S, ROOT, _torchrun
-from test_train_cli import _prepare_error, _three_head_model
+from test_train_cli import _prepare_error, _three_head_model, assert_one_clean_error, run_side_by_side
 
 sys.path.insert(0, str(ROOT / "launch"))
 
@@ -105,15 +105,14 @@ def test_resume_on_another_world_size_says_so(runs):
                                                              "dp_size": 1, "batch_size": 2}
 
 
-def test_cli_converts_and_refuses_a_non_empty_folder(runs, tmp_path):
-    """``python -m launch.export_hf`` from the repository root: a folder, then the same command again refused."""
+def test_cli_converts_and_refuses_a_non_empty_folder(runs, tmp_path, capsys):
+    """``python -m launch.export_hf`` from the repository root writes a folder; the same arguments again are
+    refused in one line (in-process: the same ``main``)."""
     cmd = [sys.executable, "-m", "launch.export_hf", str(runs["two"][0]), str(tmp_path / "out")]
     ok = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert ok.returncode == 0, ok.stderr
     assert f"exported {train_ckpt.step_dir(runs['two'][0], 2)} (step 2) to {tmp_path / 'out'}" in ok.stderr
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    assert again.returncode == train_config.EXIT_BAD_ARGS
-    assert again.stderr.strip().splitlines() == [
+    assert _cli_error(capsys, *cmd[3:]).splitlines() == [
         f"export_hf.py: error: OUT_DIR {tmp_path / 'out'} exists and is not empty (5 entries: config.json, "
         f"generation_config.json, model.safetensors, ...); pass a new or empty directory, or remove it first"]
 
@@ -156,7 +155,7 @@ def test_checkpoint_without_its_config_needs_the_model(runs, tmp_path, capsys):
     _assert_bitwise(tmp_path / "o", _reference(step_dir, tmp_path))
 
 
-@pytest.mark.parametrize("name", ["not empty", "a file", "rope spec", "rope factor"])
+@pytest.mark.parametrize("name", ["not empty", "a file", "in ckpt dir", "rope spec", "rope factor"])
 def test_train_preflight_refuses_bad_export_and_rope_flags(name, tmp_path, monkeypatch):
     """Before the process group exists (one ``train.py: error:`` line from rank 0, exit 2 on every rank: the path
     of every ``UsageError`` of ``prepare``, test_train_cli)."""
@@ -169,11 +168,24 @@ def test_train_preflight_refuses_bad_export_and_rope_flags(name, tmp_path, monke
                       f"config.json); pass a new or empty directory, or remove it first"),
         "a file": (["--export-hf", str(tmp_path / "afile")], f"--export-hf {tmp_path / 'afile'} exists and is not a "
                    f"directory"),
+        "in ckpt dir": (["--export-hf", str(tmp_path / "c" / "hf"), "--ckpt-dir", str(tmp_path / "c"), "--save-every",
+                         "1"], f"--export-hf {tmp_path / 'c' / 'hf'} is inside --ckpt-dir {tmp_path / 'c'}, whose "
+                        f"checkpoints train.py manages; pass a directory outside it"),
         "rope spec": (["--rope-scaling", "dynamic:2"], "--rope-scaling 'dynamic:2': expected TYPE:FACTOR with TYPE one "
                       "of linear, yarn and FACTOR >= 1"),
         "rope factor": (["--rope-scaling", "linear:0.5"], "--rope-scaling 'linear:0.5': expected TYPE:FACTOR"),
     }[name]
     assert reason in _prepare_error(monkeypatch, ["--seq-len", "256", *argv])
+
+
+def test_non_empty_export_folder_stops_every_rank_before_step_1(tmp_path):
+    """End to end under torchrun: one ``train.py: error:`` line, exit status 2, nothing trained."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"x")
+    rc, out, err = run_side_by_side({"export": (["--export-hf", str(tmp_path / "out")], {})})["export"]
+    assert_one_clean_error("export", rc, out, err, f"--export-hf {tmp_path / 'out'} exists and is not empty (1 "
+                           f"entries: model.safetensors); pass a new or empty directory, or remove it first")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"x"
 
 
 def _long_model(tmp_path) -> Path:
