@@ -46,6 +46,7 @@ from train_ckpt_files import (MANIFEST, METADATA, DamagedCheckpointError, SafePl
 HF_DIR = "hf"  # the checkpoint's subdirectory holding config.json, generation_config.json and the tokenizer
 MODEL_PREFIX = "train.model."  # the model's entries in a checkpoint (train_ckpt.TrainState under "train")
 PARTIAL = ".partial-"  # the folder being written, beside its destination
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")  # never among a checkpoint's hf/ files
 
 
 class ExportError(UsageError):
@@ -190,6 +191,9 @@ def checkpoint_files(path: Path) -> dict[str, bytes]:
     listed = read_manifest(path)
     files = {}
     for name in sorted(n for n in listed if n.startswith(HF_DIR + "/")):
+        if name.endswith(WEIGHT_SUFFIXES):  # weights come from the DCP shards only, never from beside them
+            raise ExportError(f"checkpoint {path} holds {name}, a weights file where only the config and tokenizer "
+                              f"belong: refusing it (a crafted checkpoint?)")
         data = read_inside(path, name)
         if hashlib.sha256(data).hexdigest() != listed[name]["sha256"]:
             raise ExportError(f"checkpoint {path} is damaged: {name}: sha256 differs from the manifest")

@@ -141,6 +141,12 @@ def test_cli_refuses_missing_and_damaged_checkpoints(runs, tmp_path, capsys):
     assert f"warning: skipping damaged checkpoint {step_dir}: __1_0.distcp: sha256 differs" in err
     assert f"{ckpt}: every checkpoint is damaged (1 tried" in err
     assert not (tmp_path / "o").exists()
+    planted = tmp_path / "planted"  # weights beside the config, listed in a rewritten manifest: refused
+    shutil.copytree(train_ckpt.step_dir(runs["two"][0], 2), planted)
+    (planted / "hf" / "model.safetensors").write_bytes(b"x")
+    train_ckpt.write_manifest(planted, 2)
+    assert (f"checkpoint {planted} holds hf/model.safetensors, a weights file where only the config and tokenizer "
+            f"belong" in _cli_error(capsys, planted, tmp_path / "o"))
 
 
 def test_checkpoint_without_its_config_needs_the_model(runs, tmp_path, capsys):
