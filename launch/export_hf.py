@@ -251,25 +251,21 @@ def byte_tokenizer():
 
 
 def files_for_old_checkpoint(model: str, tokenizer: str | None, tensors: dict, path: Path) -> dict[str, bytes]:
-    """``hf_files`` for a checkpoint without ``hf/``: the config of ``model`` (a preset: its fields, the vocabulary
-    from the embedding's rows and ``max_position_embeddings`` as train.py set it from the run's ``--seq-len``)."""
+    """``hf_files`` for a checkpoint without ``hf/``: the config train.py builds for ``model`` (a preset: the
+    vocabulary from the embedding's rows, ``max_position_embeddings`` from the run's ``--seq-len``)."""
+    from types import SimpleNamespace
+
+    import train_model
     from train_config import PRESETS
 
-    if model in PRESETS:
-        from transformers import LlamaConfig
-
-        fields = dict(PRESETS[model])
-        theta = fields.pop("rope_theta", 10000.0)
-        seq_len = read_progress(path).get("seq_len") or 2048
-        vocab = tensors["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in tensors else 256
-        config = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(int(seq_len), 2048), tie_word_embeddings=False,
-                             rope_parameters={"rope_type": "default", "rope_theta": theta}, **fields)
-        return hf_files(config, tokenizer, None)
-    if not (Path(model) / "config.json").is_file():
-        raise ExportError(f"--model {model!r}: not a preset nor a directory holding a Hugging Face config.json")
-    from transformers import AutoConfig
-
-    return hf_files(AutoConfig.from_pretrained(model, local_files_only=True), tokenizer, model)
+    if model not in PRESETS and not (Path(model) / "config.json").is_file():
+        raise ExportError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a directory holding a "
+                          f"Hugging Face config.json")
+    embed = tensors.get("model.embed_tokens.weight")
+    run = SimpleNamespace(preset=PRESETS.get(model), args=SimpleNamespace(
+        model=model, seq_len=int(read_progress(path).get("seq_len") or 0)))
+    config = train_model.hf_config(run, embed.shape[0] if embed is not None else 0)
+    return hf_files(config, tokenizer, None if model in PRESETS else model)
 
 
 # ------------------------------------------------------------------------------------------------ the CLI

@@ -166,12 +166,23 @@ def world_change(cfg: RunConfig, progress: dict) -> str | None:
 
 def files(cfg: RunConfig, config) -> dict[str, bytes]:
     """The config and tokenizer files of the model as trained (``export_hf.hf_files``); rank 0 builds them for the
-    checkpoints (under ``hf/``) and ``--export-hf``, the other ranks need none."""
+    checkpoints (under ``hf/``) and ``--export-hf``, the other ranks get none. Every rank calls it (the process
+    group is up): a failure on rank 0 is a ``UsageError`` on every rank."""
     from export_hf import hf_files
+    from train_ckpt import _agree
 
-    if cfg.env.rank != 0 or not (cfg.args.export_hf or cfg.args.save_every):
+    if not (cfg.args.export_hf or cfg.args.save_every):
         return {}
-    return hf_files(config, cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)
+    found, error = {}, None
+    if cfg.env.rank == 0:
+        try:
+            found = hf_files(config, cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)
+        except (OSError, ValueError) as exc:
+            error = f"cannot write the model's config and tokenizer files ({type(exc).__name__}: {exc})"
+    error = _agree(error)
+    if error:
+        raise UsageError(error)
+    return found
 
 
 def export_at_end(cfg: RunConfig, model, hf_files: dict[str, bytes], log) -> None:
