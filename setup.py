@@ -21,8 +21,8 @@ setup(
     extras_require={
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
         # matplotlib is deliberately absent: the tests and bench scripts write their tables without it.
-        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "numpy"],
-        "hf": ["transformers>=5.17,<6"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "safetensors", "numpy"],
+        "hf": ["transformers>=5.17,<6", "safetensors"],  # train.py's --model weights and --export-hf folders
         "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],
     },

@@ -49,6 +49,24 @@ recomputing each tile's logits in backward (the ``(tokens, vocab)`` logits never
 every MLP over tiles, keeping only its input for backward. Same loss and gradients (to fp32 rounding); they
 compose with ``--remat``.
 
+A Hugging Face model at the end: ``--export-hf DIR`` (new or empty; checked before step 1) gathers the trained
+parameters on rank 0 after the last step and writes a Hugging Face folder there (``model.safetensors``,
+``config.json``, ``generation_config.json``, the tokenizer: a ``--tokenizer``/``--model`` one as saved by
+transformers, the byte tokenizer as an equivalent byte-level one) and logs ``exported the trained model to DIR``;
+``AutoModelForCausalLM.from_pretrained(DIR)`` gives the fp32 weights bit for bit. Every checkpoint carries the
+same config and tokenizer files (``hf/``, in its manifest), so ``python launch/export_hf.py CKPT_DIR OUT_DIR``
+(or ``python -m launch.export_hf`` from the repository root) converts the newest intact checkpoint of a
+``--ckpt-dir``, or one ``step_N`` directory, written at any world size::
+
+    torchrun --standalone --nproc-per-node 4 launch/train.py --save-every 20 --export-hf runs/tiny-hf
+    python launch/export_hf.py runs/train runs/tiny-hf-from-ckpt
+
+Positions: a ``--seq-len`` beyond a ``--model DIR``'s ``max_position_embeddings`` trains with one warning that
+names the RoPE scaling its config offers (``rope_parameters``); ``--rope-scaling linear:F`` or ``yarn:F`` (F >= 1)
+applies one, ``max_position_embeddings`` grows F times, and the exported config keeps it. ``--resume`` at another
+world size (DCP reshards parameters and optimizer state) logs the old and new layout (world, sp x dp, tokens per
+rank) and which samples the next step reads: the data position is a global sample count.
+
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
 Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint with safetensors weights;
 its tokenizer is used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face
@@ -63,10 +81,11 @@ by all-to-all and ``S/U`` of those groups form the ring (``U`` divides ``S`` and
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
 on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable, has no room
-for a checkpoint or is in use by another job, a checkpoint of another model) makes every rank exit with status
-2, rank 0 printing one ``train.py: error:`` line; the checks that need no process group run before it exists
-(before step 1). torchrun then adds its own failure report, whose root cause quotes the same line.
+A bad argument or an unusable path (missing ``--data``, an ``--export-hf`` folder that is not empty, a
+``--ckpt-dir`` that is not writable, has no room for a checkpoint or is in use by another job, a checkpoint of
+another model) makes every rank exit with status 2, rank 0 printing one ``train.py: error:`` line; the checks
+that need no process group run before it exists (before step 1). torchrun then adds its own failure report,
+whose root cause quotes the same line.
 """
 
 from __future__ import annotations
@@ -85,6 +104,7 @@ import torch.distributed as dist
 
 import train_config
 import train_data
+import train_export
 import train_lock
 import train_log
 import train_memory
@@ -213,6 +233,9 @@ def maybe_resume(cfg: RunConfig, state) -> set[Path]:
         return damaged
     p = state.progress
     log(f"resumed from {path} (step {p['step']}, {p['samples']} samples consumed)")
+    moved = train_export.world_change(cfg, p)  # another world size: what changed, where the data continues
+    if moved:
+        log(moved)
     for key, now in (("seq_len", cfg.args.seq_len), ("seed", cfg.args.seed), ("data", str(cfg.data_path))):
         if p.get(key) != now:
             log(f"warning: the checkpoint was trained with {key}={p.get(key)!r}, this run uses {now!r}: the "
@@ -286,6 +309,7 @@ class Job:
     first_step: int = 0  # the step this run starts after (a resumed run: the checkpoint's)
     predicted_activations: int = 0  # the memory model's saved-activation bytes of one forward per rank
     predicted_peak: int = 0  # the memory model's peak bytes of one step per rank
+    hf_files: dict | None = None  # rank 0: the model's config and tokenizer files (checkpoints' hf/, --export-hf)
 
 
 def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
@@ -300,7 +324,7 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     optimizer = torch.optim.AdamW(train_model.param_groups(model, cfg.args.weight_decay), lr=cfg.args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     progress = {"step": 0, "samples": 0, "loss": float("nan"), "seq_len": cfg.args.seq_len, "seed": cfg.args.seed,
-                "data": str(cfg.data_path)}
+                "data": str(cfg.data_path), **train_export.layout(cfg)}
     state = train_ckpt.TrainState(model, optimizer, progress)
     damaged = maybe_resume(cfg, state)
     log(train_memory.describe(cfg, config))
@@ -308,7 +332,8 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     return Job(cfg=cfg, device=device, group=group, model=model, mode=mode, optimizer=optimizer, state=state,
                damaged=damaged, first_step=progress["step"],
                predicted_activations=train_memory.predicted_activation_bytes(cfg, config),
-               predicted_peak=train_memory.predicted_peak(cfg, config).total)
+               predicted_peak=train_memory.predicted_peak(cfg, config).total,
+               hf_files=train_export.files(cfg, config))
 
 
 def run_step(job: Job, dataset, step: int) -> dict:
@@ -377,7 +402,8 @@ def train(job: Job, dataset) -> dict:
             jlog.write(record)
             bar.update(step, record["loss"], timed_tokens / timed_s if timed_s else record["tokens_per_s"], peak)
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
-                train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep, job.damaged, log)
+                train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep, job.damaged, log,
+                                extra={f"hf/{name}": data for name, data in (job.hf_files or {}).items()})
             if crash_now(cfg, step):
                 bar.close()
                 log(f"--crash-at-step {step}: rank {cfg.env.world_size - 1} kills itself (SIGKILL, simulated failure)")
@@ -428,12 +454,14 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
     tokenizer = train_data.make_tokenizer(cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)
     dataset = train_data.load_dataset(cfg.data_path, tokenizer, cfg.args.seq_len, cfg.args.seed, pack=cfg.args.pack)
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
+    train_export.rope_guard(cfg, config)  # --rope-scaling applied, or a --seq-len past the model's positions warned
     train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
     train_config.resolve_schedule(cfg, config)  # --schedule auto: the cost model's pick, before sharding
     if int(dataset.tokens.max()) >= config.vocab_size:
         raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
                          f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
     check_checkpoint_dir(cfg, config)
+    train_export.preflight(cfg, config)  # --export-hf: a new or empty, writable directory with room
     train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
     train_model.check_weights(cfg)  # --model DIR: safetensors present (rank 0 alone reads them, after this)
@@ -454,7 +482,9 @@ def fail(message: str, code: int) -> int:
 def main(argv=None) -> int:
     try:
         cfg, dataset, config, tokenizer_name = prepare(argv)
-        summary = train(start(cfg, config, dataset, tokenizer_name), dataset)
+        job = start(cfg, config, dataset, tokenizer_name)
+        summary = train(job, dataset)
+        train_export.export_at_end(cfg, job.model, job.hf_files, log)  # --export-hf
     except UsageError as exc:
         return fail(str(exc), EXIT_BAD_ARGS)
     except JobFailed as exc:

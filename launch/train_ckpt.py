@@ -214,16 +214,22 @@ class SaveError(JobFailed):
     """A save failed (disk full, I/O error); its partial directory has been removed."""
 
 
-def save(state: TrainState, ckpt_dir: Path, step: int, keep: int, skip: set[Path], log) -> Path:
+def save(state: TrainState, ckpt_dir: Path, step: int, keep: int, skip: set[Path], log,
+         extra: dict[str, bytes] | None = None) -> Path:
     """Save ``state`` as step ``step``, manifest last; keep the newest ``keep`` finished checkpoints.
 
-    ``skip``: checkpoints found damaged when resuming, never counted among the kept ones. Raises
-    ``SaveError`` on every rank if any part of the save failed, after removing the partial directory.
+    ``skip``: checkpoints found damaged when resuming, never counted among the kept ones. ``extra``: more files
+    (relative path: bytes) that rank 0 writes into the checkpoint before the manifest, which lists them (the
+    model's config and tokenizer, ``train_export``). Raises ``SaveError`` on every rank if any part of the save
+    failed, after removing the partial directory.
     """
     path, t0 = step_dir(ckpt_dir, step), time.perf_counter()
     size = [0]
 
     def finish():
+        for name, data in (extra or {}).items():
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            (path / name).write_bytes(data)
         (path / PROGRESS).write_text(json.dumps(state.progress), encoding="utf-8")
         size[0] = write_manifest(path, step)
 

@@ -253,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--crash-at-step", type=int, default=0,
                    help="testing: the last rank kills itself (SIGKILL) right after step N, the others are left waiting "
                    "in the next step (first torchrun attempt only)")
+    x = p.add_argument_group("outputs and positions (launch/train_export.py)")
+    x.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="after the last step, write the trained model as a Hugging Face folder (safetensors, "
+                   "config, generation config, tokenizer) to DIR, a new or empty directory; launch/export_hf.py "
+                   "converts a --ckpt-dir checkpoint the same way")
+    x.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
+                   help="scale the model's RoPE positions: linear:F or yarn:F (F >= 1; max_position_embeddings "
+                   "grows F times; kept in the exported config); without it, a --seq-len beyond the model's "
+                   "max_position_embeddings trains with a warning")
     return p
 
 
