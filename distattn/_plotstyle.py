@@ -41,6 +41,10 @@ STYLES: dict[str, dict] = {
     "flash-attn": dict(color=_RED, ls="-", marker="D"),
     # bench/checkpoint.py variants (remat is distattn's, above)
     "hf": dict(color=_OLIVE, ls="-", marker="s"),
+    # bench/model.py plots: paper-setups.png's bars (total sequence length)
+    "32K tokens": dict(color=_CYAN),
+    "128K tokens": dict(color=_BLUE),
+    "512K tokens": dict(color=_PURPLE),
     # bench/gpu_check.py memory bars
     "predicted": dict(color=_GREY),
     "measured": dict(color=_BLUE),

@@ -377,7 +377,7 @@ def _plan(args) -> str:
         lines.append(f"{strat.label:44s} {strat.gpus:4d} {_fmt_tokens(seq):>9s} {_fmt_tokens(per_gpu):>9s} "
                      f"{peak.total / GIB:8.1f}G  {dom} {peak.parts[dom] / GIB:.1f} GiB ({peak.moment})")
     if args.plot:
-        lines.append(_plot(args, model, results, limit, tp))
+        lines.append(_plot(args, model, results, limit))
     if not args.strategy:
         lines += ["", *_technique_rows(args, model, cluster)]
     return "\n".join(lines)
@@ -443,30 +443,15 @@ def _auto(args, model: ModelSpec, cluster: Cluster) -> str:
             f"{peak.traffic / GIB:.1f} GiB per step")
 
 
-def _plot(args, model, results, limit, tp) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(8, 5))
+def _plot(args, model, results, limit) -> str:
+    from distattn.memory import plot
+
     top = max([seq for _, seq in results] + [8192]) * 4
-    for strat, _ in results:
-        seqs, peaks = [], []
-        seq = strat.seq_unit
-        while seq <= top:
-            seqs.append(seq)
-            peaks.append(strat.peak(model, seq, args.batch, args.precision, args.chunked_loss).total / GIB)
-            seq *= 2
-        ax.plot(seqs, peaks, marker="o", ms=3, label=strat.label)
-    ax.axhline(limit / GIB, color="k", ls="--", label=f"device limit ({limit / GIB:.0f} GiB)")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="peak GiB per GPU",
-           title=f"{model.name} on {args.gpus} x {args.gpu_mem:g} GiB")
-    ax.legend(fontsize=7)
-    fig.savefig(args.plot, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return f"plot written to {args.plot}"
+    lines = plot.curves([strat for strat, _ in results], model, batch=args.batch, precision=args.precision,
+                        chunked_loss=args.chunked_loss, top=top)
+    title = (f"{model.name} on {args.gpus} x {args.gpu_mem:g} GiB ({limit / GIB:g} GiB usable after --reserve "
+             f"{args.reserve:g}), {args.precision}, batch {args.batch}: predicted by distattn.memory, not measured")
+    return plot.write(args.plot, lines, limit / GIB, title)
 
 
 def main(argv=None) -> int:
