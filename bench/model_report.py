@@ -113,6 +113,7 @@ SPEEDUP_MODELS = ("llama-7b", "llama-gqa", "llama-33h")
 SPEEDUP_METHODS = ("megatron", "ulysses", "ring", "no_overlap")
 SETUP_MODELS = ("llama-7b", "llama-gqa", "llama-33h", "llama-16h", "llama-8h", "llama-4h", "llama-2h")
 SETUP_SEQ_K = (32, 128, 512)
+PAPER_BAND = "paper's measured range vs Megatron (its abstract)"
 
 
 def source_line(compute: Compute) -> str:
@@ -147,7 +148,7 @@ def plot_speedup(plt, rows, title: str):
             pts = [(r["world"], r["speedup"]) for r in rows if (r["model"], r["link"], r["method"]) == (model, link, m)
                    and math.isfinite(r["speedup"])]  # NaN: the method cannot run there (Ulysses' heads)
             if pts:
-                ax.plot(*zip(*pts), ms=4, label=m, **plot_style(m))
+                ax.plot(*zip(*pts), ms=4, label=m, gid=m, **plot_style(m))
         worlds = sorted({r["world"] for r in rows})
         ax.axhline(1.0, color="k", lw=0.5)
         ax.set(xscale="log", yscale="log", xlabel="GPUs (8 per node)", ylabel="speedup of balanced (x)")
@@ -170,27 +171,42 @@ def write_plots(out: Path, compute: Compute) -> None:
     fig.savefig(out / "speedup-vs-P.png", dpi=100)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), squeeze=False)
-    for ax, (world, cluster, where) in zip(axes[0], ((8, Cluster(), "1 node, NVLink"),
-                                                     (16, Cluster(inter=IB_100G), "2 nodes, IB 100 Gb/s"))):
-        for i, seq_k in enumerate(SETUP_SEQ_K):
-            ys = [_speedups(m, world, seq_k * 1024 // world, cluster, compute)["megatron"] for m in SETUP_MODELS]
-            label = f"{seq_k}K tokens"
-            ax.bar([x + 0.27 * (i - 1) for x in range(len(SETUP_MODELS))], ys, width=0.27, label=label,
-                   color=plot_style(label)["color"])
-        ax.axhline(1.0, color="k", lw=0.5)
-        ax.axhspan(1.24, 2.01, color="grey", alpha=0.2, label=PAPER_BAND)
-        ax.set_xticks(range(len(SETUP_MODELS)), SETUP_MODELS, rotation=30)
-        ax.set(title=f"vs Megatron-LM TP+SP, P={world} ({where})", ylabel="predicted speedup (x)")
-    figure_legend(fig, axes.flat)
-    fig.suptitle("Paper Table 1 setups (bars) next to the paper's measured range (band). Bars: " + source_line(compute),
-                 fontsize=8)
-    tight_with_legend(fig, 0.5)
+    fig = plot_setups(plt, setups_table(compute), source_line(compute))
     fig.savefig(out / "paper-setups.png", dpi=100)
     plt.close(fig)
 
 
-PAPER_BAND = "paper's measured range vs Megatron (its abstract)"
+SETUPS = ((8, Cluster(), "1 node, NVLink"), (16, Cluster(inter=IB_100G), "2 nodes, IB 100 Gb/s"))
+
+
+def setups_table(compute: Compute) -> list[dict]:
+    """The bars paper-setups.png draws: predicted speedup over Megatron-LM in the paper's Table 1 setups."""
+    return [{"setup": f"P={world} ({where})", "model": m, "tokens": f"{seq_k}K tokens",
+             "speedup": _speedups(m, world, seq_k * 1024 // world, cluster, compute)["megatron"]}
+            for world, cluster, where in SETUPS for seq_k in SETUP_SEQ_K for m in SETUP_MODELS]
+
+
+def plot_setups(plt, rows, source: str):
+    """A panel per setup, a bar group per model, a colour per total sequence length, one legend; the figure."""
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    fig, axes = plt.subplots(1, len(setups), figsize=(6 * len(setups), 4.6), squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        mine = [r for r in rows if r["setup"] == setup]
+        models, sizes = list(dict.fromkeys(r["model"] for r in mine)), list(dict.fromkeys(r["tokens"] for r in mine))
+        width = 0.8 / len(sizes)
+        for i, size in enumerate(sizes):
+            ys = [next(r["speedup"] for r in mine if (r["model"], r["tokens"]) == (m, size)) for m in models]
+            ax.bar([x + width * (i - (len(sizes) - 1) / 2) for x in range(len(models))], ys, width=width,
+                   label=size, gid=size, color=plot_style(size)["color"])
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.axhspan(1.24, 2.01, color="grey", alpha=0.2, label=PAPER_BAND)
+        ax.set_xticks(range(len(models)), models, rotation=30)
+        ax.set(title=f"vs Megatron-LM TP+SP, {setup}", ylabel="predicted speedup (x)")
+    figure_legend(fig, axes.flat)
+    fig.suptitle("Paper Table 1 setups (bars) next to the paper's measured range (band). Bars: " + source,
+                 fontsize=8)
+    tight_with_legend(fig, 0.5)
+    return fig
 
 
 # -- validation (torchrun) -----------------------------------------------------------------------------------

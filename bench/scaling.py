@@ -248,7 +248,7 @@ def _panel(ax, rows, metric: str, scale: float, ticks) -> str:
         mine = [r for r in rows if r["method"] == m]
         pts = sorted((int(r["tokens_per_rank"]), float(r[metric]) * scale) for r in mine if r.get("status") == "ok")
         if pts:
-            ax.plot(*zip(*pts), label=m, **plot_style(m))
+            ax.plot(*zip(*pts), label=m, gid=m, **plot_style(m))
             series[m] = tuple(pts)
         elif mine:
             missing.append(f"not run: {mine[0]['status']}")

@@ -43,7 +43,7 @@ STYLES: dict[str, dict] = {
     "hf": dict(color=_OLIVE, ls="-", marker="s"),
     # bench/model.py plots: paper-setups.png's bars (total sequence length)
     "32K tokens": dict(color=_CYAN),
-    "128K tokens": dict(color=_BLUE),
+    "128K tokens": dict(color=_OLIVE),
     "512K tokens": dict(color=_PURPLE),
     # bench/gpu_check.py memory bars
     "predicted": dict(color=_GREY),

@@ -34,7 +34,7 @@ def draw(plt, lines: dict, limit_gib: float, title: str):
     for name, (label, pts) in lines.items():
         ax.plot(*zip(*pts), ms=4, lw=1.5, label=label, gid=name,
                 **style(name, dashed=name.startswith("megatron")))
-    ax.axhline(limit_gib, color="k", ls="-.", lw=1, label=f"usable per GPU ({limit_gib:g} GiB)", gid="limit")
+    ax.axhline(limit_gib, color="k", ls="-.", lw=1, label=f"usable per GPU ({limit_gib:g} GiB)")
     lo = min(y for _, pts in lines.values() for _, y in pts)
     hi = min(max(y for _, pts in lines.values() for _, y in pts), limit_gib * HEADROOM)
     ticks = log_ticks(lo * 0.9, max(hi, limit_gib) * 1.1)
