@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["STYLES", "style", "color", "figure_legend", "tight_with_legend", "same_values_note", "log_ticks", "tokens_label"]
+__all__ = ["STYLES", "style", "color", "figure_legend", "tight_with_legend", "same_values_note", "log_ticks",
+           "tokens_label"]
 
 # Tableau 10 colours (matplotlib's default cycle), each fixed to one system.
 _BLUE, _ORANGE, _GREEN, _RED, _PURPLE = "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"

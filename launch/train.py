@@ -361,8 +361,8 @@ def train(job: Job, dataset) -> dict:
 
     cfg, args, progress = job.cfg, job.cfg.args, job.state.progress
     first_step, rank0 = progress["step"], cfg.env.rank == 0
-    bar = train_log.Progress(args.steps, first_step, enabled=rank0, log_every=args.log_every,
-                             mem_label="peak alloc" if cfg.device_type == "cuda" else "peak rss", plain=args.no_progress)
+    bar = train_log.Progress(args.steps, first_step, enabled=rank0, log_every=args.log_every, plain=args.no_progress,
+                             mem_label="peak alloc" if cfg.device_type == "cuda" else "peak rss")
     jlog = train_log.JsonLog(args.log_json if rank0 else None, append=bool(args.resume))
     timed_tokens, timed_s, peak, packed, saved_bytes = 0, 0.0, [], [], None
     try:

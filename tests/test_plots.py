@@ -38,7 +38,8 @@ def _drawn(fig) -> list[tuple[str, str, object]]:
                 out.append((line.get_gid() or line.get_label(), to_hex(line.get_color()), line))
         for bars in ax.containers:
             if not bars.get_label().startswith("_"):
-                out.append((bars.patches[0].get_gid() or bars.get_label(), to_hex(bars.patches[0].get_facecolor()), bars))
+                first = bars.patches[0]
+                out.append((first.get_gid() or bars.get_label(), to_hex(first.get_facecolor()), bars))
     return out
 
 
