@@ -20,8 +20,8 @@ setup(
     install_requires=["torch>=2.11", "triton>=3.6", "numpy"],
     extras_require={
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
-        # matplotlib is deliberately absent: the tests and bench scripts write their tables without it.
-        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "safetensors", "numpy"],
+        # matplotlib: tests/test_plots.py renders every plot (the bench scripts still write their tables without it).
+        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "safetensors", "numpy", "matplotlib>=3.5"],
         "hf": ["transformers>=5.17,<6", "safetensors"],  # train.py's --model weights and --export-hf folders
         "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],

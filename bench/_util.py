@@ -1,7 +1,8 @@
 """What every bench script shares: optional plots, the machine's CPU name, where smoke runs write.
 
-* Plots are optional (matplotlib comes with ``pip install -e ".[bench]"``, not with ``[test]``): without it a
-  script still writes its table and CSV and prints one line saying the plot was skipped.
+* Plots are optional (matplotlib comes with ``pip install -e ".[bench]"``, and with ``[test]`` for
+  tests/test_plots.py): without it a script still writes its table and CSV and prints one line saying the plot
+  was skipped. Colours, legends and ticks: ``distattn._plotstyle`` (one fixed style per method).
 * Smoke runs (tiny shapes on CPU: they prove a script works, they are not numbers) never write into the
   committed ``bench/results/``: by default they write under ``runs/bench-smoke/`` (ignored by git).
 """

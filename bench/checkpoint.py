@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from bench._util import cpu_name, pyplot_or_note, smoke_out  # noqa: E402
 from distattn._compat import hf_checkpointing_disable, hf_checkpointing_enable  # noqa: E402
 from distattn import checkpoint as ck  # noqa: E402
+from distattn._plotstyle import style as plot_style  # noqa: E402
 from distattn.integrations import hf  # noqa: E402
 
 SMOKE_LABEL = "CPU smoke, not a performance number"
@@ -232,7 +233,7 @@ def write(rows, args, machine: str, world: int):
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in dict.fromkeys(r["variant"] for r in rows):
         pts = [(r["tokens_per_gpu"], r["step_ms"]) for r in rows if r["variant"] == variant]
-        ax.plot(*zip(*pts), marker="o", label=variant)
+        ax.plot(*zip(*pts), label=variant, gid=variant, **plot_style(variant))
     ax.set(xscale="log", xlabel="tokens per GPU", ylabel="step time (ms)",
            title=SMOKE_LABEL if args.smoke else f"{args.layers} LLaMA-7B layers, {machine}")
     ax.legend()

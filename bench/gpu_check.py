@@ -190,12 +190,16 @@ def write_memory(out: Path, rows: list[dict], mode: str) -> None:
     plt = pyplot_or_note(str(out / "memory.png"))
     if plt is None:
         return
+    from distattn._plotstyle import color as plot_color  # here: the driver itself never imports torch otherwise
+
     done = [r for r in rows if isinstance(r["measured_GiB"], float)]
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = [f"{r['model']} {r['seq_len']}{' remat' if r['remat'] else ''}" for r in done]
     x = range(len(done))
-    ax.bar([i - 0.2 for i in x], [r["predicted_GiB"] for r in done], 0.4, label="predicted")
-    ax.bar([i + 0.2 for i in x], [r["measured_GiB"] for r in done], 0.4, label="measured")
+    ax.bar([i - 0.2 for i in x], [r["predicted_GiB"] for r in done], 0.4, label="predicted", gid="predicted",
+           color=plot_color("predicted"))
+    ax.bar([i + 0.2 for i in x], [r["measured_GiB"] for r in done], 0.4, label="measured", gid="measured",
+           color=plot_color("measured"))
     ax.set_xticks(list(x), labels)
     ax.set(ylabel="GiB per rank", title=DRY_LABEL if mode == "dry" else "peak memory: predicted vs measured")
     ax.legend()

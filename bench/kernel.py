@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import distattn  # noqa: E402
 from bench._util import cpu_name, pyplot_or_note, smoke_out  # noqa: E402
 from distattn import kernels  # noqa: E402
+from distattn._plotstyle import figure_legend, style as plot_style, tight_with_legend  # noqa: E402
 
 MODEL_WIDTH = 2048
 TOTAL_TOKENS = 16384
@@ -186,26 +187,59 @@ def fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
+def flops_rate(tflops) -> str:
+    """A rate given in TFLOP/s, in the unit that shows it as 1..999 (the CPU smoke run: kFLOP/s or MFLOP/s)."""
+    if not isinstance(tflops, float):
+        return str(tflops)  # "n/a"
+    for unit, scale in (("TFLOP/s", 1.0), ("GFLOP/s", 1e3), ("MFLOP/s", 1e6), ("kFLOP/s", 1e9)):
+        if tflops * scale >= 1:
+            return f"{tflops * scale:.3g} {unit}"
+    return f"{tflops * 1e12:.3g} FLOP/s"
+
+
+def _rates(row, modes) -> str:
+    """``fwd 12.3 TFLOP/s, bwd 4.56 TFLOP/s`` (a mode that did not run shows ``n/a``)."""
+    return ", ".join(f"{m} {flops_rate(row[m])}" for m in modes)
+
+
+def row_line(row) -> str:
+    """One console line per measurement, with units (the table has the same numbers)."""
+    shape = (f"{row['impl']:<14s} d={row['head_dim']} {'causal' if row['causal'] else 'non-causal'} "
+             f"seqlen={row['seqlen']} tokens, batch {row['batch']}, {row['heads']} heads")
+    return f"{shape}: " + (f"not run ({row['note']})" if row["note"] else _rates(row, ("fwd", "bwd", "fwd+bwd")))
+
+
+def carry_line(row) -> str:
+    """One console line per carrying-cost measurement, with units."""
+    return (f"carry: {row['seqlen']} causal tokens, {row['heads']} heads, d={row['head_dim']}, keys folded as "
+            f"{row['chunks']} chunk(s): {_rates(row, ('fwd', 'bwd'))}")
+
+
 def plot(path, rows, smoke):
+    """kernel.png: a panel per (head dim, causal), a line per implementation in its fixed style, one legend."""
     plt = pyplot_or_note(str(path))
     if plt is None:
         return
 
     panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.6), squeeze=False)
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
     for ax, (d, causal) in zip(axes[0], panels):
-        for impl in sorted({r["impl"] for r in rows}):
+        for impl in impls:
             pts = [(r["seqlen"], r["fwd+bwd"]) for r in rows if (r["head_dim"], r["causal"], r["impl"]) ==
                    (d, causal, impl) and isinstance(r["fwd+bwd"], float)]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl)
+                ax.plot(*zip(*pts), label=impl, gid=impl, **plot_style(impl))
+        seqlens = sorted({r["seqlen"] for r in rows})
         ax.set_xscale("log", base=2)
-        ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}: fwd+bwd")
-        ax.set_xlabel("sequence length")
+        ax.minorticks_off()
+        ax.set_xticks(seqlens, [str(s) for s in seqlens])
+        ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}: forward + backward", fontsize=9)
+        ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel("TFLOP/s")
-        ax.legend(fontsize=8)
+    figure_legend(fig, axes.flat, title="implementation")
     fig.suptitle(machine(smoke).replace("**", ""), fontsize=8)
-    fig.tight_layout()
+    tight_with_legend(fig, 0.8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -247,7 +281,7 @@ def main(argv=None):
     for n in args.chunks:
         r = bench_carry(carry_s, heads_for(carry_d), carry_d, n, dtype, device, smoke)
         carry_rows.append({"chunks": n, "seqlen": carry_s, "heads": heads_for(carry_d), "head_dim": carry_d, **r})
-        print({k: fmt(v) for k, v in carry_rows[-1].items()}, flush=True)
+        print(carry_line(carry_rows[-1]), flush=True)
 
     rows = []
     for d in head_dims:
@@ -264,7 +298,7 @@ def main(argv=None):
                     if device == "cuda":
                         torch.cuda.empty_cache()
                     rows.append(row)
-                    print({k: fmt(v) for k, v in row.items()}, flush=True)
+                    print(row_line(row), flush=True)
             write_outputs(out_dir, rows, carry_rows, smoke, setup)  # so far: a run stopped early keeps them
 
     write_outputs(out_dir, rows, carry_rows, smoke, setup)

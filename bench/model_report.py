@@ -28,6 +28,7 @@ from bench._util import pyplot_or_note
 from bench.model import (A100_ASSUMED, DISTATTN_METHODS, IB_100G, IB_400G, MODELS, NVLINK, Cluster, Compute,
                          Workload, balance_speedup, method_bytes, paper_comm_ratio, paper_units, predict,
                          wire_comm_ratio)
+from distattn._plotstyle import figure_legend, log_ticks, style as plot_style, tight_with_legend
 from distattn.schedule import make_plan
 
 # The paper's own measured ranges, from its abstract (arXiv 2310.03294), shown next to our modelled ones.
@@ -107,48 +108,105 @@ def paper_setups_markdown(compute: Compute) -> str:
                rows), ""])
 
 
+SPEEDUP_WORLDS = (8, 16, 32, 64, 128, 256, 512)
+SPEEDUP_MODELS = ("llama-7b", "llama-gqa", "llama-33h")
+SPEEDUP_METHODS = ("megatron", "ulysses", "ring", "no_overlap")
+SETUP_MODELS = ("llama-7b", "llama-gqa", "llama-33h", "llama-16h", "llama-8h", "llama-4h", "llama-2h")
+SETUP_SEQ_K = (32, 128, 512)
+PAPER_BAND = "paper's measured range vs Megatron (its abstract)"
+
+
+def source_line(compute: Compute) -> str:
+    """Where a plot's numbers come from: this file's cost model and its compute rates (assumed or measured)."""
+    rates = "measured (--compute)" if compute.measured else "assumed, not measured"
+    return (f"MODELLED, not measured: bench/model.py's cost model (not distattn.schedule.cost's H100 rates)\n"
+            f"compute: {compute.name} [{rates}]; {NVLINK.name} in a node of 8, InfiniBand per GPU between nodes")
+
+
+def speedup_table(compute: Compute, worlds=SPEEDUP_WORLDS, models=SPEEDUP_MODELS) -> list[dict]:
+    """The rows speedup-vs-P.png draws: predicted speedup of balanced over each method, 8192 tokens per GPU."""
+    rows = []
+    for model in models:
+        for inter in (IB_100G, IB_400G):
+            for p in worlds:
+                s = _speedups(model, p, 8192, Cluster(inter=inter), compute)
+                rows += [{"model": model, "link": inter.name, "world": p, "method": m, "speedup": s[m]}
+                         for m in SPEEDUP_METHODS]
+    return rows
+
+
+def plot_speedup(plt, rows, title: str):
+    """A panel per (inter-node link, model), a line per method in its fixed style, one legend; returns the figure."""
+    models, links = list(dict.fromkeys(r["model"] for r in rows)), list(dict.fromkeys(r["link"] for r in rows))
+    fig, axes = plt.subplots(len(links), len(models), figsize=(5 * len(models), 3.4 * len(links) + 0.8),
+                             squeeze=False)
+    ys = [r["speedup"] for r in rows if math.isfinite(r["speedup"])]
+    ticks = log_ticks(min(ys) * 0.9, max(ys) * 1.1)
+    for (i, link), (j, model) in ((a, b) for a in enumerate(links) for b in enumerate(models)):
+        ax = axes[i][j]
+        for m in dict.fromkeys(r["method"] for r in rows):
+            pts = [(r["world"], r["speedup"]) for r in rows if (r["model"], r["link"], r["method"]) == (model, link, m)
+                   and math.isfinite(r["speedup"])]  # NaN: the method cannot run there (Ulysses' heads)
+            if pts:
+                ax.plot(*zip(*pts), ms=4, label=m, gid=m, **plot_style(m))
+        worlds = sorted({r["world"] for r in rows})
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set(xscale="log", yscale="log", xlabel="GPUs (8 per node)", ylabel="speedup of balanced (x)")
+        ax.set_title(f"{model}, 8192 tokens/GPU, {link.replace('InfiniBand', 'IB')} between nodes", fontsize=9)
+        ax.minorticks_off()
+        ax.set_xticks(worlds, [str(p) for p in worlds])
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    figure_legend(fig, axes.flat, title="predicted speedup of DistFlashAttn (balanced) over")
+    fig.suptitle(title, fontsize=9)
+    tight_with_legend(fig, 0.8)
+    return fig
+
+
 def write_plots(out: Path, compute: Compute) -> None:
     """speedup-vs-P.png and paper-setups.png (skipped, with a note, when matplotlib is not installed)."""
     plt = pyplot_or_note(f"{out / 'speedup-vs-P.png'} and paper-setups.png")
     if plt is None:
         return
-
-    worlds = [8, 16, 32, 64, 128, 256, 512]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), squeeze=False)
-    for ax, model in zip(axes[0], ("llama-7b", "llama-gqa", "llama-33h")):
-        for inter, style in ((IB_100G, "--"), (IB_400G, "-")):
-            cluster = Cluster(inter=inter)
-            for method, color in (("megatron", "C0"), ("ulysses", "C1"), ("ring", "C2"), ("no_overlap", "C4")):
-                ys = [_speedups(model, p, 8192, cluster, compute)[method] for p in worlds]
-                ax.plot(worlds, ys, style, color=color, marker="o", ms=3,
-                        label=f"vs {method}, {inter.name.replace('InfiniBand ', 'IB ')}")
-        ax.axhline(1.0, color="k", lw=0.5)
-        ax.set(xscale="log", yscale="log", title=f"{model}, 8192 tokens/GPU", xlabel="GPUs (8 per node)",
-               ylabel="predicted speedup of balanced (x)")
-        ax.set_xticks(worlds, [str(p) for p in worlds])
-        ax.minorticks_off()
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"MODELLED, not measured — compute: {compute.name}")
-    fig.tight_layout()
+    fig = plot_speedup(plt, speedup_table(compute), source_line(compute))
     fig.savefig(out / "speedup-vs-P.png", dpi=100)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4), squeeze=False)
-    models = ("llama-7b", "llama-gqa", "llama-33h", "llama-16h", "llama-8h", "llama-4h", "llama-2h")
-    for ax, (world, cluster, where) in zip(axes[0], ((8, Cluster(), "1 node, NVLink"),
-                                                     (16, Cluster(inter=IB_100G), "2 nodes, IB 100 Gb/s"))):
-        for i, seq_k in enumerate((32, 128, 512)):
-            ys = [_speedups(m, world, seq_k * 1024 // world, cluster, compute)["megatron"] for m in models]
-            ax.bar([x + 0.27 * (i - 1) for x in range(len(models))], ys, width=0.27, label=f"{seq_k}K tokens")
-        ax.axhline(1.0, color="k", lw=0.5)
-        ax.axhspan(1.24, 2.01, color="grey", alpha=0.2, label="paper's measured range vs Megatron")
-        ax.set_xticks(range(len(models)), models, rotation=30)
-        ax.set(title=f"vs Megatron-LM TP+SP, P={world} ({where})", ylabel="predicted speedup (x)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("Paper Table 1 setups — MODELLED (bars) vs the paper's measured range (band)")
-    fig.tight_layout()
+    fig = plot_setups(plt, setups_table(compute), source_line(compute))
     fig.savefig(out / "paper-setups.png", dpi=100)
     plt.close(fig)
+
+
+SETUPS = ((8, Cluster(), "1 node, NVLink"), (16, Cluster(inter=IB_100G), "2 nodes, IB 100 Gb/s"))
+
+
+def setups_table(compute: Compute) -> list[dict]:
+    """The bars paper-setups.png draws: predicted speedup over Megatron-LM in the paper's Table 1 setups."""
+    return [{"setup": f"P={world} ({where})", "model": m, "tokens": f"{seq_k}K tokens",
+             "speedup": _speedups(m, world, seq_k * 1024 // world, cluster, compute)["megatron"]}
+            for world, cluster, where in SETUPS for seq_k in SETUP_SEQ_K for m in SETUP_MODELS]
+
+
+def plot_setups(plt, rows, source: str):
+    """A panel per setup, a bar group per model, a colour per total sequence length, one legend; the figure."""
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    fig, axes = plt.subplots(1, len(setups), figsize=(6 * len(setups), 4.6), squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        mine = [r for r in rows if r["setup"] == setup]
+        models, sizes = list(dict.fromkeys(r["model"] for r in mine)), list(dict.fromkeys(r["tokens"] for r in mine))
+        width = 0.8 / len(sizes)
+        for i, size in enumerate(sizes):
+            ys = [next(r["speedup"] for r in mine if (r["model"], r["tokens"]) == (m, size)) for m in models]
+            ax.bar([x + width * (i - (len(sizes) - 1) / 2) for x in range(len(models))], ys, width=width,
+                   label=size, gid=size, color=plot_style(size)["color"])
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.axhspan(1.24, 2.01, color="grey", alpha=0.2, label=PAPER_BAND)
+        ax.set_xticks(range(len(models)), models, rotation=30)
+        ax.set(title=f"vs Megatron-LM TP+SP, {setup}", ylabel="predicted speedup (x)")
+    figure_legend(fig, axes.flat)
+    fig.suptitle("Paper Table 1 setups (bars) next to the paper's measured range (band). Bars: " + source,
+                 fontsize=8)
+    tight_with_legend(fig, 0.5)
+    return fig
 
 
 # -- validation (torchrun) -----------------------------------------------------------------------------------

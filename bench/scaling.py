@@ -43,6 +43,7 @@ from bench.baselines import METHODS, init_weights  # noqa: E402
 from bench.baselines import collectives  # noqa: E402
 from bench.baselines.layers import flops_per_layer  # noqa: E402
 from bench.model import MODELS, method_bytes  # noqa: E402
+from distattn._plotstyle import figure_legend, same_values_note, style as plot_style, tight_with_legend  # noqa: E402
 
 FIELDS = ["model", "workload", "world", "tokens_per_rank", "method", "status", "time_ms", "tflops_per_rank",
           "bytes_sent_max", "bytes_sent_mean", "model_bytes_max", "bytes_match", "peak_mem_mib"]
@@ -208,36 +209,53 @@ def write_table(rows, out: Path, header: str, cpu: bool) -> Path:
 
 
 def write_plots(rows, out: Path, cpu: bool) -> None:
-    """time.png and bytes.png (skipped, with a note, when matplotlib is not installed)."""
+    """time.png and bytes.png (skipped, with a note, when matplotlib is not installed).
+
+    One panel per (model, workload); each method keeps its colour (``distattn._plotstyle``) in every panel, one
+    legend below the panels names every method drawn, and a panel says which methods could not run there."""
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return
     plt = pyplot_or_note(f"{out / 'time.png'} and bytes.png")
     if plt is None:
         return
-    models = sorted({r["model"] for r in ok})
-    workloads = sorted({r["workload"] for r in ok})
-    ticks = sorted({r["tokens_per_rank"] for r in ok})
-    for metric, label, fname in (("time_ms", "ms / iteration", "time.png"),
-                                 ("bytes_sent_max", "bytes sent / rank / iteration", "bytes.png")):
-        fig, axes = plt.subplots(len(models), len(workloads), figsize=(4.5 * len(workloads), 3 * len(models)),
+    panels = sorted({(r["model"], r["workload"]) for r in rows})
+    models, workloads = sorted({m for m, _ in panels}), sorted({w for _, w in panels})
+    ticks = sorted({int(r["tokens_per_rank"]) for r in ok})
+    for metric, label, scale, fname in (("time_ms", "ms / iteration", 1.0, "time.png"),
+                                        ("bytes_sent_max", "KiB sent / rank / iteration", 1 / 1024, "bytes.png")):
+        fig, axes = plt.subplots(len(models), len(workloads), figsize=(4.5 * len(workloads), 3 * len(models) + 0.6),
                                  squeeze=False)
-        for (i, model), (j, workload) in ((a, b) for a in enumerate(models) for b in enumerate(workloads)):
-            ax = axes[i][j]
-            for m in METHODS:
-                pts = sorted((r["tokens_per_rank"], float(r[metric])) for r in ok
-                             if (r["model"], r["workload"], r["method"]) == (model, workload, m))
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=m)
-            ax.set(title=f"{model} / {workload}", xlabel="tokens per rank", ylabel=label, xscale="log")
-            ax.minorticks_off()
-            ax.set_xticks(ticks, [str(t) for t in ticks])
-        axes[0][0].legend(fontsize=7)
-        title = f"P = {ok[0]['world']}" + (" — CPU smoke, not a performance number" if cpu else "")
+        for i, model in enumerate(models):
+            for j, workload in enumerate(workloads):
+                note = _panel(axes[i][j], [r for r in rows if (r["model"], r["workload"]) == (model, workload)],
+                              metric, scale, ticks)
+                axes[i][j].set(xlabel="tokens per rank", ylabel=label)
+                axes[i][j].set_title(f"{model} / {workload}" + (f"\n{note}" if note else ""), fontsize=9)
+        figure_legend(fig, axes.flat, title="method")
+        title = f"bench/scaling.py, P = {ok[0]['world']}" + (" — CPU smoke, not a performance number" if cpu else "")
         fig.suptitle(title)
-        fig.tight_layout()
+        tight_with_legend(fig)
         fig.savefig(out / fname, dpi=100)
         plt.close(fig)
+
+
+def _panel(ax, rows, metric: str, scale: float, ticks) -> str:
+    """One panel: a line per method that ran (its fixed style); returns a note naming the methods that did not
+    run there (with the reason) and those whose values coincide (their lines lie on top of each other)."""
+    series, missing = {}, []
+    for m in METHODS:
+        mine = [r for r in rows if r["method"] == m]
+        pts = sorted((int(r["tokens_per_rank"]), float(r[metric]) * scale) for r in mine if r.get("status") == "ok")
+        if pts:
+            ax.plot(*zip(*pts), label=m, gid=m, **plot_style(m))
+            series[m] = tuple(pts)
+        elif mine:
+            missing.append(f"not run: {mine[0]['status']}")
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    return "\n".join(missing + same_values_note(series))
 
 
 def _runs(args):

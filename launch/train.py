@@ -386,7 +386,7 @@ def train(job: Job, dataset) -> dict:
 
     cfg, args, progress = job.cfg, job.cfg.args, job.state.progress
     first_step, rank0 = progress["step"], cfg.env.rank == 0
-    bar = train_log.Progress(args.steps, first_step, enabled=rank0 and not args.no_progress, log_every=args.log_every,
+    bar = train_log.Progress(args.steps, first_step, enabled=rank0, log_every=args.log_every, plain=args.no_progress,
                              mem_label="peak alloc" if cfg.device_type == "cuda" else "peak rss")
     jlog = train_log.JsonLog(args.log_json if rank0 else None, append=bool(args.resume))
     timed_tokens, timed_s, peak, packed, saved_bytes = 0, 0.0, [], [], None
@@ -436,6 +436,12 @@ def check_checkpoint_dir(cfg: RunConfig, config) -> None:
 
     ckpt_dir = Path(cfg.args.ckpt_dir)
     args = cfg.args
+    if not args.save_every and args.ckpt_dir != train_config.DEFAULT_CKPT_DIR and cfg.env.rank == 0:
+        # A warning, not an error: the run itself is valid (and --resume alone reads the directory), but a
+        # --ckpt-dir given without --save-every usually means the user expects checkpoints that never come.
+        read = "is read (--resume) but" if args.resume else "is given but"
+        log(f"warning: --ckpt-dir {ckpt_dir} {read} this run saves no checkpoint there: add --save-every N "
+            f"(a checkpoint every N steps and at the last step)")
     if args.save_every:
         saves = args.steps // args.save_every + (args.steps % args.save_every > 0)  # the last step saves too
         copies = train_ckpt.new_copies(ckpt_dir, args.keep, saves)
@@ -475,7 +481,7 @@ def fail(message: str, code: int) -> int:
     Every rank reaches this together: errors after the process group exists are agreed on by all ranks
     (train_ckpt), so none is left waiting in a collective.
     """
-    train_config.report_error(message)
+    train_config.report_error(message, code)
     return finish(code)
 
 
@@ -507,9 +513,7 @@ def finish(code: int) -> int:
     except Exception:  # noqa: BLE001  (a peer already gone: exit all the same)
         pass
     train_lock.release()  # rank 0: every rank is done with --ckpt-dir; the next job sees no holder
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    train_config.exit_now(code)  # a failing rank != 0 writes its reason for torchrun's report now, after rank 0
 
 
 if __name__ == "__main__":

@@ -126,20 +126,39 @@ def preflight(ckpt_dir: Path, num_params: int, rank: int, copies: int = 1) -> No
     """
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(_cannot_create(ckpt_dir, exc)) from exc
+    try:
         if os.environ.get(READ_ONLY_ENV) == "1":
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(ckpt_dir))
         probe = ckpt_dir / f".write-test-{rank}-{os.getpid()}"
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as exc:
-        raise UsageError(f"--ckpt-dir {ckpt_dir} is not writable ({exc.strerror or exc}); fix its permissions or "
-                         f"pass a writable --ckpt-dir") from exc
+        fix = "fix its permissions or " if exc.errno in (errno.EACCES, errno.EPERM) else ""
+        raise UsageError(f"--ckpt-dir {ckpt_dir} is not writable ({exc.strerror or exc}); {fix}pass a writable "
+                         f"--ckpt-dir") from exc
     one, free = estimated_bytes(num_params), _free_bytes(ckpt_dir)
     if free < copies * one:
         raise UsageError(f"--ckpt-dir {ckpt_dir} has {free / 2**20:.1f} MB free but this run's checkpoints need "
                          f"about {copies * one / 2**20:.1f} MB ({copies} x {one / 2**20:.1f} MB of fp32 parameters "
                          f"and AdamW moments: --keep, plus the one being written); free some space, lower "
                          f"--keep or pass another --ckpt-dir")
+
+
+def _cannot_create(ckpt_dir: Path, exc: OSError) -> str:
+    """Why ``ckpt_dir`` (which does not exist) cannot be created, read off its nearest existing ancestor."""
+    base = next((p for p in ckpt_dir.absolute().parents if p.exists()), Path("/"))
+    if not base.is_dir():
+        why = f"{base} is a file, not a directory"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        why = f"{base} is not writable by this user"
+    elif exc.errno == errno.EROFS:
+        why = f"{base} is on a read-only file system"
+    else:  # e.g. ENOENT under /proc or /sys: a virtual file system that holds no user directories
+        why = f"{base} does not accept new directories"
+    return (f"--ckpt-dir {ckpt_dir} does not exist and cannot be created ({exc.strerror or exc}: {why}); pass a "
+            f"--ckpt-dir inside a directory you can write")
 
 
 # ------------------------------------------------------------------------------------------- collectives

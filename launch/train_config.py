@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -120,40 +121,63 @@ class RunConfig:
         return self.args.batch_size * self.args.seq_len * self.dp_size
 
 
-# How much later a non-zero rank dates its error file, and how long it waits before exiting on an error found
-# before the process group exists. Both bound how far rank 0 may lag its peers (a loaded machine starting many
-# ranks at once: seconds) and still be named root cause; torchrun stops the waiting ranks as soon as rank 0
+# How long a non-zero rank waits before exiting on an error found before the process group exists: it bounds how
+# far rank 0 may lag its peers (a loaded machine starting many ranks at once: seconds) and still be the first to
+# exit, so that torchrun names rank 0 as root cause. torchrun stops the waiting ranks (SIGTERM) as soon as rank 0
 # exits, so the wait delays only a fault that rank 0 does not share.
-_LATER_S = 60
 _DEFER_S = 10.0
+_pending_line: str | None = None
+"""A non-zero rank's reason line, written to its error file only when it leaves (:func:`exit_now`)."""
 
 
-def report_error(message: str) -> None:
+def report_error(message: str, code: int = EXIT_BAD_ARGS) -> None:
     """``train.py: error: <message>``: one line on rank 0's stderr, and the reason in torchrun's report.
 
     A worker that exits non-zero always makes torchrun print its failure report (~40 lines; nothing a worker
     can switch off). torchrun gives each worker an error file (``TORCHELASTIC_ERROR_FILE``, which its
     ``@record`` decorator fills with a traceback); a message written there replaces the report's
     "traceback: To enable traceback see: <docs link>" lines, so the report ends with the reason too.
+
+    torchrun names as root cause the failure with the earliest error-file timestamp (whole seconds, ties: the
+    first seen), and stops every other worker with SIGTERM as soon as one exits. So rank 0 writes its file now,
+    and every other rank writes its own (with the real time, hence never before rank 0's) only as it leaves, with
+    exit status ``code`` in both ways out: when torchrun stops it (a SIGTERM handler) or when it exits on its
+    own (``exit_now``; before the process group exists, after waiting ``_DEFER_S`` for rank 0 to go first).
+    Every rank that reports the error thus exits with ``code``, and no report shows a time in the future.
     """
+    global _pending_line
     line = f"train.py: error: {message}"
-    rank = Env.from_environ().rank
-    if rank == 0:
+    if Env.from_environ().rank == 0:
         print(line, file=sys.stderr, flush=True)
-    # torchrun names as root cause the failure with the earliest error-file timestamp (whole seconds). When every
-    # rank fails alike (a preflight fault), that must be rank 0's exit with this status: the other ranks date
-    # their file later and, before any process group exists, leave after rank 0 (torchrun stops them as soon as
-    # rank 0 exits). A fault on another rank alone still reaches the report, after that delay.
-    stamp = int(time.time()) + (0 if rank == 0 else _LATER_S)
+        _write_error_file(line)
+        return
+    _pending_line = line
+    signal.signal(signal.SIGTERM, lambda *_: exit_now(code))
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        time.sleep(_DEFER_S)
+        _write_error_file(line)  # rank 0 did not fail first: this rank's own fault (the caller exits ``code``)
+        _pending_line = None
+
+
+def exit_now(code: int) -> None:
+    """Leave at once with ``code``, after writing a pending reason line (:func:`report_error`) to the error file."""
+    global _pending_line
+    if _pending_line is not None:
+        _write_error_file(_pending_line)
+        _pending_line = None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _write_error_file(line: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
             with open(path, "w", encoding="utf-8") as f:
-                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(stamp)}}}, f)
+                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
         except OSError:
-            pass  # the report keeps torchrun's default text; the line above was printed anyway
-    if rank != 0 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        time.sleep(_DEFER_S)
+            pass  # the report keeps torchrun's default text; rank 0 printed the line anyway
 
 
 
@@ -169,9 +193,17 @@ class _Parser(argparse.ArgumentParser):
             super().print_help(file)
 
 
+def _train_docstring() -> str:
+    """launch/train.py's module docstring (read here: train.py imports this module, not the other way round)."""
+    import ast
+
+    source = Path(__file__).with_name("train.py").read_text(encoding="utf-8")
+    return ast.get_docstring(ast.parse(source)) or ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py", description="Train a LLaMA model with distattn sequence parallelism "
-                "(torchrun entry point; see the module docstring for commands).")
+    # --help shows train.py's docstring (its commands and output contract) above the options, as written.
+    p = _Parser(prog="train.py", description=_train_docstring(), formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument_group("model")
     a.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face "
                    "checkpoint directory (config.json + safetensors weights)")
@@ -249,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--log-json", default=None, help="write one JSON record per step to this file")
     c.add_argument("--log-every", type=int, default=0,
                    help="progress line every N steps when stderr is not a terminal (default: ~20 lines)")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar: a plain line (step, loss, tokens/s, "
+                   "memory) every --log-every steps instead")
     c.add_argument("--crash-at-step", type=int, default=0,
                    help="testing: the last rank kills itself (SIGKILL) right after step N, the others are left waiting "
                    "in the next step (first torchrun attempt only)")

@@ -40,10 +40,13 @@ def human_count(n: float) -> str:
 class Progress:
     """Rank 0's progress bar on stderr: step, loss, tokens/s, per-rank peak memory, ETA."""
 
-    def __init__(self, total_steps: int, first_step: int, enabled: bool, log_every: int, mem_label: str):
+    def __init__(self, total_steps: int, first_step: int, enabled: bool, log_every: int, mem_label: str,
+                 plain: bool = False):
+        """``plain`` (``--no-progress``): no bar and no rewritten line, a plain line every ``log_every`` steps."""
         self.total = total_steps
         self.enabled = enabled
-        self.tty = sys.stderr.isatty()
+        self.plain = plain
+        self.tty = sys.stderr.isatty() and not plain
         self.log_every = log_every or max(1, (total_steps - first_step) // 20)
         self.mem_label = mem_label
         self.first_step = first_step
@@ -59,7 +62,8 @@ class Progress:
         width = 20
         filled = int(width * step / self.total)
         mem = _per_rank(peak_mem)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} loss {loss:.4f} | "
+        bar = "step" if self.plain else f"[{'#' * filled}{'.' * (width - filled)}]"
+        line = (f"{bar} {step}/{self.total} loss {loss:.4f} | "
                 f"{human_count(tokens_per_s)} tok/s | {self.mem_label} {mem} | {_clock(elapsed)}<{_clock(eta)}")
         if self.tty:
             line = line[:shutil.get_terminal_size().columns - 1]  # a wrapped line cannot be rewritten with \r

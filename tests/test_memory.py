@@ -440,6 +440,34 @@ def test_plan_cli_hf_config_and_flags(tmp_path):
     assert r.returncode == 0 and "heads 32/8" in r.stdout and "4 layers" in r.stdout
 
 
+def test_plan_cli_takes_a_checkpoint_directory_as_train_py_does(tmp_path):
+    """--model DIR reads DIR/config.json (launch/train.py --model DIR takes the same folder); tiny models are
+    counted in M/K, not "0.00 B"."""
+    ckpt = tmp_path / "my-tiny"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, vocab_size=256)))
+    by_dir = _cli("plan", "--model", str(ckpt), "--gpus", "2", "--gpu-mem", "8", "--strategy", "remat")
+    by_file = _cli("plan", "--model", str(ckpt / "config.json"), "--gpus", "2", "--gpu-mem", "8", "--strategy", "remat")
+    assert by_dir.returncode == 0, by_dir.stderr
+    assert by_dir.stdout.replace("my-tiny:", "config:", 1) == by_file.stdout
+    # 2 x 256 x 64 embeddings + 2 x (4 x 64 x 64 + 3 x 64 x 128 + 2 x 64) + 64 = 115008
+    assert by_dir.stdout.startswith("my-tiny: 115 K parameters, 2 layers") and "0.00 B" not in by_dir.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = _cli("plan", "--model", str(empty))
+    assert r.returncode == 2 and f"--model {empty}: the directory has no config.json" in r.stderr
+
+
+def test_plan_cli_gpu_mem_below_the_reserve_names_the_reserve():
+    r = _cli("plan", "--gpu-mem", "0.5")
+    assert r.returncode == 2 and "-0.5" not in r.stderr
+    assert ("--gpu-mem 0.5 GiB leaves nothing after --reserve 1 GiB" in r.stderr and
+            "or a smaller --reserve" in r.stderr), r.stderr
+    r = _cli("plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40", "--strategy", "full")
+    assert "more than the 39.0 GiB available per GPU (40 GiB less --reserve 1)" in r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (("plan", "--model", "llama-9b"), "unknown model preset 'llama-9b'; known presets: tiny"),
     (("plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40", "--strategy", "full"),

@@ -2,8 +2,9 @@
 
 Runs the real command in a subprocess with a hard timeout and checks the table it writes: every method x
 model x workload x size has a row, measured bytes equal the cost model's, Ulysses reports what it cannot
-run, and the CPU banner says these are not performance numbers. matplotlib is optional (``[bench]``, not
-``[test]``): the PNGs are checked only where it is installed, and the no-matplotlib path is tested directly.
+run, and the CPU banner says these are not performance numbers. matplotlib is optional for the scripts (``[bench]``;
+``[test]`` has it for tests/test_plots.py): the PNGs are checked where it is installed, and the no-matplotlib path
+is tested directly.
 When the run fails, every rank's full stderr is shown (torchrun writes each rank's output to its own file),
 so the rank with the root cause is never cut off by its peers' "Connection closed by peer".
 """

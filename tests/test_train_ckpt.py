@@ -171,8 +171,16 @@ def test_preflight_refuses_unusable_directories(tmp_path, monkeypatch):
     """Before step 1: not creatable, read-only, not enough space for fp32 params + AdamW moments."""
     afile = tmp_path / "afile"
     afile.write_text("x")
-    with pytest.raises(UsageError, match=r"--ckpt-dir .*afile/ckpt is not writable \(Not a directory\)"):
+    with pytest.raises(UsageError, match=r"--ckpt-dir .*afile/ckpt does not exist and cannot be created \(Not a "
+                                         r"directory: .*afile is a file, not a directory\)"):
         train_ckpt.preflight(afile / "ckpt", 1000, rank=0)
+    # /proc refuses new directories: ENOENT for root, EACCES (mode 555) for other users
+    with pytest.raises(UsageError, match=r"--ckpt-dir /proc/x/ckpt does not exist and cannot be created \((No such "
+                                         r"file or directory: /proc does not accept new directories|Permission "
+                                         r"denied: /proc is not writable by this user)\); pass a --ckpt-dir inside "
+                                         r"a directory you can write") as info:
+        train_ckpt.preflight(Path("/proc/x/ckpt"), 1000, rank=0)
+    assert "permissions" not in str(info.value)
     monkeypatch.setenv(train_ckpt.READ_ONLY_ENV, "1")  # root ignores permission bits: simulate the mount
     with pytest.raises(UsageError, match="is not writable .*Read-only file system"):
         train_ckpt.preflight(tmp_path / "ro", 1000, rank=0)

@@ -9,6 +9,7 @@ reason too. Jobs that fail before the process group exists run side by side (a f
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import signal
@@ -65,8 +66,15 @@ def assert_one_clean_error(name, rc, out, err, reason, before_init=True):
     assert rc != 0, name
     assert len(reasons) == 1, f"{name}: expected one reason line (rank 0's), got {reasons}\n{err[-3000:]}"
     assert reason in reasons[0], f"{name}: {reasons[0]}"
-    # The first rank to exit had status 2; torchrun may stop the others (SIGTERM) before they exit alike.
     assert _root_cause_exit_2(err), f"{name}: root cause not exit status 2\n{err[-3000:]}"
+    # Every rank exits 2 (also those torchrun stops), and the report shows each rank's real time (issue 24: the
+    # other ranks showed up as SIGTERM, dated 60 s in the future).
+    report = err.split("Failures:", 1)[-1]
+    codes = re.findall(r"exitcode\s*: (-?\d+)", report)
+    assert codes and set(codes) == {"2"}, f"{name}: exit codes {codes}\n{err[-3000:]}"
+    times = re.findall(r"time\s*: (\S+)", report)
+    latest = max(datetime.datetime.strptime(t, "%Y-%m-%d_%H:%M:%S") for t in times)
+    assert latest <= datetime.datetime.now(), f"{name}: a failure dated in the future\n{err[-3000:]}"
     assert "[rank" not in err and err.count("Traceback") <= 1, f"{name}: a rank printed a traceback\n{err}"
     assert len(lines) <= MAX_ERROR_LINES, f"{name}: {len(lines)} lines\n{err}"
     if before_init:
@@ -128,7 +136,7 @@ def test_preflight_errors_in_process(name, tmp_path, monkeypatch):
         "preset": (["--model", "llama-99b"], {}, "unknown --model 'llama-99b'"),
         "missing data": (["--data", str(tmp_path / "none.txt")], {}, f"--data {tmp_path / 'none.txt'}: no such file"),
         "unwritable ckpt dir": ([*save, "--ckpt-dir", str(afile / "ckpt")], {},
-                                f"--ckpt-dir {afile / 'ckpt'} is not writable (Not a directory)"),
+                                f"--ckpt-dir {afile / 'ckpt'} does not exist and cannot be created (Not a directory"),
         "read-only ckpt dir": ([*save, "--ckpt-dir", str(tmp_path / "ro")], {"DISTATTN_CKPT_READ_ONLY": "1"},
                                "is not writable (Read-only file system)"),
         "resume must, nothing": (["--resume=must", "--ckpt-dir", str(tmp_path / "typo")], {},
@@ -269,6 +277,38 @@ def test_help_prints_once():
     assert out.count("usage: train.py") == 1 and "--resume [{auto,must}]" in out  # rank 0 only
     plain = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and plain.stdout.count("usage: train.py") == 1
+    # the docstring it used to point at is shown, as written (commands on their own lines)
+    assert "see the module docstring" not in out and "Quick start. CPU is enough" in out
+    assert "\n    torchrun --standalone --nproc-per-node 4 launch/train.py --pack --seq-len 8192" in out
+
+
+def test_ckpt_dir_without_save_every_warns(tmp_path, monkeypatch, capsys):
+    """--ckpt-dir alone saves nothing: one warning (rank 0) says so and how to save; with --save-every, none."""
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train
+
+    train.prepare(["--device", "cpu", "--seq-len", "256", "--ckpt-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert (f"warning: --ckpt-dir {tmp_path / 'c'} is given but this run saves no checkpoint there: add "
+            f"--save-every N") in err
+    train.prepare(["--device", "cpu", "--seq-len", "256", "--ckpt-dir", str(tmp_path / "c"), "--save-every", "5"])
+    assert "warning: --ckpt-dir" not in capsys.readouterr().err
+
+
+def test_no_progress_prints_a_plain_line_per_log_step(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train_log
+
+    bar = train_log.Progress(4, 0, enabled=True, log_every=2, mem_label="peak rss", plain=True)
+    for step in range(1, 5):
+        bar.update(step, 5.0 - step, 1000.0, [2 ** 20])
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 1/4 loss 4.0000", "step 2/4 loss 3.0000",
+                                                      "step 4/4 loss 1.0000"]
+    assert all("#" not in line and "\r" not in line for line in lines)
 
 
 def test_gloo_ranks_share_a_gpu_nccl_ranks_need_one_each(monkeypatch, tmp_path):

@@ -277,13 +277,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     q = sub.add_parser("plan", help="the longest sequence each strategy fits")
     q.error = p.error
-    q.add_argument("--model", default="llama-7b", help=f"a preset ({', '.join(PRESETS)}) or an HF config.json path")
+    q.add_argument("--model", default="llama-7b", help=f"a preset ({', '.join(PRESETS)}), a Hugging Face checkpoint "
+                   "directory (its config.json, as launch/train.py --model DIR) or a config.json path")
     for flag in ("hidden", "layers", "heads", "ffn", "vocab"):
         q.add_argument(f"--{flag}", type=int, help=f"override the preset's {flag}")
     q.add_argument("--gqa", type=int, help="key/value heads (overrides the preset)")
     q.add_argument("--gpus", type=int, default=8)
     q.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
-    q.add_argument("--reserve", type=float, default=1.0, help="GiB per GPU kept free (allocator slack, NCCL)")
+    q.add_argument("--reserve", type=float, default=1.0, help="GiB per GPU kept free (allocator slack, NCCL; "
+                   "default 1): the plan fits --gpu-mem less this")
     q.add_argument("--batch", type=int, default=1, help="sequences per step")
     q.add_argument("--precision", default="bf16", choices=[x for x in PRECISIONS if x != "fp16"],
                    help="bf16: FSDP2 mixed precision (bf16 compute, fp32 sharded parameters: launch/train.py on "
@@ -308,13 +310,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model_from_args(args) -> ModelSpec:
-    path = Path(args.model)
-    if args.model.endswith(".json") or path.is_file():
+    path = name = Path(args.model)
+    if path.is_dir():  # a Hugging Face checkpoint directory, as launch/train.py --model DIR takes
+        if not (path / "config.json").is_file():
+            raise _Usage(f"--model {args.model}: the directory has no config.json; give a Hugging Face checkpoint "
+                         f"directory, its config.json, or a preset ({', '.join(PRESETS)})")
+        path = path / "config.json"
+    if path.suffix == ".json" or path.is_file():
         try:
             cfg = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise _Usage(f"cannot read HF config {args.model!r}: {e}") from None
-        spec = spec_from_hf_config(cfg, name=path.stem)
+        spec = spec_from_hf_config(cfg, name=name.stem)  # a directory's name, or the file's
     else:
         spec = get_preset(args.model)
     layer = spec.layer
@@ -325,6 +332,15 @@ def _model_from_args(args) -> ModelSpec:
     if changes:
         layer = replace(layer, **changes)
     return replace(spec, layer=layer, layers=args.layers or spec.layers, vocab=args.vocab or spec.vocab)
+
+
+def _fmt_params(n: int) -> str:
+    """6738415616 -> '6.74 B', 12345678 -> '12.3 M', 52000 -> '52.0 K', 700 -> '700' (decimal, as model cards)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            x = n / scale
+            return f"{x:.2f} {unit}" if x < 10 else f"{x:.1f} {unit}" if x < 100 else f"{x:.0f} {unit}"
+    return str(n)
 
 
 def _fmt_tokens(n: int) -> str:
@@ -338,6 +354,10 @@ def _plan(args) -> str:
         raise _Usage(f"--gpus ({args.gpus}), --gpu-mem ({args.gpu_mem}) and --batch ({args.batch}) must be positive")
     model = _model_from_args(args)
     limit = (args.gpu_mem - args.reserve) * GIB
+    if limit <= 0:
+        raise _Usage(f"--gpu-mem {args.gpu_mem:g} GiB leaves nothing after --reserve {args.reserve:g} GiB (kept free "
+                     f"per GPU for allocator slack and NCCL): give each GPU's whole memory in GiB (e.g. --gpu-mem 80) "
+                     f"or a smaller --reserve (e.g. --reserve 0)")
     tp = args.tp or max(1, math.gcd(min(args.gpus, 8), model.layer.kv_heads))
     if args.gpus % tp or model.layer.kv_heads % tp:
         raise _Usage(f"--tp {tp} must divide --gpus ({args.gpus}) and the key/value heads ({model.layer.kv_heads})")
@@ -349,13 +369,14 @@ def _plan(args) -> str:
                           *_technique_rows(args, model, cluster)])
     if steady > limit and "auto" not in (args.strategy or ()):
         raise _Usage(f"{model.name}: weights, gradients and AdamW states alone need {steady / GIB:.1f} GiB per GPU "
-                     f"sharded over {args.gpus} GPUs, more than the {limit / GIB:.1f} GiB available; use more GPUs "
-                     f"or GPUs with more memory")
+                     f"sharded over {args.gpus} GPUs, more than the {limit / GIB:.1f} GiB available per GPU "
+                     f"({args.gpu_mem:g} GiB less --reserve {args.reserve:g}); use more GPUs or GPUs with more "
+                     f"memory")
     cluster = _cluster_from_args(args, limit)
     if args.strategy and "auto" in args.strategy:
         return _auto(args, model, cluster)
     names = args.strategy or STRATEGY_NAMES
-    lines = [f"{model.name}: {model.params / 1e9:.2f} B parameters, {model.layers} layers, "
+    lines = [f"{model.name}: {_fmt_params(model.params)} parameters, {model.layers} layers, "
              f"hidden {model.layer.hidden}, "
              f"heads {model.layer.heads}/{model.layer.kv_heads}, ffn {model.layer.ffn}, vocab {model.vocab}; "
              f"{args.gpus} GPU x {args.gpu_mem:g} GiB ({args.reserve:g} reserved), batch {args.batch}, {args.precision}"
@@ -377,7 +398,7 @@ def _plan(args) -> str:
         lines.append(f"{strat.label:44s} {strat.gpus:4d} {_fmt_tokens(seq):>9s} {_fmt_tokens(per_gpu):>9s} "
                      f"{peak.total / GIB:8.1f}G  {dom} {peak.parts[dom] / GIB:.1f} GiB ({peak.moment})")
     if args.plot:
-        lines.append(_plot(args, model, results, limit, tp))
+        lines.append(_plot(args, model, results, limit))
     if not args.strategy:
         lines += ["", *_technique_rows(args, model, cluster)]
     return "\n".join(lines)
@@ -443,30 +464,15 @@ def _auto(args, model: ModelSpec, cluster: Cluster) -> str:
             f"{peak.traffic / GIB:.1f} GiB per step")
 
 
-def _plot(args, model, results, limit, tp) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(8, 5))
+def _plot(args, model, results, limit) -> str:
+    from distattn.memory import plot
+
     top = max([seq for _, seq in results] + [8192]) * 4
-    for strat, _ in results:
-        seqs, peaks = [], []
-        seq = strat.seq_unit
-        while seq <= top:
-            seqs.append(seq)
-            peaks.append(strat.peak(model, seq, args.batch, args.precision, args.chunked_loss).total / GIB)
-            seq *= 2
-        ax.plot(seqs, peaks, marker="o", ms=3, label=strat.label)
-    ax.axhline(limit / GIB, color="k", ls="--", label=f"device limit ({limit / GIB:.0f} GiB)")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="peak GiB per GPU",
-           title=f"{model.name} on {args.gpus} x {args.gpu_mem:g} GiB")
-    ax.legend(fontsize=7)
-    fig.savefig(args.plot, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return f"plot written to {args.plot}"
+    lines = plot.curves([strat for strat, _ in results], model, batch=args.batch, precision=args.precision,
+                        chunked_loss=args.chunked_loss, top=top)
+    title = (f"{model.name} on {args.gpus} x {args.gpu_mem:g} GiB ({limit / GIB:g} GiB usable after --reserve "
+             f"{args.reserve:g}), {args.precision}, batch {args.batch}: predicted by distattn.memory, not measured")
+    return plot.write(args.plot, lines, limit / GIB, title)
 
 
 def main(argv=None) -> int:
