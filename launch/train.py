@@ -85,6 +85,8 @@ import torch.distributed as dist
 
 import train_config
 import train_data
+import train_eval
+import train_formats
 import train_lock
 import train_log
 import train_memory
@@ -186,9 +188,10 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
             f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}"
             f"{f' +tile-mlp {a.tile_mlp}' if a.tile_mlp else ''}{f' +tile-loss {a.tile_loss}' if a.tile_loss else ''}"
             f"{' +offload-ckpt' if a.offload_checkpoints else ''}, params "
-            f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name} "
+            f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name}"
+            f"{f' +{len(cfg.data_paths) - 1} more' if len(cfg.data_paths) > 1 else ''} "
             f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch"
-            f"{', ' + str(len(dataset.docs)) + ' documents packed' if a.pack else ''})")
+            f"{', ' + str(dataset.num_documents) + ' documents packed' if a.pack else ''})")
 
 
 def maybe_resume(cfg: RunConfig, state) -> set[Path]:
@@ -226,25 +229,11 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
 
     ``measure``: a dict that receives ``saved_activation_bytes``, what this step's forward saved for backward.
     """
-    from distattn.integrations.hf import causal_lm_loss, shard_batch
     from distattn.memory import saved_activations
 
-    if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
-        ids, positions = batch
-        inputs = shard_batch(ids[None], labels=ids[None], group=group, schedule=cfg.args.schedule,
-                             position_ids=positions[None])
-    else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)
-        inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
     counting = saved_activations(ignore=model.parameters()) if measure is not None else contextlib.nullcontext()
-    with counting as saved, train_model.autocast(cfg, mode):
-        # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
-        # FSDP2/DDP reduction (train_model's docstring).
-        if cfg.args.tile_loss:  # the same loss, computed inside the model's forward over tiles (no logits)
-            loss = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                         shift_labels=inputs["shift_labels"]).loss
-        else:
-            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
-            loss = causal_lm_loss(logits, inputs["shift_labels"], group=group)
+    with counting as saved:
+        loss = batch_loss(model, batch, cfg, group, mode)
     if measure is not None:
         measure["saved_activation_bytes"] = saved.bytes
     loss.backward()
@@ -254,6 +243,27 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach(), float(norm)
+
+
+def batch_loss(model, batch, cfg: RunConfig, group, mode: str) -> torch.Tensor:
+    """The sequence-parallel group's mean loss of ``batch`` (the same on every rank of the group); the training
+    step's forward, and held-out evaluation's (``train_eval``, under ``no_grad``)."""
+    from distattn.integrations.hf import causal_lm_loss, shard_batch
+
+    if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
+        ids, positions = batch
+        inputs = shard_batch(ids[None], labels=ids[None], group=group, schedule=cfg.args.schedule,
+                             position_ids=positions[None])
+    else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)
+        inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
+    with train_model.autocast(cfg, mode):
+        # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
+        # FSDP2/DDP reduction (train_model's docstring).
+        if cfg.args.tile_loss:  # the same loss, computed inside the model's forward over tiles (no logits)
+            return model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                         shift_labels=inputs["shift_labels"]).loss
+        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
+        return causal_lm_loss(logits, inputs["shift_labels"], group=group)
 
 
 def gather_stats(loss: torch.Tensor, device_type: str, device) -> tuple[float, list[int]]:
@@ -364,7 +374,7 @@ def train(job: Job, dataset) -> dict:
     bar = train_log.Progress(args.steps, first_step, enabled=rank0 and not args.no_progress, log_every=args.log_every,
                              mem_label="peak alloc" if cfg.device_type == "cuda" else "peak rss")
     jlog = train_log.JsonLog(args.log_json if rank0 else None, append=bool(args.resume))
-    timed_tokens, timed_s, peak, packed, saved_bytes = 0, 0.0, [], [], None
+    timed_tokens, timed_s, peak, packed, saved_bytes, evals = 0, 0.0, [], [], None, []
     try:
         for step in range(first_step + 1, args.steps + 1):
             record = run_step(job, dataset, step)
@@ -374,8 +384,13 @@ def train(job: Job, dataset) -> dict:
             saved_bytes = record.get("saved_activation_bytes", saved_bytes)
             if step > first_step + 1 or step == args.steps:  # the first step warms up: not in the average
                 timed_tokens, timed_s = timed_tokens + cfg.tokens_per_step, timed_s + record["step_time_s"]
+            if evaluating(cfg, step):
+                record.update(evaluate(job, dataset.eval_set))
+                evals.append(record)
+                log(f"eval at step {step}: held-out loss {record['eval_loss']:.4f}, perplexity {record['eval_ppl']:.2f}")
             jlog.write(record)
-            bar.update(step, record["loss"], timed_tokens / timed_s if timed_s else record["tokens_per_s"], peak)
+            bar.update(step, record["loss"], timed_tokens / timed_s if timed_s else record["tokens_per_s"], peak,
+                       record.get("eval_loss"))
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
                 train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep, job.damaged, log)
             if crash_now(cfg, step):
@@ -395,6 +410,10 @@ def train(job: Job, dataset) -> dict:
                "params": job.mode, "peak_mem_bytes": peak, "pack": bool(args.pack),
                "predicted_peak_bytes": job.predicted_peak, "predicted_activation_bytes": job.predicted_activations,
                "saved_activation_bytes": saved_bytes}
+    if evals:  # the last held-out evaluation (the last step's)
+        summary.update(eval_loss=evals[-1]["eval_loss"], eval_ppl=evals[-1]["eval_ppl"], eval_step=evals[-1]["step"])
+    if args.sample_tokens and progress["step"] == args.steps:
+        summary["sample"] = sample(job, dataset)
     if args.pack and packed:  # real tokens only (no padding exists), and what document masking skipped
         summary.update(real_tokens_per_s=summary["tokens_per_s"],
                        documents_per_step=sum(r["documents"] for r in packed) / len(packed),
@@ -402,6 +421,28 @@ def train(job: Job, dataset) -> dict:
                        pair_work_skipped=1 - sum(r["attention_work_vs_causal"] for r in packed) / len(packed),
                        pairs_skipped_per_step=sum(r["pairs_skipped"] for r in packed) / len(packed))
     return summary
+
+
+def evaluating(cfg: RunConfig, step: int) -> bool:
+    """``--eval-data``: evaluate every ``--eval-every`` steps and after the last one."""
+    every = cfg.args.eval_every
+    return bool(cfg.args.eval_data) and (step == cfg.args.steps or bool(every) and step % every == 0)
+
+
+def evaluate(job: Job, eval_set) -> dict:
+    """Held-out loss and perplexity of the model now (``train_eval``), the same on every rank."""
+    return train_eval.evaluate(job.model, eval_set, train_eval.eval_sample_count(job.cfg, eval_set), job.cfg,
+                               job.device, lambda batch: batch_loss(job.model, batch, job.cfg, job.group, job.mode))
+
+
+def sample(job: Job, dataset) -> dict:
+    """``--sample-tokens``: greedy text after a prompt from the held-out (else training) data; rank 0 logs it."""
+    cfg, tokenizer = job.cfg, dataset.tokenizer
+    prompt = train_eval.prompt_of(dataset.eval_set or dataset, cfg.args.seq_len, cfg.args.sample_tokens)
+    ids = train_eval.greedy_sample(job.model, prompt, cfg.args.sample_tokens, cfg, job.group, job.device)
+    out = {"prompt": tokenizer.decode(prompt), "text": tokenizer.decode(ids), "token_ids": ids}
+    log(f"sample (greedy, {len(ids)} tokens): {out['prompt']!r} -> {out['text']!r}")
+    return out
 
 
 def check_checkpoint_dir(cfg: RunConfig, config) -> None:
@@ -425,20 +466,41 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
     train_tune.check_env()  # a bad DISTATTN_AUTOTUNE fails here, before the process group exists
     if cfg.env.rank != 0:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # warnings once, from rank 0
+    train_eval.check(cfg)
     tokenizer = train_data.make_tokenizer(cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)
-    dataset = train_data.load_dataset(cfg.data_path, tokenizer, cfg.args.seq_len, cfg.args.seed, pack=cfg.args.pack)
+    dataset = load_data(cfg, tokenizer)
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
     train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
     train_config.resolve_schedule(cfg, config)  # --schedule auto: the cost model's pick, before sharding
-    if int(dataset.tokens.max()) >= config.vocab_size:
-        raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
-                         f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
+    train_data.check_vocab(dataset, config.vocab_size)
+    if dataset.eval_set is not None:
+        train_data.check_vocab(dataset.eval_set, config.vocab_size, "--eval-data")
+        train_eval.eval_sample_count(cfg, dataset.eval_set)  # enough held-out windows for every replica
     check_checkpoint_dir(cfg, config)
     train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
     train_model.check_weights(cfg)  # --model DIR: safetensors present (rank 0 alone reads them, after this)
     train_offload.check(cfg, config)  # offload: pinned memory on CUDA, and the node's host memory
     return cfg, dataset, config, tokenizer.name
+
+
+def load_data(cfg: RunConfig, tokenizer):
+    """The training samples (``--data``: formats detected, documents read lazily and tokenized), with the
+    held-out samples (``--eval-data``, same flags; ``None`` without) and the tokenizer attached."""
+    a = cfg.args
+    bos, eos = train_data.resolve_special_tokens(a.bos, a.eos, tokenizer)
+    forced = None if a.data_format == "auto" else a.data_format
+    sets = []
+    for flag, paths in (("--data", list(cfg.data_paths)), ("--eval-data", a.eval_data)):
+        if paths is None:
+            sets.append(None)
+            continue
+        paths = paths if flag == "--data" else train_formats.expand(paths, flag)
+        spec = train_data.DataSpec(paths=tuple(paths), fmt=train_formats.detect_all(paths, forced, flag),
+                                   text_field=a.text_field, bos=bos, eos=eos)
+        sets.append(train_data.load_dataset(spec, tokenizer, a.seq_len, a.seed, pack=a.pack, what=flag))
+    dataset, dataset.eval_set, dataset.tokenizer = sets[0], sets[1], tokenizer
+    return dataset
 
 
 def fail(message: str, code: int) -> int:

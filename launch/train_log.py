@@ -49,8 +49,12 @@ class Progress:
         self.first_step = first_step
         self.start = time.perf_counter()
         self._last_len = 0
+        self.eval_loss: float | None = None  # the latest held-out loss, shown from then on
 
-    def update(self, step: int, loss: float, tokens_per_s: float, peak_mem: list[int]) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, peak_mem: list[int],
+               eval_loss: float | None = None) -> None:
+        if eval_loss is not None:
+            self.eval_loss = eval_loss
         if not self.enabled:
             return
         done = step - self.first_step
@@ -59,7 +63,8 @@ class Progress:
         width = 20
         filled = int(width * step / self.total)
         mem = _per_rank(peak_mem)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} loss {loss:.4f} | "
+        held_out = f" eval {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} loss {loss:.4f}{held_out} | "
                 f"{human_count(tokens_per_s)} tok/s | {self.mem_label} {mem} | {_clock(elapsed)}<{_clock(eta)}")
         if self.tty:
             line = line[:shutil.get_terminal_size().columns - 1]  # a wrapped line cannot be rewritten with \r
