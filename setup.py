@@ -20,8 +20,9 @@ setup(
     extras_require={
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
         # matplotlib is deliberately absent: the tests and bench scripts write their tables without it.
-        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "numpy"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "numpy", "datasets>=2.19", "pyarrow>=15"],
         "hf": ["transformers>=5.17,<6"],
+        "data": ["datasets>=2.19", "pyarrow>=15"],  # launch/train.py --data: Parquet and datasets folders
         "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],
     },

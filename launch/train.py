@@ -50,9 +50,37 @@ every MLP over tiles, keeping only its input for backward. Same loss and gradien
 compose with ``--remat``.
 
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
-Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint with safetensors weights;
-its tokenizer is used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face
-tokenizer).
+Your own model and data: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint with safetensors weights;
+its tokenizer is used), ``--tokenizer DIR`` (a local Hugging Face tokenizer), ``--data PATH...`` (files, folders or
+globs, all of one format, recognized from the content; ``--data-format`` overrides)::
+
+    text      UTF-8, plain or .gz; a blank line ends a document
+    jsonl     JSON Lines, plain or .gz; the document is each object's --text-field (default "text")
+    parquet   Parquet (pip install -e ".[data]"), the --text-field column, read a batch of rows at a time
+    hf        a folder written by datasets' save_to_disk (".[data]"): one split's folder, --text-field column
+    tokens    pre-tokenized: a 1-D integer .npy of token ids (uint16/uint32/int32/int64), memory-mapped; documents
+              from FILE.npy.idx beside it (a .npy of int64 offsets: 0, each document's end, the token count),
+              else end after each EOS id of the tokenizer; the ids are used as they are (no BOS/EOS added)
+
+A file whose name says one format and whose content another (a .jsonl of plain text), mixed content or mixed
+formats, binary data of no known format, a missing text field and token ids beyond the model's vocabulary stop
+the job before step 1 with one ``train.py: error:`` line. Documents get the tokenizer's BOS and EOS tokens when it
+has them (``--no-bos``/``--no-eos`` drop them; the byte tokenizer has none). Nothing holds the data set in memory:
+documents are read lazily and tokenized once into a memory-mapped temporary file per rank (``TMPDIR``, 4 bytes a
+token, gone when the job ends); token files are mapped as they are, so a corpus larger than RAM or ``TMPDIR`` is
+best given pre-tokenized.
+
+Held-out loss: ``--eval-data PATH...`` (same formats and flags) is evaluated every ``--eval-every N`` steps and
+after the last, over its first ``--eval-samples`` windows of ``--seq-len`` (default: all) in file order, with the
+training step's own forward (the same sharding, packing and sequence-parallel attention) and no gradients; the
+token-mean loss and its perplexity go to the progress output (``eval at step N: held-out loss L, perplexity P``)
+and the JSON record of that step (``"eval_loss"``, ``"eval_ppl"``), the last one to the summary.
+``--sample-tokens N`` greedy-decodes N tokens after the first 32 tokens of the held-out (else training) data at
+the end: every rank runs N forwards of ``--seq-len`` tokens through the sequence-parallel path (the parameters
+are sharded), rank 0 logs the text and the summary holds it (``"sample"``)::
+
+    torchrun --standalone --nproc-per-node 4 launch/train.py --tokenizer tok/ --data 'corpus/*.parquet' \
+        --eval-data held_out.jsonl --eval-every 100 --eval-samples 64 --sample-tokens 64
 ``--sp-size S`` splits each sequence over S ranks only; the world is then ``world/S`` data-parallel replicas.
 ``--schedule zigzag`` lays each sequence out as chunks ``r`` and ``2S-1-r`` of ``2S`` (causal work balanced by
 layout); ``--ulysses U`` makes the sequence-parallel group two-dimensional: ``U`` consecutive ranks split the heads
@@ -63,7 +91,7 @@ by all-to-all and ``S/U`` of those groups form the ring (``U`` divides ``S`` and
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
 on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument or an unusable path (missing ``--data``, a ``--ckpt-dir`` that is not writable, has no room
+A bad argument or an unusable path (missing or unreadable ``--data``, a ``--ckpt-dir`` that is not writable, has no room
 for a checkpoint or is in use by another job, a checkpoint of another model) makes every rank exit with status
 2, rank 0 printing one ``train.py: error:`` line; the checks that need no process group run before it exists
 (before step 1). torchrun then adds its own failure report, whose root cause quotes the same line.
@@ -460,7 +488,7 @@ def check_checkpoint_dir(cfg: RunConfig, config) -> None:
         raise UsageError(f"--resume must: nothing to resume in --ckpt-dir {ckpt_dir} ({why})")
 
 
-def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
+def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.DocumentStream, object, str]:
     """Everything that can fail from a bad argument, before any process-group communication."""
     cfg = train_config.resolve(train_config.build_parser().parse_args(argv), Env.from_environ())
     train_tune.check_env()  # a bad DISTATTN_AUTOTUNE fails here, before the process group exists
