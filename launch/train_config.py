@@ -231,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "JSON Lines, Parquet, a datasets save_to_disk folder, a token .npy; see --data-format; default: "
                    "the shipped public-domain corpus launch/data/kjv.txt.gz)")
     d.add_argument("--pack", action="store_true", help="padding-free training on documents of varied length: "
-                   "the text is split into documents (blank lines, 'Book chapter' headings), packed back to back "
-                   "into --seq-len streams, and attention stays inside each document")
+                   "the data's documents (text: split at blank lines and 'Book chapter' headings; a record or an "
+                   "indexed span otherwise) are packed back to back into --seq-len streams, and attention stays "
+                   "inside each document")
     d.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (default: "
                    "bytes, vocab 256; for a checkpoint --model, its own tokenizer)")
     f = p.add_argument_group("data formats and evaluation (launch/train_formats.py, launch/train_eval.py)")

@@ -235,6 +235,7 @@ class DocumentStream:
         self.num_documents = len(self.doc_starts)
         self.num_windows = len(store) // seq_len
         self._epoch: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, doc order, stream starts)
+        self._file_order: tuple[np.ndarray, np.ndarray] | None = None  # the same for the documents as stored
 
     def __len__(self) -> int:
         return self.num_windows
@@ -269,8 +270,9 @@ class DocumentStream:
 
     def window(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Window ``i`` of the documents in file order (held-out data: the same samples at every evaluation)."""
-        order = np.arange(self.num_documents)
-        return self._sample(order, np.concatenate([[0], np.cumsum(self.doc_lengths)]), i)
+        if self._file_order is None:
+            self._file_order = (np.arange(self.num_documents), np.concatenate([[0], np.cumsum(self.doc_lengths)]))
+        return self._sample(*self._file_order, i)
 
     def batch(self, first: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``first .. first + size - 1`` as ONE stream: ``(ids (size*seq_len,), positions)`` int64."""

@@ -144,6 +144,8 @@ def detect(path: Path) -> str:
     except PermissionError as exc:
         raise UsageError(f"{path}: unreadable ({exc.strerror})") from exc
     hint = None if path.is_dir() else _hint(path)
+    if hint == "jsonl" and found == "text" and _head(path)[0].lstrip()[:1] == b"[":
+        raise UsageError(f"{path}: one JSON document (an array), not JSON Lines; write one object a line")
     if hint is not None and hint != found:
         raise UsageError(f"{path}: the name says {hint} but the content is {found}; rename the file, or pass "
                          f"--data-format {found} (or {hint}) to choose")
@@ -265,16 +267,19 @@ def _import(module: str, what: str):
 def documents(paths: list[Path], fmt: str, field: str) -> Iterator[str]:
     """Every document of every path, in order, one at a time."""
     for path in paths:
-        if fmt == "text":
-            yield from text_documents(path)
-        elif fmt == "jsonl":
-            yield from jsonl_documents(path, field)
-        elif fmt == "parquet":
-            yield from parquet_documents(path, field)
-        elif fmt == "hf":
-            yield from hf_documents(path, field)
-        else:
-            raise AssertionError(fmt)
+        try:
+            if fmt == "text":
+                yield from text_documents(path)
+            elif fmt == "jsonl":
+                yield from jsonl_documents(path, field)
+            elif fmt == "parquet":
+                yield from parquet_documents(path, field)
+            elif fmt == "hf":
+                yield from hf_documents(path, field)
+            else:
+                raise AssertionError(fmt)
+        except (OSError, EOFError) as exc:  # a folder given as a file, no permission, a truncated gzip
+            raise UsageError(f"{path}: unreadable as {fmt} ({getattr(exc, 'strerror', None) or exc})") from exc
 
 
 # -- pre-tokenized files -----------------------------------------------------------------------------------------

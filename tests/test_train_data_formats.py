@@ -199,6 +199,8 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "fake.parquet").write_text("not parquet\n", encoding="utf-8")
     pq.write_table(pa.table({"body": ["a", "b"]}), tmp / "body.parquet")
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp / "dict"))
+    (tmp / "array.json").write_text('[{"text": "a"}, {"text": "b"}]\n', encoding="utf-8")
+    (tmp / "cut.txt.gz").write_bytes(gzip.compress(b"some text.\n" * 20_000)[:-12])
     (tmp / "plain_dir").mkdir()
     np.save(tmp / "floats.npy", np.zeros(10, dtype=np.float32))
     return {
@@ -213,6 +215,8 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "missing field parquet": (["body.parquet"], "body.parquet: no text field 'text' (columns: body)"),
         "fake parquet": (["fake.parquet"], "fake.parquet: the name says parquet but the content is text"),
         "dataset dict": (["dict"], "a datasets DatasetDict; pass one split's folder"),
+        "json array": (["array.json"], "array.json: one JSON document (an array), not JSON Lines"),
+        "truncated gzip": (["cut.txt.gz"], "cut.txt.gz: unreadable as text (Compressed file ended before"),
         "plain folder": (["plain_dir"], "not one written by datasets' save_to_disk"),
         "float tokens": (["floats.npy"], "floats.npy: a token file holds a 1-D integer array, this one is float32"),
         "glob matches nothing": (["none-*.jsonl"], "the pattern matches no file"),
