@@ -68,7 +68,7 @@ the job before step 1 with one ``train.py: error:`` line. Documents get the toke
 has them (``--no-bos``/``--no-eos`` drop them; the byte tokenizer has none). Nothing holds the data set in memory:
 documents are read lazily and tokenized once into a memory-mapped temporary file per rank (``TMPDIR``, 4 bytes a
 token, gone when the job ends); token files are mapped as they are, so a corpus larger than RAM or ``TMPDIR`` is
-best given pre-tokenized.
+best tokenized once (``python launch/train_tokenize.py --tokenizer DIR --out corpus.npy DATA...``).
 
 Held-out loss: ``--eval-data PATH...`` (same formats and flags) is evaluated every ``--eval-every N`` steps and
 after the last, over its first ``--eval-samples`` windows of ``--seq-len`` (default: all) in file order, with the

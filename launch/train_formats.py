@@ -12,7 +12,7 @@ tokens    pre-tokenized: a 1-D ``.npy`` of integer token ids (numpy's own format
           the ids; ``uint16``/``uint32``/``int32``/``int64``), memory-mapped, never loaded. Document boundaries
           come from an index file beside it, ``FILE.npy.idx`` (itself ``.npy``: int64 offsets, 0 first, the
           length of FILE last, non-decreasing), else from the tokenizer's EOS id (a document ends after each
-          EOS). The ids are used as they are: no BOS/EOS is added.
+          EOS). The ids are used as they are: no BOS/EOS is added. ``launch/train_tokenize.py`` writes both.
 ========  =====================================================================================================
 
 The format comes from the first bytes (Parquet's ``PAR1``, numpy's magic, gzip's, a folder's

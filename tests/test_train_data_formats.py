@@ -110,6 +110,15 @@ def test_every_format_gives_the_same_token_stream(tmp_path, tokenizer):
         np.testing.assert_array_equal(store[0:len(store)], stream, err_msg=name)
         np.testing.assert_array_equal(store.offsets, offsets, err_msg=name)
         np.testing.assert_array_equal(store[5:40], stream[5:40], err_msg=name)  # slices read only what they need
+    # train_tokenize.py writes the same stream and documents as a token file and its index.
+    import train_tokenize
+
+    assert train_tokenize.main([str(tmp_path / "docs.parquet"), "--tokenizer", tokenizer.name, "--out",
+                                str(tmp_path / "cli.npy")]) == 0
+    store = train_data.token_store(_spec(tmp_path, ["cli.npy"], tokenizer), tokenizer)
+    assert store.parts[0].dtype == np.uint16
+    np.testing.assert_array_equal(store[0:len(store)], stream)
+    np.testing.assert_array_equal(store.offsets, offsets)
     # Packed, the documents keep their boundaries: every sample's positions restart where a document starts.
     packed = train_data.load_dataset(_spec(tmp_path, ["docs.parquet"], tokenizer), tokenizer, 64, 0, pack=True)
     assert packed.num_documents == len(docs)
