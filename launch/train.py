@@ -114,7 +114,6 @@ import torch.distributed as dist
 import train_config
 import train_data
 import train_eval
-import train_formats
 import train_lock
 import train_log
 import train_memory
@@ -412,8 +411,8 @@ def train(job: Job, dataset) -> dict:
             saved_bytes = record.get("saved_activation_bytes", saved_bytes)
             if step > first_step + 1 or step == args.steps:  # the first step warms up: not in the average
                 timed_tokens, timed_s = timed_tokens + cfg.tokens_per_step, timed_s + record["step_time_s"]
-            if evaluating(cfg, step):
-                record.update(evaluate(job, dataset.eval_set))
+            if train_eval.due(cfg, step):
+                record.update(train_eval.run(job, dataset.eval_set, batch_loss))
                 evals.append(record)
                 log(f"eval at step {step}: held-out loss {record['eval_loss']:.4f}, perplexity {record['eval_ppl']:.2f}")
             jlog.write(record)
@@ -441,7 +440,7 @@ def train(job: Job, dataset) -> dict:
     if evals:  # the last held-out evaluation (the last step's)
         summary.update(eval_loss=evals[-1]["eval_loss"], eval_ppl=evals[-1]["eval_ppl"], eval_step=evals[-1]["step"])
     if args.sample_tokens and progress["step"] == args.steps:
-        summary["sample"] = sample(job, dataset)
+        summary["sample"] = train_eval.sample(job, dataset, log)
     if args.pack and packed:  # real tokens only (no padding exists), and what document masking skipped
         summary.update(real_tokens_per_s=summary["tokens_per_s"],
                        documents_per_step=sum(r["documents"] for r in packed) / len(packed),
@@ -449,28 +448,6 @@ def train(job: Job, dataset) -> dict:
                        pair_work_skipped=1 - sum(r["attention_work_vs_causal"] for r in packed) / len(packed),
                        pairs_skipped_per_step=sum(r["pairs_skipped"] for r in packed) / len(packed))
     return summary
-
-
-def evaluating(cfg: RunConfig, step: int) -> bool:
-    """``--eval-data``: evaluate every ``--eval-every`` steps and after the last one."""
-    every = cfg.args.eval_every
-    return bool(cfg.args.eval_data) and (step == cfg.args.steps or bool(every) and step % every == 0)
-
-
-def evaluate(job: Job, eval_set) -> dict:
-    """Held-out loss and perplexity of the model now (``train_eval``), the same on every rank."""
-    return train_eval.evaluate(job.model, eval_set, train_eval.eval_sample_count(job.cfg, eval_set), job.cfg,
-                               job.device, lambda batch: batch_loss(job.model, batch, job.cfg, job.group, job.mode))
-
-
-def sample(job: Job, dataset) -> dict:
-    """``--sample-tokens``: greedy text after a prompt from the held-out (else training) data; rank 0 logs it."""
-    cfg, tokenizer = job.cfg, dataset.tokenizer
-    prompt = train_eval.prompt_of(dataset.eval_set or dataset, cfg.args.seq_len, cfg.args.sample_tokens)
-    ids = train_eval.greedy_sample(job.model, prompt, cfg.args.sample_tokens, cfg, job.group, job.device)
-    out = {"prompt": tokenizer.decode(prompt), "text": tokenizer.decode(ids), "token_ids": ids}
-    log(f"sample (greedy, {len(ids)} tokens): {out['prompt']!r} -> {out['text']!r}")
-    return out
 
 
 def check_checkpoint_dir(cfg: RunConfig, config) -> None:
@@ -496,7 +473,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.Do
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # warnings once, from rank 0
     train_eval.check(cfg)
     tokenizer = train_data.make_tokenizer(cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)
-    dataset = load_data(cfg, tokenizer)
+    dataset = train_data.load(cfg, tokenizer)
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
     train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
     train_config.resolve_schedule(cfg, config)  # --schedule auto: the cost model's pick, before sharding
@@ -510,25 +487,6 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.Do
     train_model.check_weights(cfg)  # --model DIR: safetensors present (rank 0 alone reads them, after this)
     train_offload.check(cfg, config)  # offload: pinned memory on CUDA, and the node's host memory
     return cfg, dataset, config, tokenizer.name
-
-
-def load_data(cfg: RunConfig, tokenizer):
-    """The training samples (``--data``: formats detected, documents read lazily and tokenized), with the
-    held-out samples (``--eval-data``, same flags; ``None`` without) and the tokenizer attached."""
-    a = cfg.args
-    bos, eos = train_data.resolve_special_tokens(a.bos, a.eos, tokenizer)
-    forced = None if a.data_format == "auto" else a.data_format
-    sets = []
-    for flag, paths in (("--data", list(cfg.data_paths)), ("--eval-data", a.eval_data)):
-        if paths is None:
-            sets.append(None)
-            continue
-        paths = paths if flag == "--data" else train_formats.expand(paths, flag)
-        spec = train_data.DataSpec(paths=tuple(paths), fmt=train_formats.detect_all(paths, forced, flag),
-                                   text_field=a.text_field, bos=bos, eos=eos)
-        sets.append(train_data.load_dataset(spec, tokenizer, a.seq_len, a.seed, pack=a.pack, what=flag))
-    dataset, dataset.eval_set, dataset.tokenizer = sets[0], sets[1], tokenizer
-    return dataset
 
 
 def fail(message: str, code: int) -> int:

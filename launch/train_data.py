@@ -385,3 +385,23 @@ def resolve_special_tokens(flag_bos: bool | None, flag_eos: bool | None, tokeniz
                              f"or pass --tokenizer DIR with one")
         chosen.append(token is not None if flag is None else flag)
     return chosen[0], chosen[1]
+
+
+def load(cfg, tokenizer):
+    """The training samples of ``cfg`` (a ``RunConfig``: ``--data``, formats detected, documents read lazily and
+    tokenized), with the held-out samples (``--eval-data``, same flags; ``None`` without) and the tokenizer
+    attached as ``.eval_set`` and ``.tokenizer``."""
+    a = cfg.args
+    bos, eos = resolve_special_tokens(a.bos, a.eos, tokenizer)
+    forced = None if a.data_format == "auto" else a.data_format
+    sets = []
+    for flag, paths in (("--data", list(cfg.data_paths)), ("--eval-data", a.eval_data)):
+        if paths is None:
+            sets.append(None)
+            continue
+        paths = paths if flag == "--data" else train_formats.expand(paths, flag)
+        spec = DataSpec(paths=tuple(paths), fmt=train_formats.detect_all(paths, forced, flag), text_field=a.text_field,
+                        bos=bos, eos=eos)
+        sets.append(load_dataset(spec, tokenizer, a.seq_len, a.seed, pack=a.pack, what=flag))
+    dataset, dataset.eval_set, dataset.tokenizer = sets[0], sets[1], tokenizer
+    return dataset

@@ -107,6 +107,29 @@ def greedy_sample(model, prompt: np.ndarray, new_tokens: int, cfg: RunConfig, gr
     return out
 
 
+def due(cfg: RunConfig, step: int) -> bool:
+    """``--eval-data``: evaluate every ``--eval-every`` steps and after the last one."""
+    every = cfg.args.eval_every
+    return bool(cfg.args.eval_data) and (step == cfg.args.steps or bool(every) and step % every == 0)
+
+
+def run(job, eval_set, batch_loss) -> dict:
+    """Held-out loss and perplexity of ``job``'s model now (a ``train.Job``; ``batch_loss``: ``train.batch_loss``),
+    the same on every rank."""
+    return evaluate(job.model, eval_set, eval_sample_count(job.cfg, eval_set), job.cfg, job.device,
+                    lambda batch: batch_loss(job.model, batch, job.cfg, job.group, job.mode))
+
+
+def sample(job, dataset, log) -> dict:
+    """``--sample-tokens``: greedy text after a prompt from the held-out (else training) data; ``log``ged on rank 0."""
+    cfg, tokenizer = job.cfg, dataset.tokenizer
+    prompt = prompt_of(dataset.eval_set or dataset, cfg.args.seq_len, cfg.args.sample_tokens)
+    ids = greedy_sample(job.model, prompt, cfg.args.sample_tokens, cfg, job.group, job.device)
+    out = {"prompt": tokenizer.decode(prompt), "text": tokenizer.decode(ids), "token_ids": ids}
+    log(f"sample (greedy, {len(ids)} tokens): {out['prompt']!r} -> {out['text']!r}")
+    return out
+
+
 def check(cfg: RunConfig) -> None:
     """The evaluation flags alone (before any file is read)."""
     a = cfg.args
