@@ -101,9 +101,12 @@ def _sniff_file(path: Path) -> str:
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path}: unreadable: not UTF-8 text ({exc.reason} at byte {exc.start}) and no known "
                          f"binary format") from exc
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not content
     lines = text.splitlines()
     if not whole:
         lines = lines[:-1]  # the last line may be cut
+        if not lines:  # one line longer than the sniffed bytes: its start decides
+            return "jsonl" if text.lstrip().startswith("{") else "text"
     lines = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not lines:
         return "text"
@@ -176,7 +179,7 @@ def text_documents(path: Path) -> Iterator[str]:
     opener = gzip.open if _head(path)[1] else open
     current: list[str] = []
     has_text, after_blank = False, False
-    with opener(path, "rt", encoding="utf-8", newline="") as f:
+    with opener(path, "rt", encoding="utf-8-sig", newline="") as f:
         try:
             for line in f:
                 stripped = line.strip()
@@ -195,7 +198,7 @@ def text_documents(path: Path) -> Iterator[str]:
 def jsonl_documents(path: Path, field: str) -> Iterator[str]:
     """The ``field`` of every JSON object of a JSON Lines file, one line at a time."""
     opener = gzip.open if _head(path)[1] else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rt", encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -104,6 +104,12 @@ def test_every_format_gives_the_same_token_stream(tmp_path, tokenizer):
     stream, offsets = _reference(docs, tokenizer)
     formats = _write_all(tmp_path, docs, stream, offsets)
     assert list(train_formats.text_documents(tmp_path / "docs.txt")) == docs  # the text reader cuts as written
+    # A byte-order mark is not content, and a first line longer than what detection reads is still JSON Lines.
+    (tmp_path / "bom").mkdir()
+    (tmp_path / "bom" / "a.jsonl").write_text("\ufeff" + "".join(json.dumps({"text": d}) + "\n" for d in docs[:3]))
+    (tmp_path / "bom" / "b.data").write_text(json.dumps({"text": "x" * 100_000}) + "\n")
+    assert train_formats.detect_all(train_formats.expand([str(tmp_path / "bom" / "*")]), None) == "jsonl"
+    assert list(train_formats.jsonl_documents(tmp_path / "bom" / "a.jsonl", "text")) == docs[:3]
     for name, args in formats.items():
         store = train_data.token_store(_spec(tmp_path, args, tokenizer), tokenizer)
         assert len(store) == len(stream), name
