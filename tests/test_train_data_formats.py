@@ -302,12 +302,13 @@ def test_two_ranks_train_on_jsonl_and_log_held_out_loss(tmp_path):
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in held_out), encoding="utf-8")
     job = ["--device", "cpu", "--model", "tiny", "--seq-len", "128", "--batch-size", "2", "--steps", "5", "--lr",
            "3e-3", "--data", str(tmp_path / "train.jsonl"), "--eval-data", str(tmp_path / "eval.jsonl"),
-           "--eval-every", "2", "--eval-samples", "8"]
+           "--eval-every", "2", "--eval-samples", "8", "--sample-tokens", "6"]
     log = tmp_path / "log.jsonl"
-    rc, out, err = _torchrun(2, *job, "--sample-tokens", "6", "--log-json", str(log))
+    rc, out, err = _torchrun(2, *job, "--log-json", str(log))
     assert rc == 0, err[-4000:]
-    # One rank holds the whole sequence: the same held-out losses (each rank's shard counted once).
-    rc, _, err_one = _torchrun(1, *job, "--log-json", str(tmp_path / "one.jsonl"))
+    # One rank holds the whole sequence: the same held-out losses (each rank's shard counted once) and the same
+    # sample (each new token read at the right position, whichever rank holds it).
+    rc, out_one, err_one = _torchrun(1, *job, "--log-json", str(tmp_path / "one.jsonl"))
     assert rc == 0, err_one[-4000:]
     one = {r["step"]: r["eval_loss"] for r in _records(tmp_path / "one.jsonl") if "eval_loss" in r}
     records = _records(log)
@@ -320,4 +321,5 @@ def test_two_ranks_train_on_jsonl_and_log_held_out_loss(tmp_path):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["eval_loss"] == evals[5] and summary["eval_step"] == 5
     assert len(summary["sample"]["token_ids"]) == 6 and all(0 <= t < 256 for t in summary["sample"]["token_ids"])
+    assert summary["sample"] == json.loads(out_one.strip().splitlines()[-1])["sample"]
     assert summary["sample"]["prompt"] == "".join(held_out)[:32]  # the first 32 bytes of the held-out data
