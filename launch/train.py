@@ -243,7 +243,8 @@ def maybe_resume(cfg: RunConfig, state) -> set[Path]:
         return damaged
     p = state.progress
     log(f"resumed from {path} (step {p['step']}, {p['samples']} samples consumed)")
-    for key, now in (("seq_len", cfg.args.seq_len), ("seed", cfg.args.seed), ("data", str(cfg.data_path))):
+    data = " ".join(map(str, cfg.data_paths))
+    for key, now in (("seq_len", cfg.args.seq_len), ("seed", cfg.args.seed), ("data", data)):
         if p.get(key) != now:
             log(f"warning: the checkpoint was trained with {key}={p.get(key)!r}, this run uses {now!r}: the "
                 f"samples will not be the ones the original run would have read")
@@ -337,7 +338,7 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     optimizer = torch.optim.AdamW(train_model.param_groups(model, cfg.args.weight_decay), lr=cfg.args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     progress = {"step": 0, "samples": 0, "loss": float("nan"), "seq_len": cfg.args.seq_len, "seed": cfg.args.seed,
-                "data": str(cfg.data_path)}
+                "data": " ".join(map(str, cfg.data_paths))}
     state = train_ckpt.TrainState(model, optimizer, progress)
     damaged = maybe_resume(cfg, state)
     log(train_memory.describe(cfg, config))
@@ -414,7 +415,8 @@ def train(job: Job, dataset) -> dict:
             if train_eval.due(cfg, step):
                 record.update(train_eval.run(job, dataset.eval_set, batch_loss))
                 evals.append(record)
-                log(f"eval at step {step}: held-out loss {record['eval_loss']:.4f}, perplexity {record['eval_ppl']:.2f}")
+                log(f"eval at step {step}: held-out loss {record['eval_loss']:.4f}, "
+                    f"perplexity {record['eval_ppl']:.2f}")
             jlog.write(record)
             bar.update(step, record["loss"], timed_tokens / timed_s if timed_s else record["tokens_per_s"], peak,
                        record.get("eval_loss"))

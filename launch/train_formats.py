@@ -132,7 +132,8 @@ def _is_object(line: str) -> bool:
 def _sniff_folder(path: Path) -> str:
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-        raise UsageError(f"{path}: a datasets DatasetDict; pass one split's folder, e.g. {path / (splits or ['train'])[0]}"
+        raise UsageError(f"{path}: a datasets DatasetDict; pass one split's folder, e.g. "
+                         f"{path / (splits or ['train'])[0]}"
                          f" (splits: {', '.join(splits) or 'none'})")
     if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         return "hf"

@@ -36,7 +36,8 @@ def _documents(n: int = 40, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     docs = []
     for i in range(n):
-        lines = [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 12)))) + "." for _ in range(int(rng.integers(1, 4)))]
+        lines = [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 12)))) + "."
+                 for _ in range(int(rng.integers(1, 4)))]
         docs.append("\n".join(lines) + ("\n\n" if i < n - 1 else "\n"))
     return docs
 
@@ -145,7 +146,8 @@ def test_bos_eos_flags_and_the_byte_default(tmp_path, tokenizer):
     spec = dict(paths=(tmp_path / "a.txt",), fmt="text")
     none = train_data.token_store(train_data.DataSpec(**spec), tokenizer)
     both = train_data.token_store(train_data.DataSpec(**spec, bos=True, eos=True), tokenizer)
-    assert len(both) == len(none) + 4 and both[0:1][0] == tokenizer.bos_id and both[len(both) - 1:][0] == tokenizer.eos_id
+    assert len(both) == len(none) + 4  # two documents, each with BOS and EOS
+    assert both[0:1][0] == tokenizer.bos_id and both[len(both) - 1:][0] == tokenizer.eos_id
     assert train_data.resolve_special_tokens(None, None, tokenizer) == (True, True)
     assert train_data.resolve_special_tokens(False, None, tokenizer) == (False, True)
     byte = train_data.ByteTokenizer()
