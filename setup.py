@@ -21,8 +21,10 @@ setup(
     extras_require={
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
         # matplotlib: tests/test_plots.py renders every plot (the bench scripts still write their tables without it).
-        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "safetensors", "numpy", "matplotlib>=3.5"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "safetensors", "numpy", "matplotlib>=3.5",
+                 "datasets>=2.19", "pyarrow>=15"],
         "hf": ["transformers>=5.17,<6", "safetensors"],  # train.py's --model weights and --export-hf folders
+        "data": ["datasets>=2.19", "pyarrow>=15"],  # launch/train.py --data: Parquet and datasets folders
         "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],
     },

@@ -68,9 +68,37 @@ world size (DCP reshards parameters and optimizer state) logs the old and new la
 rank) and which samples the next step reads: the data position is a global sample count.
 
 Several nodes: ``launch/multinode.sh`` (torchrun rendezvous flags) and ``launch/train.slurm`` (SLURM).
-Your own model and text: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint with safetensors weights;
-its tokenizer is used), ``--data FILE`` (UTF-8 text, plain or .gz), ``--tokenizer DIR`` (a local Hugging Face
-tokenizer).
+Your own model and data: ``--model DIR`` (a local Hugging Face LLaMA-family checkpoint with safetensors weights;
+its tokenizer is used), ``--tokenizer DIR`` (a local Hugging Face tokenizer), ``--data PATH...`` (files, folders or
+globs, all of one format, recognized from the content; ``--data-format`` overrides)::
+
+    text      UTF-8, plain or .gz; a blank line ends a document
+    jsonl     JSON Lines, plain or .gz; the document is each object's --text-field (default "text")
+    parquet   Parquet (pip install -e ".[data]"), the --text-field column, read a batch of rows at a time
+    hf        a folder written by datasets' save_to_disk (".[data]"): one split's folder, --text-field column
+    tokens    pre-tokenized: a 1-D integer .npy of token ids (uint16/uint32/int32/int64), memory-mapped; documents
+              from FILE.npy.idx beside it (a .npy of int64 offsets: 0, each document's end, the token count),
+              else end after each EOS id of the tokenizer; the ids are used as they are (no BOS/EOS added)
+
+A file whose name says one format and whose content another (a .jsonl of plain text), mixed content or mixed
+formats, binary data of no known format, a missing text field and token ids beyond the model's vocabulary stop
+the job before step 1 with one ``train.py: error:`` line. Documents get the tokenizer's BOS and EOS tokens when it
+has them (``--no-bos``/``--no-eos`` drop them; the byte tokenizer has none). Nothing holds the data set in memory:
+documents are read lazily and tokenized once into a memory-mapped temporary file per rank (``TMPDIR``, 4 bytes a
+token, gone when the job ends); token files are mapped as they are, so a corpus larger than RAM or ``TMPDIR`` is
+best tokenized once (``python launch/train_tokenize.py --tokenizer DIR --out corpus.npy DATA...``).
+
+Held-out loss: ``--eval-data PATH...`` (same formats and flags) is evaluated every ``--eval-every N`` steps and
+after the last, over its first ``--eval-samples`` windows of ``--seq-len`` (default: all) in file order, with the
+training step's own forward (the same sharding, packing and sequence-parallel attention) and no gradients; the
+token-mean loss and its perplexity go to the progress output (``eval at step N: held-out loss L, perplexity P``)
+and the JSON record of that step (``"eval_loss"``, ``"eval_ppl"``), the last one to the summary.
+``--sample-tokens N`` greedy-decodes N tokens after the first 32 tokens of the held-out (else training) data at
+the end: every rank runs N forwards of ``--seq-len`` tokens through the sequence-parallel path (the parameters
+are sharded), rank 0 logs the text and the summary holds it (``"sample"``)::
+
+    torchrun --standalone --nproc-per-node 4 launch/train.py --tokenizer tok/ --data 'corpus/*.parquet' \
+        --eval-data held_out.jsonl --eval-every 100 --eval-samples 64 --sample-tokens 64
 ``--sp-size S`` splits each sequence over S ranks only; the world is then ``world/S`` data-parallel replicas.
 ``--schedule zigzag`` lays each sequence out as chunks ``r`` and ``2S-1-r`` of ``2S`` (causal work balanced by
 layout); ``--ulysses U`` makes the sequence-parallel group two-dimensional: ``U`` consecutive ranks split the heads
@@ -81,11 +109,10 @@ by all-to-all and ``S/U`` of those groups form the ring (``U`` divides ``S`` and
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
 allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
 on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument or an unusable path (missing ``--data``, an ``--export-hf`` folder that is not empty, a
-``--ckpt-dir`` that is not writable, has no room for a checkpoint or is in use by another job, a checkpoint of
-another model) makes every rank exit with status 2, rank 0 printing one ``train.py: error:`` line; the checks
-that need no process group run before it exists (before step 1). torchrun then adds its own failure report,
-whose root cause quotes the same line.
+A bad argument or an unusable path (missing or unreadable ``--data``, an ``--export-hf`` folder that is not
+empty, a ``--ckpt-dir`` that is not writable, has no room for a checkpoint or is in use by another job, a
+checkpoint of another model) makes every rank exit with status 2, rank 0 printing one ``train.py: error:`` line; the checks that need no process group run before it exists
+(before step 1). torchrun then adds its own failure report, whose root cause quotes the same line.
 """
 
 from __future__ import annotations
@@ -104,6 +131,7 @@ import torch.distributed as dist
 
 import train_config
 import train_data
+import train_eval
 import train_export
 import train_lock
 import train_log
@@ -206,9 +234,10 @@ def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) ->
             f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}"
             f"{f' +tile-mlp {a.tile_mlp}' if a.tile_mlp else ''}{f' +tile-loss {a.tile_loss}' if a.tile_loss else ''}"
             f"{' +offload-ckpt' if a.offload_checkpoints else ''}, params "
-            f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name} "
+            f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name}"
+            f"{f' +{len(cfg.data_paths) - 1} more' if len(cfg.data_paths) > 1 else ''} "
             f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch"
-            f"{', ' + str(len(dataset.docs)) + ' documents packed' if a.pack else ''})")
+            f"{', ' + str(dataset.num_documents) + ' documents packed' if a.pack else ''})")
 
 
 def maybe_resume(cfg: RunConfig, state) -> set[Path]:
@@ -236,7 +265,8 @@ def maybe_resume(cfg: RunConfig, state) -> set[Path]:
     moved = train_export.world_change(cfg, p)  # another world size: what changed, where the data continues
     if moved:
         log(moved)
-    for key, now in (("seq_len", cfg.args.seq_len), ("seed", cfg.args.seed), ("data", str(cfg.data_path))):
+    data = " ".join(map(str, cfg.data_paths))
+    for key, now in (("seq_len", cfg.args.seq_len), ("seed", cfg.args.seed), ("data", data)):
         if p.get(key) != now:
             log(f"warning: the checkpoint was trained with {key}={p.get(key)!r}, this run uses {now!r}: the "
                 f"samples will not be the ones the original run would have read")
@@ -249,25 +279,11 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
 
     ``measure``: a dict that receives ``saved_activation_bytes``, what this step's forward saved for backward.
     """
-    from distattn.integrations.hf import causal_lm_loss, shard_batch
     from distattn.memory import saved_activations
 
-    if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
-        ids, positions = batch
-        inputs = shard_batch(ids[None], labels=ids[None], group=group, schedule=cfg.args.schedule,
-                             position_ids=positions[None])
-    else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)
-        inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
     counting = saved_activations(ignore=model.parameters()) if measure is not None else contextlib.nullcontext()
-    with counting as saved, train_model.autocast(cfg, mode):
-        # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
-        # FSDP2/DDP reduction (train_model's docstring).
-        if cfg.args.tile_loss:  # the same loss, computed inside the model's forward over tiles (no logits)
-            loss = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                         shift_labels=inputs["shift_labels"]).loss
-        else:
-            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
-            loss = causal_lm_loss(logits, inputs["shift_labels"], group=group)
+    with counting as saved:
+        loss = batch_loss(model, batch, cfg, group, mode)
     if measure is not None:
         measure["saved_activation_bytes"] = saved.bytes
     loss.backward()
@@ -277,6 +293,27 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach(), float(norm)
+
+
+def batch_loss(model, batch, cfg: RunConfig, group, mode: str) -> torch.Tensor:
+    """The sequence-parallel group's mean loss of ``batch`` (the same on every rank of the group); the training
+    step's forward, and held-out evaluation's (``train_eval``, under ``no_grad``)."""
+    from distattn.integrations.hf import causal_lm_loss, shard_batch
+
+    if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
+        ids, positions = batch
+        inputs = shard_batch(ids[None], labels=ids[None], group=group, schedule=cfg.args.schedule,
+                             position_ids=positions[None])
+    else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)
+        inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
+    with train_model.autocast(cfg, mode):
+        # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
+        # FSDP2/DDP reduction (train_model's docstring).
+        if cfg.args.tile_loss:  # the same loss, computed inside the model's forward over tiles (no logits)
+            return model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                         shift_labels=inputs["shift_labels"]).loss
+        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
+        return causal_lm_loss(logits, inputs["shift_labels"], group=group)
 
 
 def gather_stats(loss: torch.Tensor, device_type: str, device) -> tuple[float, list[int]]:
@@ -324,7 +361,7 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     optimizer = torch.optim.AdamW(train_model.param_groups(model, cfg.args.weight_decay), lr=cfg.args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     progress = {"step": 0, "samples": 0, "loss": float("nan"), "seq_len": cfg.args.seq_len, "seed": cfg.args.seed,
-                "data": str(cfg.data_path), **train_export.layout(cfg)}
+                "data": " ".join(map(str, cfg.data_paths)), **train_export.layout(cfg)}
     state = train_ckpt.TrainState(model, optimizer, progress)
     damaged = maybe_resume(cfg, state)
     log(train_memory.describe(cfg, config))
@@ -389,7 +426,7 @@ def train(job: Job, dataset) -> dict:
     bar = train_log.Progress(args.steps, first_step, enabled=rank0, log_every=args.log_every, plain=args.no_progress,
                              mem_label="peak alloc" if cfg.device_type == "cuda" else "peak rss")
     jlog = train_log.JsonLog(args.log_json if rank0 else None, append=bool(args.resume))
-    timed_tokens, timed_s, peak, packed, saved_bytes = 0, 0.0, [], [], None
+    timed_tokens, timed_s, peak, packed, saved_bytes, evals = 0, 0.0, [], [], None, []
     try:
         for step in range(first_step + 1, args.steps + 1):
             record = run_step(job, dataset, step)
@@ -399,8 +436,14 @@ def train(job: Job, dataset) -> dict:
             saved_bytes = record.get("saved_activation_bytes", saved_bytes)
             if step > first_step + 1 or step == args.steps:  # the first step warms up: not in the average
                 timed_tokens, timed_s = timed_tokens + cfg.tokens_per_step, timed_s + record["step_time_s"]
+            if train_eval.due(cfg, step):
+                record.update(train_eval.run(job, dataset.eval_set, batch_loss))
+                evals.append(record)
+                log(f"eval at step {step}: held-out loss {record['eval_loss']:.4f}, "
+                    f"perplexity {record['eval_ppl']:.2f}")
             jlog.write(record)
-            bar.update(step, record["loss"], timed_tokens / timed_s if timed_s else record["tokens_per_s"], peak)
+            bar.update(step, record["loss"], timed_tokens / timed_s if timed_s else record["tokens_per_s"], peak,
+                       record.get("eval_loss"))
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
                 train_ckpt.save(job.state, Path(args.ckpt_dir), step, args.keep, job.damaged, log,
                                 extra={f"hf/{name}": data for name, data in (job.hf_files or {}).items()})
@@ -421,6 +464,10 @@ def train(job: Job, dataset) -> dict:
                "params": job.mode, "peak_mem_bytes": peak, "pack": bool(args.pack),
                "predicted_peak_bytes": job.predicted_peak, "predicted_activation_bytes": job.predicted_activations,
                "saved_activation_bytes": saved_bytes}
+    if evals:  # the last held-out evaluation (the last step's)
+        summary.update(eval_loss=evals[-1]["eval_loss"], eval_ppl=evals[-1]["eval_ppl"], eval_step=evals[-1]["step"])
+    if args.sample_tokens and progress["step"] == args.steps:
+        summary["sample"] = train_eval.sample(job, dataset, log)
     if args.pack and packed:  # real tokens only (no padding exists), and what document masking skipped
         summary.update(real_tokens_per_s=summary["tokens_per_s"],
                        documents_per_step=sum(r["documents"] for r in packed) / len(packed),
@@ -451,21 +498,23 @@ def check_checkpoint_dir(cfg: RunConfig, config) -> None:
         raise UsageError(f"--resume must: nothing to resume in --ckpt-dir {ckpt_dir} ({why})")
 
 
-def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences, object, str]:
+def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.DocumentStream, object, str]:
     """Everything that can fail from a bad argument, before any process-group communication."""
     cfg = train_config.resolve(train_config.build_parser().parse_args(argv), Env.from_environ())
     train_tune.check_env()  # a bad DISTATTN_AUTOTUNE fails here, before the process group exists
     if cfg.env.rank != 0:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # warnings once, from rank 0
+    train_eval.check(cfg)
     tokenizer = train_data.make_tokenizer(cfg.args.tokenizer, cfg.args.model if cfg.preset is None else None)
-    dataset = train_data.load_dataset(cfg.data_path, tokenizer, cfg.args.seq_len, cfg.args.seed, pack=cfg.args.pack)
+    dataset = train_data.load(cfg, tokenizer)
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
     train_export.rope_guard(cfg, config)  # --rope-scaling applied, or a --seq-len past the model's positions warned
     train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
     train_config.resolve_schedule(cfg, config)  # --schedule auto: the cost model's pick, before sharding
-    if int(dataset.tokens.max()) >= config.vocab_size:
-        raise UsageError(f"the data has token id {int(dataset.tokens.max())} but the model embeds only "
-                         f"{config.vocab_size} tokens; use the checkpoint's own tokenizer")
+    train_data.check_vocab(dataset, config.vocab_size)
+    if dataset.eval_set is not None:
+        train_data.check_vocab(dataset.eval_set, config.vocab_size, "--eval-data")
+        train_eval.eval_sample_count(cfg, dataset.eval_set)  # enough held-out windows for every replica
     check_checkpoint_dir(cfg, config)
     train_export.preflight(cfg, config)  # --export-hf: a new or empty, writable directory with room
     train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload

@@ -103,7 +103,9 @@ class RunConfig:
     preset: dict | None
     """LlamaConfig fields of the preset, or ``None`` for a checkpoint directory (``args.model``)."""
     data_path: Path
-    """The training text (plain or gzip)."""
+    """The first ``--data`` path (the shipped corpus by default)."""
+    data_paths: tuple[Path, ...] = ()
+    """Every ``--data`` path, globs expanded (``train_formats.expand``)."""
 
     @property
     def cuda_index(self) -> int:
@@ -256,13 +258,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype, parameters stay fp32 (auto: bf16 on CUDA, fp32 on CPU)")
     t.add_argument("--seed", type=int, default=0)
     d = p.add_argument_group("data")
-    d.add_argument("--data", default=None, help="a UTF-8 text file, plain or .gz (default: the shipped "
-                   "public-domain corpus launch/data/kjv.txt.gz)")
+    d.add_argument("--data", default=None, nargs="+", metavar="PATH",
+                   help="training data: files, folders or globs of one format, detected from the content (text, "
+                   "JSON Lines, Parquet, a datasets save_to_disk folder, a token .npy; see --data-format; default: "
+                   "the shipped public-domain corpus launch/data/kjv.txt.gz)")
     d.add_argument("--pack", action="store_true", help="padding-free training on documents of varied length: "
-                   "the text is split into documents (blank lines, 'Book chapter' headings), packed back to back "
-                   "into --seq-len streams, and attention stays inside each document")
+                   "the data's documents (text: split at blank lines and 'Book chapter' headings; a record or an "
+                   "indexed span otherwise) are packed back to back into --seq-len streams, and attention stays "
+                   "inside each document")
     d.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (default: "
                    "bytes, vocab 256; for a checkpoint --model, its own tokenizer)")
+    f = p.add_argument_group("data formats and evaluation (launch/train_formats.py, launch/train_eval.py)")
+    f.add_argument("--data-format", default="auto", choices=("auto", "text", "jsonl", "parquet", "hf", "tokens"),
+                   help="auto: from the content (refused when the name says otherwise); text: UTF-8, documents end "
+                   "at blank lines; jsonl: one JSON object a line; parquet; hf: a datasets save_to_disk folder; "
+                   "tokens: a 1-D integer .npy of token ids, documents from FILE.npy.idx (int64 offsets, .npy) "
+                   "or the tokenizer's EOS, used as they are")
+    f.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the JSON field / table column holding each document (default: text)")
+    f.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="prepend the tokenizer's BOS token to every document (default: when the tokenizer has one)")
+    f.add_argument("--eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="append the tokenizer's EOS token to every document (default: when the tokenizer has one)")
+    f.add_argument("--eval-data", default=None, nargs="+", metavar="PATH",
+                   help="held-out data, as --data (same format flags): its loss and perplexity over the training "
+                   "job's own sequence-parallel forward, without gradients, in the progress output and --log-json")
+    f.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="evaluate every N steps (0, the default: after the last step only)")
+    f.add_argument("--eval-samples", type=int, default=0, metavar="N",
+                   help="held-out windows of --seq-len per evaluation, the first N in file order (default 0: all)")
+    f.add_argument("--sample-tokens", type=int, default=0, metavar="N",
+                   help="after the last step, greedy-decode N tokens after a prompt from the (held-out) data; every "
+                   "rank runs N forwards of --seq-len tokens (the sequence-parallel path), rank 0 prints the text")
     r = p.add_argument_group("runtime")
     r.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if available")
     r.add_argument("--dist-backend", default="auto", choices=("auto", "nccl", "gloo"),
@@ -302,7 +329,8 @@ def _check_ranges(args) -> None:
     for name in ("seq_len", "batch_size", "steps", "keep", "ulysses"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("save_every", "log_every", "crash_at_step", "sp_size", "grad_clip", "weight_decay"):
+    for name in ("save_every", "log_every", "crash_at_step", "sp_size", "grad_clip", "weight_decay", "eval_every",
+                 "eval_samples", "sample_tokens"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("tile_loss", "tile_mlp"):
@@ -426,14 +454,17 @@ def _backend_ok(kernels, name: str, device: str) -> bool:
     return True
 
 
-def _resolve_data(args) -> Path:
-    path = Path(args.data) if args.data is not None else DEFAULT_DATA
-    if not path.is_file():
-        raise UsageError(f"--data {path}: no such file" if args.data is not None else
-                         f"the shipped corpus {path} is missing; pass --data FILE")
+def _resolve_data(args) -> tuple[Path, ...]:
+    import train_formats  # imports this module
+
+    if args.data is None and not DEFAULT_DATA.is_file():
+        raise UsageError(f"the shipped corpus {DEFAULT_DATA} is missing; pass --data FILE")
+    paths = train_formats.expand(args.data) if args.data is not None else [DEFAULT_DATA]
+    if args.eval_data is not None:
+        train_formats.expand(args.eval_data, "--eval-data")
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such directory (a local Hugging Face tokenizer)")
-    return path
+    return tuple(paths)
 
 
 def resolve(args: argparse.Namespace, env: Env) -> RunConfig:
@@ -441,9 +472,10 @@ def resolve(args: argparse.Namespace, env: Env) -> RunConfig:
     _check_ranges(args)
     sp, dp = _resolve_parallel(args, env)
     preset = _resolve_model(args)
-    data_path = _resolve_data(args)
+    data_paths = _resolve_data(args)
     device, dist_backend, attn, dtype = _resolve_runtime(args, env)
     if args.crash_at_step > args.steps:
         raise UsageError(f"--crash-at-step {args.crash_at_step} is after the last step ({args.steps})")
     return RunConfig(args=args, env=env, device_type=device, dist_backend=dist_backend, attn_backend=attn,
-                     dtype=dtype, sp_size=sp, ulysses=args.ulysses, dp_size=dp, preset=preset, data_path=data_path)
+                     dtype=dtype, sp_size=sp, ulysses=args.ulysses, dp_size=dp, preset=preset,
+                     data_path=data_paths[0], data_paths=data_paths)

@@ -52,8 +52,12 @@ class Progress:
         self.first_step = first_step
         self.start = time.perf_counter()
         self._last_len = 0
+        self.eval_loss: float | None = None  # the latest held-out loss, shown from then on
 
-    def update(self, step: int, loss: float, tokens_per_s: float, peak_mem: list[int]) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, peak_mem: list[int],
+               eval_loss: float | None = None) -> None:
+        if eval_loss is not None:
+            self.eval_loss = eval_loss
         if not self.enabled:
             return
         done = step - self.first_step
@@ -63,7 +67,8 @@ class Progress:
         filled = int(width * step / self.total)
         mem = _per_rank(peak_mem)
         bar = "step" if self.plain else f"[{'#' * filled}{'.' * (width - filled)}]"
-        line = (f"{bar} {step}/{self.total} loss {loss:.4f} | "
+        held_out = f" eval {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        line = (f"{bar} {step}/{self.total} loss {loss:.4f}{held_out} | "
                 f"{human_count(tokens_per_s)} tok/s | {self.mem_label} {mem} | {_clock(elapsed)}<{_clock(eta)}")
         if self.tty:
             line = line[:shutil.get_terminal_size().columns - 1]  # a wrapped line cannot be rewritten with \r
