@@ -124,8 +124,8 @@ def _digest(batches) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(str(len(batches)).encode())
     for batch in batches:
-        for key in sorted(batch):
-            value = batch[key]
+        items = [("", batch)] if isinstance(batch, torch.Tensor) else [(key, batch[key]) for key in sorted(batch)]
+        for key, value in items:
             if isinstance(value, torch.Tensor):
                 h.update(f"{key}{tuple(value.shape)}{value.dtype}".encode())
                 h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
@@ -140,7 +140,7 @@ def check_same_batches(batches, group=None, *, device=None, what: str = "this st
     (``distattn.comm.default_timeout``).
 
     Args:
-        batches: a list of mappings of tensors (the micro-batches of one optimizer step).
+        batches: a list of tensors or mappings of tensors (the micro-batches of one optimizer step).
         group: the sequence-parallel group.
         device: where the collective's tensors live (the CUDA device on NCCL; default CPU).
         what: names the batches in the error.
