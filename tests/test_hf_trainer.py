@@ -225,3 +225,45 @@ def test_bad_input_raises_on_every_rank_before_the_first_step(spawned):
     for rank, res in enumerate(spawned[4]):
         assert "sequence_parallel_size=3 must be a positive int that divides the world size (4 ranks)" in \
             res["sp 3"], f"rank {rank}: {res['sp 3']}"
+
+
+# -- one process: what is refused at construction, and the data order ------------------------------------------------
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(dense_data())
+
+
+@pytest.mark.parametrize("overrides, trainer_kw, match", [
+    ({"label_smoothing_factor": 0.1}, {}, r"label_smoothing_factor=0.1 is not supported with sequence parallelism"),
+    ({"eval_strategy": "steps"}, {"eval_dataset": dense_data(2)}, r"evaluation is not supported with sequence"),
+    ({"train_sampling_strategy": "group_by_length"}, {}, r"train_sampling_strategy='group_by_length' is not supported"),
+    ({}, {"train_dataset": _Stream()}, r"an IterableDataset cannot be dealt to sequence-parallel replicas"),
+    ({}, {"compute_loss_func": lambda *a, **k: 0.0}, r"compute_loss_func is not used with sequence parallelism"),
+    ({}, {"sequence_parallel_size": 2}, r"sequence_parallel_size=2 needs that many ranks, but this run has 1 process"),
+])
+def test_unsupported_arguments_are_refused_at_construction(tmp_path, overrides, trainer_kw, match):
+    from distattn.integrations.hf import SequenceParallelTrainer
+
+    kw = {"train_dataset": dense_data(), **trainer_kw}
+    with pytest.raises(ValueError, match=match):
+        SequenceParallelTrainer(model=make_model(), args=training_args(tmp_path, 2, **overrides), data_collator=stack,
+                                **kw)
+
+
+def test_replica_sampler_deals_each_replica_its_batch_on_every_rank():
+    """4 ranks, replicas {0, 2} and {1, 3} (not consecutive): a round-robin dealer gives each rank its replica's
+    batch; the replicas' batches together are one process's batches of 2 * 3, in the same order; a short last round
+    wraps around."""
+    from distattn.integrations.hf import ReplicaSampler
+
+    replica, batch, n = [0, 1, 0, 1], 3, 10
+    sampler = ReplicaSampler(n, batch, replica, seed=5)
+    sampler.set_epoch(1)
+    batches = list(torch.utils.data.BatchSampler(sampler, batch, drop_last=False))
+    assert len(batches) == 2 * len(replica)  # ceil(10 / 6) rounds, one batch per rank
+    dealt = {rank: batches[rank::len(replica)] for rank in range(len(replica))}  # BatchSamplerShard's round-robin
+    assert dealt[0] == dealt[2] and dealt[1] == dealt[3]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(5 + 1)).tolist()
+    one_process = [order[i:i + 2 * batch] for i in range(0, n, 2 * batch)]
+    assert [dealt[0][k] + dealt[1][k] for k in range(2)] == [one_process[0], one_process[1] + order[:2]]
+    assert len(ReplicaSampler(n, batch, replica, drop_last=True)) == 1 * len(replica) * batch

@@ -70,7 +70,8 @@ class SequenceParallelMixin:
     Raises (on every rank, before any step): ``ValueError`` for a ``sequence_parallel_size`` that does not divide
     the world, both ``group`` and ``sequence_parallel_size``, a model whose heads do not split over a
     two-dimensional group's Ulysses ranks, a ``compute_loss_func``, label smoothing, a sampling strategy other than
-    ``"random"``/``"sequential"``, or an ``IterableDataset``; at the first step (before its forward), if the ranks
+    ``"random"``/``"sequential"``, an ``IterableDataset``, or an ``eval_strategy`` (evaluation is not supported);
+    at the first step (before its forward), if the ranks
     of a group hold different batches.
     """
 
@@ -111,6 +112,10 @@ class SequenceParallelMixin:
         if strategy not in _SAMPLING:
             raise ValueError(f"train_sampling_strategy={strategy!r} is not supported with sequence parallelism; use "
                              f"one of {_SAMPLING}")
+        if getattr(self.args, "eval_strategy", "no") != "no":
+            raise ValueError(f"eval_strategy={self.args.eval_strategy!r}: evaluation is not supported with sequence "
+                             f"parallelism yet (its batches would be dealt to every rank separately); set "
+                             f"eval_strategy='no' and evaluate on one process")
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("an IterableDataset cannot be dealt to sequence-parallel replicas (every rank of a group "
                              "needs the same batch); use a map-style dataset (datasets.Dataset, a list, ...)")
@@ -122,6 +127,14 @@ class SequenceParallelMixin:
     def _comm_device(self) -> torch.device:
         """Where the collectives' tensors live: the training device (CUDA on NCCL, CPU on gloo)."""
         return self.args.device
+
+    def evaluate(self, *args, **kwargs):
+        raise ValueError("evaluation is not supported with sequence parallelism yet (Trainer deals its batches to every "
+                         "rank separately); evaluate the saved model on one process")
+
+    def predict(self, *args, **kwargs):
+        raise ValueError("prediction is not supported with sequence parallelism yet; predict with the saved model on "
+                         "one process")
 
     # -- data ------------------------------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):
