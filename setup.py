@@ -21,8 +21,8 @@ setup(
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
         # matplotlib is deliberately absent: the tests and bench scripts write their tables without it.
         "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "accelerate>=1.12,<2", "numpy"],
-        # accelerate: transformers' Trainer needs it (SequenceParallelTrainer); 1.12 and 1.15 tested, 1.1 (transformers' own
-        # floor) fails in Trainer on 5.23
+        # accelerate: transformers' Trainer needs it (SequenceParallelTrainer); 1.12 and 1.15 tested, 1.1
+        # (transformers' own floor) fails inside Trainer on 5.23
         "hf": ["transformers>=5.17,<6", "accelerate>=1.12,<2"],
         "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],

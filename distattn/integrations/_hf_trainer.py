@@ -129,8 +129,8 @@ class SequenceParallelMixin:
         return self.args.device
 
     def evaluate(self, *args, **kwargs):
-        raise ValueError("evaluation is not supported with sequence parallelism yet (Trainer deals its batches to every "
-                         "rank separately); evaluate the saved model on one process")
+        raise ValueError("evaluation is not supported with sequence parallelism yet (Trainer deals its batches to "
+                         "every rank separately); evaluate the saved model on one process")
 
     def predict(self, *args, **kwargs):
         raise ValueError("prediction is not supported with sequence parallelism yet; predict with the saved model on "
@@ -197,8 +197,9 @@ class SequenceParallelMixin:
                 self._hooked_ddp = model
         elif self.args.world_size > 1:
             raise TypeError(f"SequenceParallelTrainer supports DistributedDataParallel (Trainer's wrapper under "
-                            f"torchrun), but the model is wrapped in {type(model).__name__}: run without FSDP/DeepSpeed "
-                            f"(for those, see distattn.set_fsdp_gradient_divide_factor and the (loss * P) rule)")
+                            f"torchrun), but the model is wrapped in {type(model).__name__}: run without "
+                            f"FSDP/DeepSpeed (for those, see distattn.set_fsdp_gradient_divide_factor and the "
+                            f"(loss * P) rule)")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The step's token-mean loss: every rank of a group returns its replica's share, the same value; the
