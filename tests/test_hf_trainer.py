@@ -9,8 +9,8 @@ with a plain ``transformers.Trainer`` on one process that sees the same global b
   documents (``DataCollatorWithFlattening``, odd total length); and two bad inputs: a sampler that deals different
   batches to the ranks of the group, and a two-dimensional group whose Ulysses ranks do not split the heads;
 * 4 ranks (data parallel 2 x sequence parallel 2): rows padded with an ``attention_mask`` (a different number of
-  target tokens per replica: the loss is the token mean over both); save every 2 steps, then a new trainer that
-  resumes from the first checkpoint ends with the same weights; and ``sequence_parallel_size=3``, refused.
+  target tokens per replica: the loss is the token mean over both); a checkpoint at step 4 (in the second epoch),
+  and a new trainer that resumes from it ends with the same weights; and ``sequence_parallel_size=3``, refused.
 
 Every bad input raises on every rank, before the first step (``global_step`` is still 0).
 """
@@ -158,10 +158,11 @@ def _cases_4(rank, world, out):
 
     sp2 = {"sequence_parallel_size": 2}
     res = {"padded": train(SequenceParallelTrainer, "padded", out / "padded", 1, trainer_kw=sp2)}
-    saving = dict(max_steps=4, gradient_accumulation_steps=2, save_strategy="steps", save_steps=2)
+    # 3 steps an epoch; step 4 starts epoch 1, the resumed run skips its trained batches and replays epoch 1's order
+    saving = dict(max_steps=5, gradient_accumulation_steps=2, save_strategy="steps", save_steps=4)
     res["saved"] = train(SequenceParallelTrainer, "dense", out / "ckpt", 1, trainer_kw=sp2, **saving)
     res["resumed"] = train(SequenceParallelTrainer, "dense", out / "ckpt", 1, trainer_kw=sp2,
-                           resume=str(out / "ckpt" / "checkpoint-2"), **saving)
+                           resume=str(out / "ckpt" / "checkpoint-4"), **saving)
     res["sp 3"] = _refused(lambda: SequenceParallelTrainer(
         model=make_model(), args=training_args(out / "sp3", 1), train_dataset=dense_data(), data_collator=stack,
         sequence_parallel_size=3))
@@ -185,7 +186,7 @@ def references(tmp_path_factory):
     return {"dense": train(Trainer, "dense", out / "dense", 2, gradient_accumulation_steps=2),
             "flattened": train(Trainer, "flattened", out / "flat", 3),
             "padded": train(Trainer, "padded", out / "padded", 2),
-            "saved": train(Trainer, "dense", out / "ckpt", 2, max_steps=4, gradient_accumulation_steps=2)}
+            "saved": train(Trainer, "dense", out / "ckpt", 2, max_steps=5, gradient_accumulation_steps=2)}
 
 
 def _assert_same_run(label, ours, reference, steps=None):
@@ -213,7 +214,7 @@ def test_trainer_matches_one_process(spawned, references, world, case, reference
 
 def test_resume_from_a_checkpoint_continues_the_same_run(spawned, references):
     for rank, res in enumerate(spawned[4]):
-        _assert_same_run(f"rank {rank} resumed at step 2", res["resumed"], references["saved"], steps=[3, 4])
+        _assert_same_run(f"rank {rank} resumed at step 4", res["resumed"], references["saved"], steps=[5])
 
 
 def test_bad_input_raises_on_every_rank_before_the_first_step(spawned):

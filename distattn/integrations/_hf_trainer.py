@@ -23,10 +23,12 @@ two-dimensional ``(ulysses_group, ring_group)`` pair, a ``DeviceMesh``) whose co
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from distattn.comm import bounded_wait, default_timeout
 from distattn.gradients import register_ddp_gradient_hook
@@ -96,6 +98,8 @@ class SequenceParallelMixin:
         self.pad_id = self._default_pad_id() if pad_id is None else pad_id
         self._replica = replica_of_ranks(group, device=self._comm_device()) if world > 1 else [0]
         self._hooked_ddp = None
+        self._train_sampler = None
+        self.add_callback(_SamplerEpoch(self))
         # compute_loss returns the step-normalized loss whenever get_batch_samples counted the step's targets
         self.model_accepts_loss_kwargs = True
 
@@ -142,10 +146,11 @@ class SequenceParallelMixin:
         builds around it is prepared by accelerate as usual)."""
         dataset = self.train_dataset if train_dataset is None else train_dataset
         args = self.args
-        return ReplicaSampler(len(dataset), self._train_batch_size, self._replica,
+        self._train_sampler = ReplicaSampler(len(dataset), self._train_batch_size, self._replica,
                               shuffle=getattr(args, "train_sampling_strategy", "random") == "random",
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last)
+        return self._train_sampler
 
     def get_total_train_batch_size(self, args) -> int:
         """Samples per optimizer step over all replicas: the ranks of a replica share their batch."""
@@ -229,6 +234,20 @@ class SequenceParallelMixin:
         count = torch.as_tensor(count, dtype=torch.float64, device=local_sum.device).clamp(min=1.0)
         value = (total[0] / count).float() + (local_sum - local_sum.detach()) / count.float()
         return value * replicas
+
+
+class _SamplerEpoch(TrainerCallback):
+    """Sets the sampler's epoch at every epoch's start. Trainer's own ``set_epoch`` does not reach it through the
+    loader that skips the trained batches of a resumed epoch (accelerate's ``SkipBatchSampler`` around its
+    ``BatchSamplerShard``), so a run resumed in epoch ``e > 0`` would replay epoch 0's order."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.trainer._train_sampler is not None:
+            # state.epoch is e + (steps done) / (steps per epoch) here: its floor is the epoch that begins
+            self.trainer._train_sampler.set_epoch(math.floor((state.epoch or 0.0) + 1e-9))
 
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
