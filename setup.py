@@ -21,9 +21,12 @@ setup(
     extras_require={
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
         # matplotlib: tests/test_plots.py renders every plot (the bench scripts still write their tables without it).
-        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "safetensors", "numpy", "matplotlib>=3.5",
-                 "datasets>=2.19", "pyarrow>=15"],
-        "hf": ["transformers>=5.17,<6", "safetensors"],  # train.py's --model weights and --export-hf folders
+        "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5.17,<6", "accelerate>=1.12,<2", "safetensors",
+                 "numpy", "matplotlib>=3.5", "datasets>=2.19", "pyarrow>=15"],
+        # accelerate: transformers' Trainer needs it (SequenceParallelTrainer); 1.12 and 1.15 tested, 1.1
+        # (transformers' own floor) fails inside Trainer on 5.23. safetensors: train.py's --model weights and
+        # --export-hf folders.
+        "hf": ["transformers>=5.17,<6", "accelerate>=1.12,<2", "safetensors"],
         "data": ["datasets>=2.19", "pyarrow>=15"],  # launch/train.py --data: Parquet and datasets folders
         "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],

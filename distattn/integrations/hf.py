@@ -87,6 +87,7 @@ from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
 from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
 from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
 from distattn.integrations._hf_checkpointing import enable_remat_checkpointing, offload_checkpoints
+from distattn.integrations._hf_data import ReplicaSampler, check_same_batches, shard_inputs
 from distattn.schedule import SCHEDULES
 from distattn.packing import (Packed, cu_seqlens_from_position_ids, pack_padded, pack_sequences,
                               shift_labels_by_document)
@@ -98,7 +99,17 @@ from distattn.topology import all_reduce as all_reduce_group
 from distattn.topology import split as _split_group
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "offload_checkpoints",
-           "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "tiled_causal_lm_loss", "tile_loss", "tile_mlp"]
+           "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "tiled_causal_lm_loss", "tile_loss", "tile_mlp",
+           "shard_inputs", "check_same_batches", "ReplicaSampler", "SequenceParallelTrainer", "SequenceParallelMixin"]
+_TRAINER = ("SequenceParallelTrainer", "SequenceParallelMixin")  # import transformers.Trainer only when asked for
+
+
+def __getattr__(name):
+    if name in _TRAINER:
+        from distattn.integrations import _hf_trainer
+
+        return getattr(_hf_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 ATTN_IMPLEMENTATION = "distattn"
 """Name (prefix) under which distattn is registered in transformers' ``AttentionInterface``."""

@@ -1,0 +1,256 @@
+"""Hugging Face ``Trainer`` with distattn sequence parallelism (re-exported lazily by ``distattn.integrations.hf``).
+
+``SequenceParallelTrainer`` is ``transformers.Trainer`` plus five things (``SequenceParallelMixin`` adds them to
+another ``Trainer`` subclass: ``class MyTrainer(SequenceParallelMixin, SFTTrainer)``):
+
+1. the model's attention is distattn's (``use_distattn(model, group, schedule)``), checked before any step;
+2. **the data**: every rank of a sequence-parallel group gets the same batch and the ``D`` data-parallel replicas
+   (the groups) get consecutive ones: the training sampler is a ``ReplicaSampler`` that accelerate's own
+   ``prepare`` (its round-robin ``BatchSamplerShard``) deals out; each optimizer step's micro-batches are checked to
+   be the same on every rank of a group (``check_same_batches``: one all-reduce of a digest) before they are
+   sharded (``shard_inputs``: dense, padded, or flattened ``position_ids``; any length);
+3. **the loss** is the step's token mean over all ranks, micro-batches and replicas, as one process computes it
+   (``get_batch_samples`` counts the step's targets; ``compute_loss`` sums the cross-entropy over the group);
+4. **the gradient**: DDP (what ``Trainer`` wraps the model in under ``torchrun``) sums over the group and averages
+   over the replicas (``distattn.register_ddp_gradient_hook``, registered on the wrapped model before its first
+   backward);
+5. **the logged loss** is that mean (each rank of a group returns the same value; ``Trainer`` averages the ranks).
+
+The groups: by default the world is one sequence-parallel group (``D = 1``); ``sequence_parallel_size=P`` makes
+``D = world / P`` groups of ``P`` consecutive ranks; ``group=`` takes any distattn group (a ``ProcessGroup``, a
+two-dimensional ``(ulysses_group, ring_group)`` pair, a ``DeviceMesh``) whose copies tile the world.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import Trainer, TrainerCallback
+
+from distattn.comm import bounded_wait, default_timeout
+from distattn.gradients import register_ddp_gradient_hook
+from distattn.integrations._hf_data import (IGNORE_INDEX, ReplicaSampler, check_same_batches, replica_of_ranks,
+                                            shard_inputs)
+from distattn.integrations._hf_tiling import global_mean
+from distattn.sharding import _world
+from distattn.topology import all_reduce as all_reduce_group
+
+__all__ = ["SequenceParallelMixin", "SequenceParallelTrainer"]
+
+_SAMPLING = ("random", "sequential")  # the train_sampling_strategy values whose order ReplicaSampler reproduces
+
+
+def sequence_parallel_groups(sequence_parallel_size: int):
+    """This rank's group of ``D = world / P`` consecutive blocks of ``P`` ranks (``None`` when ``P`` is the world).
+    Every rank creates every group (``new_group`` is collective), after the same size check."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1 or world % sequence_parallel_size:
+        raise ValueError(f"sequence_parallel_size={sequence_parallel_size!r} must be a positive int that divides the "
+                         f"world size ({world} ranks): the world is D data-parallel replicas of P ranks each; pick P "
+                         f"among the divisors {[p for p in range(1, world + 1) if world % p == 0]}")
+    if sequence_parallel_size == world:
+        return None
+    p = sequence_parallel_size
+    groups = [dist.new_group(list(range(d * p, (d + 1) * p))) for d in range(world // p)]
+    return groups[rank // p]
+
+
+class SequenceParallelMixin:
+    """Sequence parallelism for a ``transformers.Trainer`` subclass (put it first among the bases).
+
+    Args (keyword-only, before the Trainer's own):
+        group: the sequence-parallel group (``None``: the world, or blocks of ``sequence_parallel_size`` ranks).
+        sequence_parallel_size: ``P``; the world is ``world / P`` data-parallel replicas of ``P`` consecutive ranks.
+        schedule: distattn's schedule (``"balanced"``, ``"ring"``, ``"zigzag"``), as for ``use_distattn``.
+        backend: kernel backend for ``use_distattn`` (``None``: the best on the model's device).
+        pad_id: token id of the padding ``shard_inputs`` appends (``None``: the processing class's pad token,
+            else 0; no real token ever sees it).
+
+    Raises (on every rank, before any step): ``ValueError`` for a ``sequence_parallel_size`` that does not divide
+    the world, both ``group`` and ``sequence_parallel_size``, a model whose heads do not split over a
+    two-dimensional group's Ulysses ranks, a ``compute_loss_func``, label smoothing, a sampling strategy other than
+    ``"random"``/``"sequential"``, an ``IterableDataset``, or an ``eval_strategy`` (evaluation is not supported);
+    at the first step (before its forward), if the ranks
+    of a group hold different batches.
+    """
+
+    def __init__(self, *args, group=None, sequence_parallel_size: int | None = None, schedule: str = "balanced",
+                 backend: str | None = None, pad_id: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._check_arguments()
+        world = self.args.world_size  # the process group exists now (TrainingArguments set it up)
+        if sequence_parallel_size is not None and group is not None:
+            raise ValueError("pass group= or sequence_parallel_size=, not both: sequence_parallel_size=P builds the "
+                             "groups (blocks of P consecutive ranks)")
+        if sequence_parallel_size is not None and world > 1:
+            group = sequence_parallel_groups(sequence_parallel_size)
+        elif sequence_parallel_size not in (None, 1):
+            raise ValueError(f"sequence_parallel_size={sequence_parallel_size} needs that many ranks, but this run "
+                             f"has 1 process: launch with torchrun --nproc-per-node N")
+        from distattn.integrations.hf import use_distattn
+
+        use_distattn(self.model, group, schedule, backend=backend)  # refuses heads that do not split, every rank
+        self.sequence_parallel_group, self.schedule = group, schedule
+        self.sequence_parallel_size = _world(group)[1]
+        self.pad_id = self._default_pad_id() if pad_id is None else pad_id
+        self._replica = replica_of_ranks(group, device=self._comm_device()) if world > 1 else [0]
+        self._hooked_ddp = None
+        self._train_sampler = None
+        self.add_callback(_SamplerEpoch(self))
+        # compute_loss returns the step-normalized loss whenever get_batch_samples counted the step's targets
+        self.model_accepts_loss_kwargs = True
+
+    loss_is_scaled_for_ga = True  # transformers >= 5.23 reads this; older ones model_accepts_loss_kwargs
+
+    def _check_arguments(self) -> None:
+        if getattr(self, "compute_loss_func", None) is not None:
+            raise ValueError("compute_loss_func is not used with sequence parallelism: the loss is distattn's token "
+                             "mean over all ranks (causal_lm_loss); drop compute_loss_func")
+        if self.args.label_smoothing_factor:
+            raise ValueError(f"label_smoothing_factor={self.args.label_smoothing_factor} is not supported with "
+                             f"sequence parallelism; set it to 0")
+        strategy = getattr(self.args, "train_sampling_strategy", "random")
+        if strategy not in _SAMPLING:
+            raise ValueError(f"train_sampling_strategy={strategy!r} is not supported with sequence parallelism; use "
+                             f"one of {_SAMPLING}")
+        if getattr(self.args, "eval_strategy", "no") != "no":
+            raise ValueError(f"eval_strategy={self.args.eval_strategy!r}: evaluation is not supported with sequence "
+                             f"parallelism yet (its batches would be dealt to every rank separately); set "
+                             f"eval_strategy='no' and evaluate on one process")
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            raise ValueError("an IterableDataset cannot be dealt to sequence-parallel replicas (every rank of a group "
+                             "needs the same batch); use a map-style dataset (datasets.Dataset, a list, ...)")
+
+    def _default_pad_id(self) -> int:
+        pad = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
+        return int(pad) if pad is not None else 0
+
+    def _comm_device(self) -> torch.device:
+        """Where the collectives' tensors live: the training device (CUDA on NCCL, CPU on gloo)."""
+        return self.args.device
+
+    def evaluate(self, *args, **kwargs):
+        raise ValueError("evaluation is not supported with sequence parallelism yet (Trainer deals its batches to "
+                         "every rank separately); evaluate the saved model on one process")
+
+    def predict(self, *args, **kwargs):
+        raise ValueError("prediction is not supported with sequence parallelism yet; predict with the saved model on "
+                         "one process")
+
+    # -- data ------------------------------------------------------------------------------------------------------
+    def _get_train_sampler(self, train_dataset=None):
+        """The order of the training set for every rank: see ``ReplicaSampler`` (the DataLoader that Trainer
+        builds around it is prepared by accelerate as usual)."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        args = self.args
+        self._train_sampler = ReplicaSampler(len(dataset), self._train_batch_size, self._replica,
+                              shuffle=getattr(args, "train_sampling_strategy", "random") == "random",
+                              seed=args.data_seed if args.data_seed is not None else args.seed,
+                              drop_last=args.dataloader_drop_last)
+        return self._train_sampler
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Samples per optimizer step over all replicas: the ranks of a replica share their batch."""
+        return super().get_total_train_batch_size(args) // self.sequence_parallel_size
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """The step's micro-batches, checked equal across the group and sharded, and the step's target count (over
+        all replicas with ``average_tokens_across_devices``, else this replica's)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        group = self.sequence_parallel_group
+        check_same_batches(batches, group, device=self._comm_device(),
+                           what=f"optimizer step {self.state.global_step + 1}")
+        sharded = [shard_inputs(b, group, schedule=self.schedule, pad_id=self.pad_id) for b in batches]
+        if not sharded:
+            return sharded, None
+        count = sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in sharded)
+        count = torch.tensor([float(count)], dtype=torch.float64, device=self._comm_device())
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            self._all_reduce(count, None)  # every rank's share: the targets of all replicas
+        else:
+            self._all_reduce(count, group)  # this replica's targets
+        return sharded, count[0].to(device)
+
+    def _all_reduce(self, t: torch.Tensor, group) -> None:
+        if group is not None:
+            all_reduce_group(t, group)
+            return
+        bounded_wait([dist.all_reduce(t, async_op=True)], default_timeout(),
+                     f"distattn: rank {dist.get_rank()}, counting the step's target tokens",
+                     poll=t.device.type == "cuda")
+
+    # -- loss and gradients ------------------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._reduce_gradients_over_the_group(model)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _reduce_gradients_over_the_group(self, model) -> None:
+        """Before the first backward of a wrapped model: DDP sums over the group, averages over replicas."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            if self._hooked_ddp is not model:
+                register_ddp_gradient_hook(model, self.sequence_parallel_group)
+                self._hooked_ddp = model
+        elif self.args.world_size > 1:
+            raise TypeError(f"SequenceParallelTrainer supports DistributedDataParallel (Trainer's wrapper under "
+                            f"torchrun), but the model is wrapped in {type(model).__name__}: run without "
+                            f"FSDP/DeepSpeed (for those, see distattn.set_fsdp_gradient_divide_factor and the "
+                            f"(loss * P) rule)")
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The step's token-mean loss: every rank of a group returns its replica's share, the same value; the
+        backward of each rank gives its own tokens' part (``distattn.gradients`` sums them)."""
+        if "shift_labels" not in inputs:  # a batch that did not come through get_batch_samples
+            inputs = shard_inputs(inputs, self.sequence_parallel_group, schedule=self.schedule, pad_id=self.pad_id)
+        outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+        labels = inputs["shift_labels"].to(outputs.logits.device)
+        local_sum = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(),
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+        if num_items_in_batch is None:
+            loss = global_mean(local_sum, labels, self.sequence_parallel_group)  # this micro-batch's mean
+        else:
+            loss = self._step_mean(local_sum, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def _step_mean(self, local_sum: torch.Tensor, count) -> torch.Tensor:
+        """``replicas * (the group's sum) / count``, differentiated as ``replicas * local_sum / count``.
+
+        With ``average_tokens_across_devices`` the count covers all replicas and DDP (with distattn's hook) divides
+        the gradient by the replicas, so the factor ``D`` gives one process's ``sum / count``; ``Trainer`` averages
+        the logged value over all ranks, which is the same ``sum / count``."""
+        total = local_sum.detach().double().reshape(1)
+        if self.sequence_parallel_size > 1:
+            all_reduce_group(total, self.sequence_parallel_group)
+        replicas = len(set(self._replica)) if self.args.average_tokens_across_devices else 1
+        count = torch.as_tensor(count, dtype=torch.float64, device=local_sum.device).clamp(min=1.0)
+        value = (total[0] / count).float() + (local_sum - local_sum.detach()) / count.float()
+        return value * replicas
+
+
+class _SamplerEpoch(TrainerCallback):
+    """Sets the sampler's epoch at every epoch's start. Trainer's own ``set_epoch`` does not reach it through the
+    loader that skips the trained batches of a resumed epoch (accelerate's ``SkipBatchSampler`` around its
+    ``BatchSamplerShard``), so a run resumed in epoch ``e > 0`` would replay epoch 0's order."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.trainer._train_sampler is not None:
+            # state.epoch is e + (steps done) / (steps per epoch) here: its floor is the epoch that begins
+            self.trainer._train_sampler.set_epoch(math.floor((state.epoch or 0.0) + 1e-9))
+
+
+class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
+    """``transformers.Trainer`` with distattn sequence parallelism (see ``SequenceParallelMixin`` and the module
+    doc): ``SequenceParallelTrainer(model=model, args=args, train_dataset=ds, data_collator=collator)``, launched
+    with ``torchrun --nproc-per-node N``; ``sequence_parallel_size=P`` for ``N / P`` data-parallel replicas."""
