@@ -9,7 +9,7 @@ A tiny ``LlamaForCausalLM`` (2 layers, GQA 4/2, fp32) with ``use_distattn`` is c
 ``torch.compile(model, backend=..., fullgraph=...)`` and runs forward + backward on 4 batches whose tokens per rank
 and document boundaries change every step: ``dense`` rows (``shard_batch(ids)``) and ``packed`` documents
 (``shard_batch(list_of_documents)``; step 2 has step 1's length with other boundaries). Each step also runs the
-same model eagerly. Per step the table gives: graphs compiled in that step (what the backend was handed: a frame's
+same model eagerly. Per step the table gives: graphs compiled in that step (dynamo's ``unique_graphs``: a frame's
 first compile or a recompile; ``torch.compile(model)`` compiles the forward pre-hook and the forward as two
 frames), graph breaks so far (``torch._dynamo.utils.counters``), the largest difference of the compiled loss and
 gradients from eager, and seconds. A compile that fails (``fullgraph=True`` with a graph break) ends the mode's
@@ -33,34 +33,37 @@ PACKED_DOCS = [[5, 1, 9], [3, 7, 2, 4], [9, 7], [11, 6, 3]]  # documents per ste
 MODES = ("dense", "packed")
 
 
-def make_model(layers: int = 2, dtype=torch.float32, group=None):
-    """A tiny LLaMA (GQA 4/2) with distattn over ``group``; the same weights on every rank and every call."""
+def make_model(layers: int = 2, dtype=torch.float32, group=None, *, distattn: bool = True):
+    """A tiny LLaMA (GQA 4/2), the same weights on every rank and every call; with distattn over ``group``, or
+    (``distattn=False``) with transformers' own eager attention."""
     import transformers
 
     from distattn.integrations import hf
 
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=128, initializer_range=0.2, use_cache=False)
+                                      max_position_embeddings=128, initializer_range=0.2, use_cache=False,
+                                      attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dtype).train()
-    return hf.use_distattn(model, group)
+    return hf.use_distattn(model, group) if distattn else model
+
+
+def step_documents(mode: str) -> list[list[torch.Tensor]]:
+    """The token ids of every step of ``mode``: its documents (a dense row is one document of the whole sequence)."""
+    g = torch.Generator().manual_seed(1)
+    if mode == "dense":
+        return [[torch.randint(0, VOCAB, (n,), generator=g)] for n in DENSE_TOKENS]
+    return [[torch.randint(0, VOCAB, (n,), generator=g) for n in lengths] for lengths in PACKED_DOCS]
 
 
 def batches(mode: str, group=None) -> list[dict]:
     """This rank's ``shard_batch`` of every step of ``mode`` (the same token ids on every rank)."""
     from distattn.integrations import hf
 
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for step in range(len(DENSE_TOKENS)):
-        if mode == "dense":
-            ids = torch.randint(0, VOCAB, (1, DENSE_TOKENS[step]), generator=g)
-            out.append(hf.shard_batch(ids, labels=ids, group=group))
-        else:
-            docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in PACKED_DOCS[step]]
-            out.append(hf.shard_batch(docs, labels=docs, group=group))
-    return out
+    if mode == "dense":
+        return [hf.shard_batch(d[0][None], labels=d[0][None], group=group) for d in step_documents(mode)]
+    return [hf.shard_batch(docs, labels=docs, group=group) for docs in step_documents(mode)]
 
 
 def train_step(model, batch, group=None) -> tuple[torch.Tensor, dict]:
@@ -76,23 +79,18 @@ def train_step(model, batch, group=None) -> tuple[torch.Tensor, dict]:
                            for name, p in model.named_parameters()}
 
 
-class CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it is handed (first compiles and recompiles alike)."""
-
-    def __init__(self, backend: str):
-        self.backend, self.graphs = backend, 0
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo import lookup_backend
-
-        self.graphs += 1
-        return lookup_backend(self.backend)(gm, example_inputs)
-
-
 def graph_breaks() -> int:
+    """Graph breaks so far (``torch._dynamo.utils.counters``)."""
     from torch._dynamo.utils import counters
 
     return sum(counters["graph_break"].values())
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled so far: first compiles and recompiles (not a trace it restarted)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def compile_run(mode: str, backend: str = "aot_eager", *, fullgraph: bool = True, dynamic: bool | None = None,
@@ -104,18 +102,17 @@ def compile_run(mode: str, backend: str = "aot_eager", *, fullgraph: bool = True
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = make_model(layers, group=group)
-    counting = CountingBackend(backend)
-    compiled = torch.compile(model, backend=counting, fullgraph=fullgraph, dynamic=dynamic)
+    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     rows = []
     for batch in batches(mode, group):
         eager_loss, eager_grads = train_step(model, batch, group)
-        before, t0 = counting.graphs, time.perf_counter()
+        before, t0 = graphs_compiled(), time.perf_counter()
         row = dict(tokens=batch["input_ids"].shape[1], eager_loss=eager_loss, eager_grads=eager_grads, error=None)
         try:
             row["loss"], row["grads"] = train_step(compiled, batch, group)
         except Exception as exc:  # noqa: BLE001 - a failed compile is the figure this run reports
             row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-        row.update(graphs=counting.graphs - before, graph_breaks=graph_breaks(),
+        row.update(graphs=graphs_compiled() - before, graph_breaks=graph_breaks(),
                    seconds=time.perf_counter() - t0)
         rows.append(row)
         if row["error"]:
