@@ -2,14 +2,14 @@
 recompile per step when the tokens per rank and the document boundaries change.
 
 The run is ``bench/hf_compile.py``'s (a tiny LLaMA, 4 steps of dense rows or packed documents, each step with
-another length or other boundaries), on 2 gloo ranks. Counted per step: graphs handed to the backend (first
-compiles and recompiles) and graph breaks (``torch._dynamo.utils.counters``). Every step's compiled loss and
+another length or other boundaries), on 2 gloo ranks. Counted per step (``torch._dynamo.utils.counters``): graphs
+compiled (``unique_graphs``: first compiles and recompiles) and graph breaks. Every step's compiled loss and
 gradients (summed over the ranks) meet the accuracy rule against fp64 (every document alone through transformers'
 own eager attention), with the same distattn model run eagerly in fp32 as the baseline.
 
 Backends: ``aot_eager`` (dynamo + AOTAutograd, the joint forward/backward graph that inductor would get, without
 its C++ compile) for dense and packed; ``inductor`` once (packed, one layer, ``dynamic=True``: one compile of
-~20 s on two idle cores, where the automatic switch to a dynamic length would compile twice).
+~30 s with a cold inductor cache, where the automatic switch to a dynamic length would compile twice).
 """
 
 import os
