@@ -79,7 +79,7 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
         raise TypeError(f"softmax_scale must be a number or None (head_dim ** -0.5), got {softmax_scale!r} of "
                         f"type {type(softmax_scale).__name__}")
     scale = float(softmax_scale)
-    if not (scale > 0 and math.isfinite(scale)):
+    if not (0 < scale < math.inf):  # comparisons, not math.isfinite: a traced scale may be symbolic (torch.compile)
         raise ValueError(f"softmax_scale ({softmax_scale}) must be a finite positive number, or None for "
                          f"head_dim ** -0.5")
     return scale

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from distattn import kernels
-from distattn._ops import dist_attention
+from distattn._ops import dist_attention, documents_of
 from distattn._validate import check_qkv, resolve_scale
 from distattn.attention import DistAttnConfig, reject_call
 from distattn.comm import DEFAULT_TIMEOUT_S, default_timeout
@@ -339,6 +339,36 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     cfg = validated_everywhere(validate, group, timeout, q)
     out, lse = dist_attention(q4, k4, v4, cfg)
     return _returns(out[0], lse[0], return_attn_probs, return_lse)
+
+
+def dist_attn_with_documents(q, k, v, documents, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, group=None, schedule="balanced", backend=None, overlap=True, timeout=None,
+                             partials="fp32"):
+    """:func:`dist_flash_attn_func` whose packed documents are a tensor read only when the op runs, so that a
+    traced caller (``torch.compile``) keeps one graph for every set of document boundaries (the Hugging Face
+    integration's path; ``distattn._ops.padded_documents`` makes the tensor).
+
+    Args:
+        q, k, v: ``(b, n, h, d)`` shards, as :func:`dist_flash_attn_func`; ``b = 1`` when there are documents.
+        documents: ``(P*n + 1,)`` int64: the whole stream's cumulative document lengths, padded at the end by
+            repeating ``P*n``; one document over the stream is plain attention (``causal`` as given).
+        The rest: as :func:`dist_flash_attn_func`. ``schedule="auto"`` reads the documents in eager mode; traced,
+            it resolves from the shapes alone (their values are not known yet).
+    """
+    def validate():
+        if not isinstance(documents, torch.Tensor) or documents.dtype != torch.int64 or documents.dim() != 1:
+            raise TypeError(f"documents must be a 1-D int64 tensor (distattn._ops.padded_documents), got "
+                            f"{getattr(documents, 'dtype', type(documents).__name__)}")
+        traced = torch.compiler.is_compiling()  # values unknown until the op runs
+        known = documents_of(documents, len(documents) - 1) if schedule == "auto" and not traced else None
+        return make_config(q, k, v, causal=check_causal(causal), softmax_scale=softmax_scale,
+                           window=check_window(window_size), softcap=check_softcap(softcap), group=group,
+                           schedule=schedule, backend=backend, overlap=overlap, timeout=timeout, partials=partials,
+                           documents=known)
+
+    cfg = validated_everywhere(validate, group, timeout, q)
+    out, _ = dist_attention(q, k, v, cfg, documents)
+    return out
 
 
 def _varlen_config(q4, k4, v4, cu_seqlens, max_seqlen, *, causal, softmax_scale, window_size, softcap, group,

@@ -7,9 +7,16 @@ slice of the stream, so no rank can tell the documents alone: a forward pre-hook
 ``use_distattn``) runs once per forward on every rank, puts every rank's position ids back in sequence order
 with the layout of the model's schedule (``gather_sequence``: one all-gather of ``b * T`` integers per forward,
 two on a two-dimensional group, none per layer), derives the documents of the *whole* stream from them (or from
-the ``cu_seq_lens`` it was given), and pins the result to the ``position_ids`` tensor that transformers hands to
-every attention layer. The attention function reads it there: documents -> ``dist_flash_attn_varlen_func``;
-one document -> the dense causal op.
+the ``cu_seq_lens`` it was given), and adds them to the model's keyword arguments (``DOCUMENTS_KWARG``), which
+transformers hands to every attention layer. The attention function passes them to the op: documents -> attention
+inside each document; one document -> plain causal attention.
+
+``torch.compile``: the documents are data, not graph structure. All the data-dependent work (the all-gather, the
+``diff != 1`` scan, the layout check) is inside one registered op, ``distattn::stream_documents``, whose output has
+a shape fixed by the input's (``(T + 1,)``: the cumulative lengths padded at the end by repeating ``T``;
+``distattn._ops.padded_documents``), and the attention op reads the values only when it runs. So the hook and the
+model trace without a graph break (``fullgraph=True``), and a batch with other document boundaries, or another
+length once the length is dynamic, runs the graphs already compiled (``tests/test_hf_compile.py``).
 
 The same gathered stream guards the layout: a batch sharded with another layout than the model's schedule
 (``shard_batch(..., schedule=...)`` and ``use_distattn(..., schedule=...)`` disagree, or another group) comes
@@ -23,22 +30,24 @@ Legend: ``b`` batch rows, ``n`` tokens per rank, ``T = P * n`` tokens in the str
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from distattn._ops import group_of
+from distattn._ops import group_of, padded_documents
 from distattn.sharding import gather_sequence, group_size, layout
 
-__all__ = ["install_packing_hook", "stream_documents", "cu_seq_lens_documents"]
+__all__ = ["install_packing_hook", "stream_documents", "cu_seq_lens_documents", "DOCUMENTS_KWARG"]
 
-_ATTR = "_distattn_documents"  # on position_ids: tuple cu_seqlens of the whole stream, or None (one document)
+DOCUMENTS_KWARG = "distattn_documents"
+"""The keyword argument under which the hook hands the stream's documents to every attention layer: transformers
+passes a model's extra keyword arguments down to its attention functions. Its value is the ``(T + 1,)`` tensor of
+``distattn._ops.padded_documents``."""
 _HOOKED = "_distattn_packing_hook"
 
 
-def stream_documents(position_ids: torch.Tensor | None):
-    """``(known, cu_seqlens)`` pinned to ``position_ids`` by the hook (``known`` False: no hook ran)."""
-    if position_ids is None or not hasattr(position_ids, _ATTR):
-        return False, None
-    return True, getattr(position_ids, _ATTR)
+def stream_documents(kwargs: dict):
+    """``(known, documents)`` that the hook put into an attention layer's ``kwargs`` (``known`` False: no hook
+    ran); ``documents`` is the ``(T + 1,)`` tensor of ``distattn._ops.padded_documents``."""
+    documents = kwargs.get(DOCUMENTS_KWARG)
+    return documents is not None, documents
 
 
 def install_packing_hook(model, group_key: str, schedule: str = "balanced") -> None:
@@ -47,35 +56,49 @@ def install_packing_hook(model, group_key: str, schedule: str = "balanced") -> N
     old = getattr(model, _HOOKED, None)
     if old is not None:
         old.remove()
-    handle = model.register_forward_pre_hook(lambda m, a, kw: _derive(kw, group_key, schedule), with_kwargs=True)
+    handle = model.register_forward_pre_hook(lambda m, a, kw: _derive(a, kw, group_key, schedule), with_kwargs=True)
     setattr(model, _HOOKED, handle)
 
 
-def _derive(kwargs: dict, group_key: str, schedule: str):
-    group = group_of(group_key)
-    world = group_size(group)
+def _derive(args: tuple, kwargs: dict, group_key: str, schedule: str):
+    """The model's arguments with ``DOCUMENTS_KWARG`` added. Under ``torch.compile`` this hook is traced: all the
+    data-dependent work is inside the ``distattn::stream_documents`` op, whose output has a fixed shape."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
+        world = group_size(group_of(group_key))
         if world > 1:
             raise ValueError(f"distattn over {world} ranks needs position_ids: without them the model numbers "
                              f"each rank's tokens from 0 and RoPE is wrong; pass "
                              f"position_ids=batch['position_ids'] from distattn.integrations.hf.shard_batch")
         return None
+    documents = torch.ops.distattn.stream_documents(position_ids, kwargs.get("cu_seq_lens_q"),
+                                                    kwargs.get("cu_seq_lens_k"), group_key, schedule)
+    return args, {**kwargs, DOCUMENTS_KWARG: documents}
+
+
+@torch.library.custom_op("distattn::stream_documents", mutates_args=())
+def _stream_documents_op(position_ids: torch.Tensor, cu_seq_lens_q: torch.Tensor | None,
+                         cu_seq_lens_k: torch.Tensor | None, group_key: str, schedule: str) -> torch.Tensor:
+    """The whole stream's documents as ``padded_documents`` (``(T + 1,)`` int64, CPU) from this rank's
+    ``position_ids (b, n)``: one all-gather of the positions (none on one rank), then host work."""
+    group = group_of(group_key)
     rows = position_ids.reshape(-1, position_ids.shape[-1])  # (b, n)
     stream = rows
-    if world > 1:  # (b, T): every rank's positions in sequence order, by the model's layout
+    if group_size(group) > 1:  # (b, T): every rank's positions in sequence order, by the model's layout
         stream = gather_sequence(rows, 1, group, schedule=schedule)
         _check_layout(stream, group, schedule)
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     total = stream.shape[-1]
-    if cu_q is not None or cu_k is not None:
-        cu = _from_cu_seq_lens(cu_q, cu_k, position_ids, total)
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        cu = _from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, position_ids, total)
     else:
         cu = _from_stream(stream)
-    if cu is not None and len(cu) == 2 and cu[-1] == total:
-        cu = None  # one document over the whole stream: plain causal attention
-    setattr(position_ids, _ATTR, cu)
-    return None
+    return padded_documents(cu, total)
+
+
+@_stream_documents_op.register_fake
+def _stream_documents_fake(position_ids, cu_seq_lens_q, cu_seq_lens_k, group_key, schedule):
+    total = position_ids.shape[-1] * group_size(group_of(group_key))
+    return torch.empty(total + 1, dtype=torch.int64, device="cpu")  # host memory: the op's reader is the host
 
 
 def _check_layout(stream: torch.Tensor, group, schedule: str) -> None:

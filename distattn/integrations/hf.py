@@ -83,7 +83,7 @@ import torch.nn.functional as F
 from distattn import kernels
 from distattn._compat import hf_checkpointing_enable
 from distattn._ops import group_key, group_of
-from distattn.api import dist_flash_attn_func, dist_flash_attn_varlen_func
+from distattn.api import dist_attn_with_documents, dist_flash_attn_func, dist_flash_attn_varlen_func
 from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
 from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
 from distattn.integrations._hf_checkpointing import enable_remat_checkpointing, offload_checkpoints
@@ -204,8 +204,11 @@ def distattn_attention_forward(module, query, key, value, attention_mask, scalin
     common = dict(softmax_scale=scaling, causal=is_causal, softcap=kwargs.get("softcap") or 0.0,
                   window_size=_window(kwargs.get("sliding_window"), is_causal, q.shape[1] * _group_size(group)),
                   group=group, schedule=options.schedule, backend=options.backend, overlap=options.overlap)
-    known, documents = stream_documents(kwargs.get("position_ids"))
-    if not known and (kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None):
+    known, stream = stream_documents(kwargs)
+    if known:  # the packing hook's documents: a tensor read when the op runs (one graph for any documents)
+        return dist_attn_with_documents(q, k, v, stream, **common), None
+    documents = None
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         documents = cu_seq_lens_documents(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
     if documents is not None:  # a packed stream: attention stays inside each document
         cu = torch.tensor(documents, dtype=torch.int32)
