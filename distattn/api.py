@@ -47,16 +47,22 @@ def check_causal(causal) -> bool:
 
 
 def check_window(window_size) -> tuple[int, int]:
-    """flash-attn's ``window_size=(left, right)``: -1 means unlimited on that side."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unlimited, got "
-                        f"{window_size!r}") from None
-    for name, w in (("left", left), ("right", right)):
+    """flash-attn's ``window_size=(left, right)``: -1 means unlimited on that side. A tuple or list of two ints, or
+    a 1-D integer tensor of two elements (what flash-attn's own tests pass; read on the host, one sync)."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.shape != (2,) or window_size.dtype.is_floating_point or window_size.dtype.is_complex \
+                or window_size.dtype == torch.bool or window_size.device.type == "meta":
+            raise TypeError(f"window_size as a tensor must be a 1-D integer tensor of 2 elements (left, right) with "
+                            f"values, got shape {tuple(window_size.shape)}, dtype {window_size.dtype} on "
+                            f"{window_size.device}; e.g. torch.tensor([left, right]) or a tuple (left, right)")
+        window_size = tuple(window_size.tolist())
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unlimited: a tuple, a list "
+                        f"or a 2-element integer tensor, got {window_size!r}")
+    for name, w in zip(("left", "right"), window_size):
         if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
             raise ValueError(f"window_size {name} must be an int >= -1 (-1: unlimited), got {w!r}")
-    return int(left), int(right)
+    return int(window_size[0]), int(window_size[1])
 
 
 def check_softcap(softcap) -> float:
@@ -104,7 +110,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                               q 0:      x x x x .      (position 3)
                               q 1:      x x x x x      (position 4)
 
-    A query row that sees no key (``s_q > s_k`` causal) gets output 0 and lse -inf, never NaN.
+    A query row that sees no key (``s_q > s_k`` causal) gets output 0 and lse -inf, never NaN. flash-attn reports
+    +inf for such a row (a sentinel for its backward); distattn keeps -inf, the log of an empty sum, which merges
+    with other partial results as weight 0: test such rows with ``torch.isinf``, not ``== inf``.
 
     Args:
         q: ``(b, s_q, h_q, d)``, fp16/bf16/fp32.
@@ -417,6 +425,8 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
         raise ValueError(f"cu_seqlens[-1] = {documents[-1]} is more than the stream holds ({total} = "
                          f"{topo.world_size} ranks x {q.shape[1]} tokens); every rank must pass its n = T / P tokens "
                          f"and the global cu_seqlens")
+    if documents is not None:
+        check_global_documents(documents, q.shape[1], topo.world_size)
     if topo.two_d:
         ulysses_heads(q.shape[2], k.shape[2], topo.U)  # heads that cannot be split raise here, on every rank
     if schedule == "auto":
@@ -431,6 +441,29 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
     return DistAttnConfig(causal=causal, scale=resolve_scale(softmax_scale, q.shape[-1]), window=window,
                           softcap=softcap, schedule=schedule, backend=backend, group=group, overlap=overlap,
                           timeout=check_timeout(timeout), partials=partials)
+
+
+def check_global_documents(documents, n: int, world: int) -> None:
+    """The local-``cu_seqlens`` mistake: ring-flash-attention's varlen functions take each rank's LOCAL
+    ``cu_seqlens`` (ending at the rank's own ``n`` tokens); distattn takes the whole stream's. Passed here, local
+    ones describe a stream that ends inside rank 0's shard, so every other rank's tokens become padding and the
+    result is silently wrong. A stream that short is legitimate only when padding it to a multiple of ``2P`` (what
+    ``distattn.packing`` adds for either layout) reaches ``P*n``.
+
+    Raise, not warn: a warning on every rank at every step is easy to miss while the model trains on wrong
+    attention, and the rare legitimate call (a stream of at most ``n`` tokens padded far beyond what the layout
+    needs) has an equivalent spelling that passes: the padding as an explicit last document (``P*n`` appended to
+    ``cu_seqlens``). Decided from ``cu_seqlens``, ``n`` and ``P`` alone, inside the call's agreement, so a rank that
+    raises makes every rank raise."""
+    end = documents[-1]
+    if world > 1 and end <= n and -(-end // (2 * world)) * (2 * world) < world * n:
+        raise ValueError(f"cu_seqlens ends at {end}, inside rank 0's shard ({n} tokens per rank), but the {world} ranks "
+                         f"hold a stream of {world * n} tokens: ranks 1..{world - 1} would hold only padding. These "
+                         f"look like per-rank LOCAL cu_seqlens (ring-flash-attention's convention); "
+                         f"dist_flash_attn_varlen_func wants the cu_seqlens of the WHOLE stream, the same tensor on "
+                         f"every rank (ring-flash-attention's calls translate with distattn.compat.ring_flash_attn). "
+                         f"If the stream really is this short, append {world * n} to cu_seqlens (the padding as an "
+                         f"explicit last document)")
 
 
 def check_group(group) -> None:
