@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from distattn import kernels
 from distattn._ops import dist_attention
-from distattn._validate import check_qkv, resolve_scale
+from distattn._validate import check_global_documents, check_qkv, resolve_scale
 from distattn.attention import DistAttnConfig, reject_call
 from distattn.comm import DEFAULT_TIMEOUT_S, default_timeout
 from distattn.schedule import PARTIALS, SCHEDULES, layout_of, ulysses_heads
@@ -322,7 +322,8 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
         q: ``(n, h_q, d)``, this rank's tokens of the packed stream.
         k, v: ``(n, h_kv, d)``; ``h_q % h_kv == 0``.
         cu_seqlens: ``(documents + 1,)`` int32/int64 cumulative lengths over the WHOLE stream (the same tensor on
-            every rank), starting at 0, ending at ``<= P*n``.
+            every rank), starting at 0, ending at ``<= P*n``. Per-rank LOCAL ``cu_seqlens`` (ring-flash-attention's
+            convention: a stream ending inside rank 0's shard while ``P > 1``) raise a ``ValueError`` with the fix.
         max_seqlen: the longest document (as flash-attn; checked, not otherwise needed).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
             as in :func:`flash_attn_func`.
@@ -441,29 +442,6 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
     return DistAttnConfig(causal=causal, scale=resolve_scale(softmax_scale, q.shape[-1]), window=window,
                           softcap=softcap, schedule=schedule, backend=backend, group=group, overlap=overlap,
                           timeout=check_timeout(timeout), partials=partials)
-
-
-def check_global_documents(documents, n: int, world: int) -> None:
-    """The local-``cu_seqlens`` mistake: ring-flash-attention's varlen functions take each rank's LOCAL
-    ``cu_seqlens`` (ending at the rank's own ``n`` tokens); distattn takes the whole stream's. Passed here, local
-    ones describe a stream that ends inside rank 0's shard, so every other rank's tokens become padding and the
-    result is silently wrong. A stream that short is legitimate only when padding it to a multiple of ``2P`` (what
-    ``distattn.packing`` adds for either layout) reaches ``P*n``.
-
-    Raise, not warn: a warning on every rank at every step is easy to miss while the model trains on wrong
-    attention, and the rare legitimate call (a stream of at most ``n`` tokens padded far beyond what the layout
-    needs) has an equivalent spelling that passes: the padding as an explicit last document (``P*n`` appended to
-    ``cu_seqlens``). Decided from ``cu_seqlens``, ``n`` and ``P`` alone, inside the call's agreement, so a rank that
-    raises makes every rank raise."""
-    end = documents[-1]
-    if world > 1 and end <= n and -(-end // (2 * world)) * (2 * world) < world * n:
-        raise ValueError(f"cu_seqlens ends at {end}, inside rank 0's shard ({n} tokens per rank), but the {world} ranks "
-                         f"hold a stream of {world * n} tokens: ranks 1..{world - 1} would hold only padding. These "
-                         f"look like per-rank LOCAL cu_seqlens (ring-flash-attention's convention); "
-                         f"dist_flash_attn_varlen_func wants the cu_seqlens of the WHOLE stream, the same tensor on "
-                         f"every rank (ring-flash-attention's calls translate with distattn.compat.ring_flash_attn). "
-                         f"If the stream really is this short, append {world * n} to cu_seqlens (the padding as an "
-                         f"explicit last document)")
 
 
 def check_group(group) -> None:
