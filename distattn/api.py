@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from distattn import kernels
 from distattn._ops import dist_attention, documents_of
-from distattn._validate import check_qkv, resolve_scale
+from distattn._validate import check_global_documents, check_qkv, resolve_scale
 from distattn.attention import DistAttnConfig, reject_call
 from distattn.comm import DEFAULT_TIMEOUT_S, default_timeout
 from distattn.schedule import PARTIALS, SCHEDULES, layout_of, ulysses_heads
@@ -47,16 +47,22 @@ def check_causal(causal) -> bool:
 
 
 def check_window(window_size) -> tuple[int, int]:
-    """flash-attn's ``window_size=(left, right)``: -1 means unlimited on that side."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unlimited, got "
-                        f"{window_size!r}") from None
-    for name, w in (("left", left), ("right", right)):
+    """flash-attn's ``window_size=(left, right)``: -1 means unlimited on that side. A tuple or list of two ints, or
+    a 1-D integer tensor of two elements (what flash-attn's own tests pass; read on the host, one sync)."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.shape != (2,) or window_size.dtype.is_floating_point or window_size.dtype.is_complex \
+                or window_size.dtype == torch.bool or window_size.device.type == "meta":
+            raise TypeError(f"window_size as a tensor must be a 1-D integer tensor of 2 elements (left, right) with "
+                            f"values, got shape {tuple(window_size.shape)}, dtype {window_size.dtype} on "
+                            f"{window_size.device}; e.g. torch.tensor([left, right]) or a tuple (left, right)")
+        window_size = tuple(window_size.tolist())
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unlimited: a tuple, a list "
+                        f"or a 2-element integer tensor, got {window_size!r}")
+    for name, w in zip(("left", "right"), window_size):
         if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
             raise ValueError(f"window_size {name} must be an int >= -1 (-1: unlimited), got {w!r}")
-    return int(left), int(right)
+    return int(window_size[0]), int(window_size[1])
 
 
 def check_softcap(softcap) -> float:
@@ -104,7 +110,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                               q 0:      x x x x .      (position 3)
                               q 1:      x x x x x      (position 4)
 
-    A query row that sees no key (``s_q > s_k`` causal) gets output 0 and lse -inf, never NaN.
+    A query row that sees no key (``s_q > s_k`` causal) gets output 0 and lse -inf, never NaN. flash-attn reports
+    +inf for such a row (a sentinel for its backward); distattn keeps -inf, the log of an empty sum, which merges
+    with other partial results as weight 0: test such rows with ``torch.isinf``, not ``== inf``.
 
     Args:
         q: ``(b, s_q, h_q, d)``, fp16/bf16/fp32.
@@ -314,7 +322,8 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
         q: ``(n, h_q, d)``, this rank's tokens of the packed stream.
         k, v: ``(n, h_kv, d)``; ``h_q % h_kv == 0``.
         cu_seqlens: ``(documents + 1,)`` int32/int64 cumulative lengths over the WHOLE stream (the same tensor on
-            every rank), starting at 0, ending at ``<= P*n``.
+            every rank), starting at 0, ending at ``<= P*n``. Per-rank LOCAL ``cu_seqlens`` (ring-flash-attention's
+            convention: a stream ending inside rank 0's shard while ``P > 1``) raise a ``ValueError`` with the fix.
         max_seqlen: the longest document (as flash-attn; checked, not otherwise needed).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
             as in :func:`flash_attn_func`.
@@ -447,6 +456,8 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
         raise ValueError(f"cu_seqlens[-1] = {documents[-1]} is more than the stream holds ({total} = "
                          f"{topo.world_size} ranks x {q.shape[1]} tokens); every rank must pass its n = T / P tokens "
                          f"and the global cu_seqlens")
+    if documents is not None:
+        check_global_documents(documents, q.shape[1], topo.world_size)
     if topo.two_d:
         ulysses_heads(q.shape[2], k.shape[2], topo.U)  # heads that cannot be split raise here, on every rank
     if schedule == "auto":
