@@ -9,10 +9,11 @@ a layout of kind ``"placed"`` (``distattn.schedule.layouts``) in which
 * the ranks form ``P / k`` *groups* of ``k`` neighbouring ranks; every document goes whole to one group when it
   fits (documents longer than a group's stream are cut across groups), the documents' work balanced over the
   groups by longest-processing-time first with a token capacity of ``k * n`` per group,
-* inside a group the group's tokens (its documents in position order) are cut into blocks of ``B`` tokens and
-  dealt to its ``k`` ranks in a snake (0, 1, .., k-1, k-1, .., 0, 0, 1, ..): a fine zigzag of the group's
-  stream, so that every (query rank, kv rank) pair of the group holds about the same share of every document's
-  work, and the ring plan over the group keeps every rank equally busy in every step.
+* inside a group the group's tokens (its documents in position order) are cut into blocks of ``B`` tokens; the
+  whole blocks of every document, in full cycles of ``2k``, are dealt to the group's ``k`` ranks in a snake
+  (0, 1, .., k-1, k-1, .., 0): symmetric, so every (query rank, kv rank) pair of the group gets the same share of
+  that stretch of the document's work, and the plan's steps stay equal across ranks; the remaining blocks
+  (document ends, short documents) go heaviest first to the least loaded rank of the group with room.
 
 ``k`` is the smallest divisor of ``P`` whose groups are balanced within :data:`GROUP_TOLERANCE`: small groups
 keep a document's blocks on few ranks (little traffic), ``k = P`` (one group, every document dealt over every
@@ -84,7 +85,11 @@ def _place_cached(spec: MaskSpec, p: int, n: int) -> Layout:
     keep = lengths > 0  # empty documents hold no tokens
     starts, lengths = starts[keep], lengths[keep]
     rows = _RowWork(spec, lengths)
+    whole = rows.prefix(np.arange(len(lengths)), lengths)
     for k in _divisors(p):
+        heaviest = whole[lengths <= k * n].max(initial=0)  # a document that fits a group is never cut
+        if k < p and heaviest > GROUP_TOLERANCE * whole.sum() * k / p:
+            continue  # that document alone overloads its group: no assignment of this k can be balanced
         pieces, load = _assign_groups(starts, lengths, rows, p // k, k * n)
         if k == p or load.max() <= GROUP_TOLERANCE * load.mean():
             break
@@ -190,10 +195,9 @@ def _fill_rest(owner: np.ndarray, work: np.ndarray, p: int, k: int, per_group: i
 
 
 def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int):
-    """Every group's tokens in position order, cut into blocks of ``b``; the blocks, heaviest first (row work), dealt
-    to the group's ranks in a snake (0, 1, .., k-1, k-1, .., 0, ..): every rank gets ``n / b`` blocks and about the
-    same work, and the heavy late blocks of a long document spread over all the group's ranks, so every pair of the
-    group holds a like share of it. Returns the segments of every rank (merged where neighbouring), in order."""
+    """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring:
+    snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns the segments of every rank
+    (merged where neighbouring), in position order."""
     order = np.lexsort((pieces[:, 0], pieces[:, 2]))  # by group, then position
     start, stop, group, doc = (pieces[order, c] for c in range(4))
     length = stop - start
