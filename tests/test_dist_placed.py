@@ -70,8 +70,8 @@ def _worker(rank, world, n):
     seen = []
     for i, case in enumerate(CASES):
         for j, cu in enumerate(_streams(world, n)):
-            if case[4] == torch.float16 and j:
-                continue  # one stream is enough for the half-precision case
+            if (i + j) % 2 and world > 1:
+                continue  # every case meets two of the streams at P > 1 (the suite's time budget)
             try:
                 seen.append(_check(rank, world, case, cu, n, seed=10 * i + j))
             except AssertionError as exc:
@@ -83,7 +83,8 @@ def _worker(rank, world, n):
 def test_placed_documents_against_reference(world):
     n = 12  # blocks of 4 tokens: three per rank, so the solver has something to place
     seen = run_distributed(_worker, world, n, timeout=TIMEOUT_S)
-    assert all(s == seen[0] for s in seen) and len(seen[0]) == 3 * (len(CASES) - 1) + 1  # one placement everywhere
+    assert all(s == seen[0] for s in seen)  # one placement on every rank
+    assert len(seen[0]) == (3 * len(CASES) if world == 1 else 6)
 
 
 def _two_d_worker(rank, world):

@@ -421,23 +421,13 @@ def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Lay
     if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
         balanced = _balance_by_work(p, work, needed)
         per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
-    elif schedule == "placed":  # balanced by layout: owner tasks (only k/v travel), helpers only if much shorter
+    elif schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
         per_rank = min((ring, _owners(ring, work)), key=lambda plan: _length(plan, work))
-        if len(needed) - p <= _HELPER_PAIRS_PER_RANK * p:
-            balanced = _balance_by_work(p, work, needed)
-            if _length(balanced, work) < _HELPER_GAIN * _length(per_rank, work):
-                per_rank = balanced
     steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
     got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
     assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
     return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(steps, work, n), work=work,
                 chunk=n, layout=None if layout.contiguous else layout)
-
-
-_HELPER_GAIN = 0.95
-"""A placed plan takes helper tasks (q in, a partial out: more bytes than k/v) only if they shorten it by 5%."""
-_HELPER_PAIRS_PER_RANK = 16
-"""... and only tries them with at most this many off-diagonal pairs per rank (the greedy is O(pairs^2 * P))."""
 
 
 def _owners(ring: list[list[Task]], work) -> list[list[Task]]:
