@@ -44,15 +44,16 @@ def group_size(group=None) -> int:
     return _world(group)[1]
 
 
-def placement(cu_seqlens, n: int, group=None, *, causal: bool = True, window=(-1, -1)) -> Layout:
+def placement(cu_seqlens, n: int, group=None) -> Layout:
     """The work-balanced placement of a packed stream over ``group`` (``distattn.schedule.placement``): every rank
-    derives the same layout from the same ``cu_seqlens`` (global, ints or a tensor) and ``n`` tokens per rank.
-    Falls back to contiguous shards (``layout.note`` says why) for a stream it cannot place."""
+    derives the same layout from the same ``cu_seqlens`` (global, ints or a tensor) and ``n`` tokens per rank, the
+    layout ``schedule="placed"`` runs on for any causal flag or window. Falls back to contiguous shards
+    (``layout.note`` says why) for a stream it cannot place."""
     from distattn.schedule import MaskSpec
 
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.tolist()
-    spec = MaskSpec(causal=causal, window=tuple(window), cu_seqlens=tuple(int(c) for c in cu_seqlens))
+    spec = MaskSpec(causal=True, cu_seqlens=tuple(int(c) for c in cu_seqlens))
     _, world = _world(group)
     return layout_of("placed", world, 1, mask=spec, n=n) if world > 1 else Layout("contiguous", 1)
 

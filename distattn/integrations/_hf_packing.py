@@ -63,10 +63,10 @@ def _derive(kwargs: dict, group_key: str, schedule: str):
         return None
     rows = position_ids.reshape(-1, position_ids.shape[-1])  # (b, n)
     stream = rows
-    if world > 1:  # (b, T): every rank's positions in sequence order, by the model's layout
-        stream = gather_sequence(rows, 1, group, schedule=schedule)
-        _check_layout(stream, group, schedule)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if world > 1:  # (b, T): every rank's positions in sequence order, by the model's layout
+        stream = gather_sequence(rows, 1, group, **_layout_of(schedule, cu_q, cu_k, rows.shape[-1], group))
+        _check_layout(stream, group, schedule)
     total = stream.shape[-1]
     if cu_q is not None or cu_k is not None:
         cu = _from_cu_seq_lens(cu_q, cu_k, position_ids, total)
@@ -78,6 +78,19 @@ def _derive(kwargs: dict, group_key: str, schedule: str):
     return None
 
 
+def _layout_of(schedule: str, cu_q, cu_k, n: int, group) -> dict:
+    """``gather_sequence``'s layout keywords: ``schedule="placed"`` shards a packed stream by the placement of its
+    documents, which the hook learns from ``cu_seq_lens_q/k`` (``shard_batch(...)["cu_seq_lens"]``); a stream
+    without them is one document per row, laid out contiguously."""
+    if schedule != "placed":
+        return {"schedule": schedule}
+    if cu_q is None and cu_k is None:
+        return {"schedule": "balanced"}
+    from distattn.sharding import placement
+
+    return {"schedule": "balanced", "layout": placement(cu_seq_lens_documents(cu_q, cu_k), n, group)}
+
+
 def _check_layout(stream: torch.Tensor, group, schedule: str) -> None:
     """Refuse a stream that the model's layout put back out of order (a document starting at position != 0)."""
     jumps = torch.diff(stream, dim=1) != 1  # (b, T - 1): a new document starts after each jump
@@ -85,7 +98,7 @@ def _check_layout(stream: torch.Tensor, group, schedule: str) -> None:
     if not bool(wrong.any()):
         return
     row, i = (int(x) for x in wrong.nonzero()[0])
-    lay = layout(group, schedule)
+    lay = layout(group, "balanced" if schedule == "placed" else schedule)  # placed without documents: contiguous
     where = f"{lay.kind} over {lay.ranks} ranks" + (f", {lay.ulysses} per Ulysses group" if lay.ulysses > 1 else "")
     raise ValueError(f"the batch was not sharded with the layout of the model's attention schedule={schedule!r} "
                      f"({where}): "

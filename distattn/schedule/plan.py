@@ -367,13 +367,17 @@ def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", 
 def _make_placed_plan(p: int, causal: bool, mask: MaskSpec | None, chunk: int | None) -> Plan:
     from distattn.schedule.placement import place
 
+    """The placement depends on the documents only (``cu_seqlens`` and ``chunk``), never on causal or the window, so
+    shards made from the documents (``distattn.sharding.placement``) always match the call's plan; a window is
+    computed exactly and balanced as causal documents are."""
     mask = mask if mask is not None else MaskSpec(causal=causal)
-    if mask.dense:  # no documents, no window: contiguous shards and the optimal balanced plan
+    if mask.cu_seqlens is None:  # no documents: contiguous shards and the balanced plan (dense: the optimum)
         plan = make_plan(p, mask.causal, "balanced", mask=mask, chunk=chunk)
         return dataclasses.replace(plan, schedule="placed")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
-    return _make_masked_plan(p, "placed", mask, chunk, place(mask, p, chunk))
+    layout = place(MaskSpec(causal=True, cu_seqlens=mask.cu_seqlens), p, chunk)
+    return _make_masked_plan(p, "placed", mask, chunk, layout)
 
 
 @functools.lru_cache(maxsize=None)
