@@ -72,11 +72,11 @@ def test_block_size_and_fallbacks():
     assert block_size(4099) is None  # 4099 one-token blocks per rank: too many
     docs = MaskSpec(causal=True, cu_seqlens=(0, 5000, 8198))
     lay = place(docs, 2, 4099)
-    assert lay.kind == "contiguous" and "pad to a multiple of 128" in lay.note
+    assert lay.kind == "contiguous" and "pad to a multiple of 64" in lay.note
     dense = place(MaskSpec(causal=True), 8, 4096)
     assert dense.kind == "contiguous" and "already optimal" in dense.note
     assert make_plan(8, True, "placed").num_steps() == 1 + 8 // 2  # the dense causal optimum is kept
-    tiny = place(MaskSpec(causal=True, cu_seqlens=(0, 2, 20, 24)), 4, 6)  # fewer tokens than ranks x 128
+    tiny = place(MaskSpec(causal=True, cu_seqlens=(0, 2, 20, 24)), 4, 6)  # fewer tokens than ranks x 64
     assert tiny.kind == "placed" and "blocks of 2 tokens" in tiny.note
 
 
@@ -90,6 +90,18 @@ def test_placed_layout_errors():
         lay.segments(0, 6)
     with pytest.raises(ValueError, match="chunk=None must be the positive number of tokens per rank"):
         make_plan(2, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=(0, 3, 16)))
+
+
+def test_placed_steps_inside_a_group_are_permutations():
+    """Each step of a group's ring sends every rank's k/v to one rank only (the cost model charges a rank that several
+    ranks fetch from in one step for every copy)."""
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths("uniform:8192", 16 * 4096))
+    plan = make_plan(16, True, "placed", mask=mask, chunk=4096)
+    k = plan.layout.group
+    assert 1 < k < 16, plan.layout.note
+    for step in range(k):
+        sources = [t.kv_chunk for t in plan.steps[step]]
+        assert len(sources) == len(set(sources)) == 16, (step, sources)
 
 
 @pytest.mark.parametrize("docs", ["uniform:8192", "longtail:2048"])

@@ -47,6 +47,9 @@ class Layout:
     ulysses: int = 1
     placement: tuple[tuple[tuple[int, int], ...], ...] | None = None
     """``"placed"`` only: ``placement[r]`` = the ``(start, stop)`` segments of ring rank ``r``, increasing."""
+    group: int = 1
+    """``"placed"``: ranks per group of the placement (its documents' blocks stay inside ``group`` neighbouring ranks,
+    but for the documents cut across groups); the plan runs each group's ring first."""
     note: str = field(default="", compare=False)
     """How the layout was chosen (the placement's groups and block size, or why it fell back to contiguous)."""
 
@@ -123,7 +126,7 @@ class Layout:
 
     def ring(self) -> "Layout":
         """The layout the ring sees after the Ulysses all-to-all (ring shards of ``U * n`` tokens)."""
-        return Layout(self.kind, self.world_size, 1, self.placement, self.note)
+        return Layout(self.kind, self.world_size, 1, self.placement, self.group, self.note)
 
     def render(self, n: int) -> str:
         return "\n".join(f"rank {g}: " + " ".join(f"[{a}, {b})" for a, b in self.segments(g, n))

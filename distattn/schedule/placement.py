@@ -19,12 +19,14 @@ a layout of kind ``"placed"`` (``distattn.schedule.layouts``) in which
 keep a document's blocks on few ranks (little traffic), ``k = P`` (one group, every document dealt over every
 rank) always balances.
 
-Block size ``B``: :data:`BLOCK` = 128 tokens, the kernels' largest key tile (Triton ``BLOCK_N`` is 64 or 128), so
-that a block fills whole tiles and a shard's segments add no partly masked tiles beyond those the documents
-already cause. When ``n`` is not a multiple of 128 the largest power of two dividing ``n`` is used (a stream of
-fewer than ``P * 128`` tokens gets smaller blocks); when that leaves more than :data:`MAX_BLOCKS_PER_RANK` blocks
-per rank (e.g. an odd ``n`` in the thousands) the solver falls back to the contiguous layout and says why in the
-layout's ``note``. A dense mask (one causal document) also falls back: the balanced schedule is already optimal.
+Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
+a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
+the snake's symmetry holds per cycle of ``2k`` whole blocks, and twice the blocks leave half the remainder (at 64
+ranks x 4096 tokens the simulator's makespan is 1.05-1.07x of perfect with 64-token blocks, 1.12-1.13x with 128;
+``bench/results/placement-sim``). When ``n`` is not a multiple of 64 the largest power of two dividing ``n`` is used
+(a stream of fewer than ``P * 64`` tokens gets smaller blocks); when that leaves more than
+:data:`MAX_BLOCKS_PER_RANK` blocks per rank (e.g. an odd ``n`` in the thousands) the solver falls back to the
+contiguous layout and says why in the layout's ``note``. A dense mask (one causal document) also falls back: the balanced schedule is already optimal.
 
 Cost: O(documents x log + blocks) numpy per divisor tried; ~1 ms for 64 ranks x 4096 tokens
 (``bench/placement_solver.py``). Pure Python + numpy.
@@ -42,8 +44,8 @@ from distattn.schedule.masks import MaskSpec
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "GROUP_TOLERANCE", "place", "block_size"]
 
-BLOCK = 128
-"""Target block size in tokens: the kernels' largest key tile (see the module docstring)."""
+BLOCK = 64
+"""Target block size in tokens: a key tile of the kernels (see the module docstring)."""
 MAX_BLOCKS_PER_RANK = 256
 """More blocks per rank than this (tiny blocks of a large odd ``n``): fall back to contiguous shards."""
 GROUP_TOLERANCE = 1.02
@@ -53,7 +55,7 @@ _INF = 1 << 62
 
 
 def block_size(n: int) -> int | None:
-    """Tokens per block for ``n`` tokens per rank: 128, or the largest power of two dividing ``n``; ``None`` when
+    """Tokens per block for ``n`` tokens per rank: 64, or the largest power of two dividing ``n``; ``None`` when
     that leaves more than :data:`MAX_BLOCKS_PER_RANK` blocks per rank."""
     b = BLOCK
     while n % b:
@@ -95,7 +97,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int) -> Layout:
             break
     segments = _deal(pieces, starts, rows, p, k, n, b)
     note = f"{p // k} groups of {k} ranks, blocks of {b} tokens"
-    return Layout("placed", p, placement=segments, note=note)
+    return Layout("placed", p, placement=segments, group=k, note=note)
 
 
 def _divisors(p: int) -> list[int]:
