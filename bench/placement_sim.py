@@ -19,6 +19,7 @@ from pathlib import Path
 
 from distattn.schedule import SCHEDULES, MaskSpec, Shapes, simulate
 from distattn.schedule.cli import document_lengths
+from distattn.schedule.cost import Cluster, predict
 from distattn.schedule.placement import _place_cached
 
 _MIB = 1 << 20
@@ -50,6 +51,8 @@ def rows(worlds, dists, n, repeat):
                     "compute idle": f"{rep.compute_idle_fraction:.1%}",
                     "max MiB sent": f"{max(rep.bytes_sent) / _MIB:.0f}",
                     "pairs (skipped)": f"{rep.pairs} ({rep.pairs_skipped})",
+                    **{f"cost model ms, {link}": f"{predict(p, shapes, schedule, mask=spec, cluster=Cluster.preset(link)).total * 1e3:.2f}"
+                       for link in ("nvlink", "ib")},
                     "solver ms": f"{ms:.2f}" if schedule == "placed" else "",
                     "placement": note if schedule == "placed" else "",
                 }
@@ -82,7 +85,9 @@ def main(argv=None) -> None:
         "",
         "Before: ring, balanced, zigzag (today's schedules). After: placed (`distattn.schedule.placement`).",
         "Makespan / perfect: the simulator's work makespan over total work / P. Max MiB sent: the busiest rank, "
-        "forward + backward.",
+        "forward + backward. Pairs (skipped): (query rank, kv rank) pairs computed, and those of the dense causal "
+        "plan not computed. Cost model ms: `distattn.schedule.cost.predict`'s forward + backward time of one "
+        "layer (nvlink: every link NVLink; ib: 100 Gb/s InfiniBand between nodes of 8 GPUs; assumed rates).",
         "",
         *lines,
         "",

@@ -437,7 +437,9 @@ def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Lay
 def _group_rings(p: int, k: int, work, needed) -> list[list[Task]]:
     """Every rank's pairs inside its group of ``k`` by the group's ring rotations (every step a permutation of the
     group: each rank sends its k/v to one rank; the pairs of one group hold like work), the diagonal first, then the
-    rotations whose largest pair is heaviest; then the pairs of documents cut across groups, largest first."""
+    rotations whose largest pair is heaviest; then the pairs of documents cut across groups, rotated by the rank's
+    offset in its group (rank ``g0 + x`` first fetches the other group's rank at offset ``x``: the ``k`` ranks that
+    share a cut document fetch from ``k`` different ranks in a step, not all from one)."""
     out = []
     rotations = {}  # per group: its ring's rotations, the heaviest first (the groups' large steps coincide)
     for g0 in range(0, p, k):
@@ -447,7 +449,7 @@ def _group_rings(p: int, k: int, work, needed) -> list[list[Task]]:
         g0 = r // k * k
         ring = [Task(r, r, g0 + (r - g0 - t) % k) for t in rotations[g0]]
         inside = [t for t in ring if (r, t.kv_chunk) in needed]
-        cross = sorted((j for j in range(p) if j // k != r // k and (r, j) in needed), key=lambda j: (-work[r][j], j))
+        cross = sorted((j for j in range(p) if j // k != r // k and (r, j) in needed), key=lambda j: ((j - r) % k, j))
         out.append(inside + [Task(r, r, j) for j in cross])
     return out
 
