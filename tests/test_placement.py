@@ -117,3 +117,16 @@ def test_goal_balance_on_packed_documents(docs, p):
     assert rep.compute_idle_fraction <= GOAL_IDLE and rep.work_makespan <= GOAL_MAKESPAN * perfect
     for other in ("ring", "balanced", "zigzag"):  # every schedule of today idles far more
         assert simulate(p, True, other, shapes, mask=mask).compute_idle_fraction > 2 * rep.compute_idle_fraction
+
+
+def test_auto_chooses_the_placement_where_it_is_fastest_and_never_for_a_dense_mask():
+    from distattn.schedule import Shapes
+    from distattn.schedule.cost import Cluster, choose
+
+    shapes = Shapes(seq_per_rank=4096, heads_q=32, heads_kv=8, head_dim=128)
+    flat = {"ring", "balanced", "zigzag", "placed"}
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths("longtail:2048", 8 * 4096))
+    choice = choose(8, shapes, mask=mask, cluster=Cluster.preset("nvlink"), allow=flat)
+    assert choice.best.schedule == "placed", choice.explain()
+    dense = choose(8, shapes, mask=MaskSpec(causal=True), cluster=Cluster.preset("nvlink"), allow=flat)
+    assert "placed" not in {c.schedule for c in dense.candidates}  # on a dense mask it is the balanced plan

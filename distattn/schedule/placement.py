@@ -42,7 +42,7 @@ import numpy as np
 from distattn.schedule.layouts import Layout
 from distattn.schedule.masks import MaskSpec
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "GROUP_TOLERANCE", "place", "block_size"]
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "GROUP_TOLERANCE", "place", "block_size", "group_order"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -240,4 +240,24 @@ def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b:
     lo_l, hi_l = seg_lo.tolist(), seg_hi.tolist()
     out = tuple(tuple(zip(lo_l[bounds[r]:bounds[r + 1]], hi_l[bounds[r]:bounds[r + 1]])) for r in range(p))
     assert all(sum(e - s for s, e in segs) == n for segs in out), "placement: a rank does not hold n tokens"
+    return out
+
+
+def group_order(p: int, k: int, work, needed) -> list[list[int]]:
+    """The kv ranks of every rank's pairs, in the order the placed plan runs them (owner tasks: ``distattn.schedule.
+    plan``). First the pairs inside the rank's group of ``k`` by the group's ring rotations (every step a permutation
+    of the group: each rank sends its k/v to one rank; the pairs of one group hold like work), the diagonal first,
+    then the rotations whose largest pair is heaviest; then the pairs of documents cut across groups, rotated by the
+    rank's offset in its group (rank ``g0 + x`` first fetches the other group's rank at offset ``x``: the ``k`` ranks
+    that share a cut document fetch from ``k`` different ranks in a step, not all from one)."""
+    rotations = {}  # per group: its ring's rotations, the heaviest first (the groups' large steps coincide)
+    for g0 in range(0, p, k):
+        size = [max(work[r][g0 + (r - g0 - t) % k] for r in range(g0, g0 + k)) for t in range(k)]
+        rotations[g0] = [0] + sorted(range(1, k), key=lambda t: (-size[t], t))
+    out = []
+    for r in range(p):
+        g0 = r // k * k
+        inside = [g0 + (r - g0 - t) % k for t in rotations[g0]]
+        cross = sorted((j for j in range(p) if j // k != r // k and (r, j) in needed), key=lambda j: ((j - r) % k, j))
+        out.append([j for j in inside if (r, j) in needed] + cross)
     return out

@@ -426,32 +426,14 @@ def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Lay
         balanced = _balance_by_work(p, work, needed)
         per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
     elif schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
-        per_rank = _group_rings(p, layout.group, work, needed)
+        from distattn.schedule.placement import group_order
+
+        per_rank = [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
     steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
     got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
     assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
     return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(steps, work, n), work=work,
                 chunk=n, layout=None if layout.contiguous else layout)
-
-
-def _group_rings(p: int, k: int, work, needed) -> list[list[Task]]:
-    """Every rank's pairs inside its group of ``k`` by the group's ring rotations (every step a permutation of the
-    group: each rank sends its k/v to one rank; the pairs of one group hold like work), the diagonal first, then the
-    rotations whose largest pair is heaviest; then the pairs of documents cut across groups, rotated by the rank's
-    offset in its group (rank ``g0 + x`` first fetches the other group's rank at offset ``x``: the ``k`` ranks that
-    share a cut document fetch from ``k`` different ranks in a step, not all from one)."""
-    out = []
-    rotations = {}  # per group: its ring's rotations, the heaviest first (the groups' large steps coincide)
-    for g0 in range(0, p, k):
-        size = [max(work[r][g0 + (r - g0 - t) % k] for r in range(g0, g0 + k)) for t in range(k)]
-        rotations[g0] = [0] + sorted(range(1, k), key=lambda t: (-size[t], t))
-    for r in range(p):
-        g0 = r // k * k
-        ring = [Task(r, r, g0 + (r - g0 - t) % k) for t in rotations[g0]]
-        inside = [t for t in ring if (r, t.kv_chunk) in needed]
-        cross = sorted((j for j in range(p) if j // k != r // k and (r, j) in needed), key=lambda j: ((j - r) % k, j))
-        out.append(inside + [Task(r, r, j) for j in cross])
-    return out
 
 
 def _owners(ring: list[list[Task]], work) -> list[list[Task]]:
