@@ -4,6 +4,10 @@ Rank ``r`` of ``P`` holds positions ``[r*n, (r+1)*n)`` for every schedule but ``
 ``r`` and ``2P-1-r`` of ``2P`` (``distattn.schedule.layouts``). A two-dimensional group (``(ulysses_group,
 ring_group)`` or a 2-D mesh, ``distattn.topology``) lays out by the sequence index ``r * U + u``. Pass the same
 ``schedule`` (and ``group``) to ``shard_sequence``, the attention call and ``gather_sequence``.
+
+``schedule="placed"`` (packed documents): the shards follow a placement solved from the documents
+(:func:`placement`, the same on every rank, no communication); pass it as ``layout=`` to ``shard_sequence``,
+``gather_sequence`` and ``positions``, and ``schedule="placed"`` with the same ``cu_seqlens`` to the attention call.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch.distributed as dist
 
 from distattn.schedule import SCHEDULES, Layout, layout_of
 
-__all__ = ["shard_sequence", "gather_sequence", "positions", "layout"]
+__all__ = ["shard_sequence", "gather_sequence", "positions", "layout", "placement"]
 
 
 def _initialized() -> bool:
@@ -40,8 +44,31 @@ def group_size(group=None) -> int:
     return _world(group)[1]
 
 
-def layout(group=None, schedule: str = "balanced") -> Layout:
-    """The :class:`~distattn.schedule.Layout` of ``schedule`` on ``group`` (ring ranks x Ulysses ranks)."""
+def placement(cu_seqlens, n: int, group=None) -> Layout:
+    """The work-balanced placement of a packed stream over ``group`` (``distattn.schedule.placement``): every rank
+    derives the same layout from the same ``cu_seqlens`` (global, ints or a tensor) and ``n`` tokens per rank, the
+    layout ``schedule="placed"`` runs on for any causal flag or window. Falls back to contiguous shards
+    (``layout.note`` says why) for a stream it cannot place."""
+    from distattn.schedule import MaskSpec
+
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.tolist()
+    spec = MaskSpec(causal=True, cu_seqlens=tuple(int(c) for c in cu_seqlens))
+    _, world = _world(group)
+    return layout_of("placed", world, 1, mask=spec, n=n) if world > 1 else Layout("contiguous", 1)
+
+
+def layout(group=None, schedule: str = "balanced", lay: Layout | None = None) -> Layout:
+    """The :class:`~distattn.schedule.Layout` of ``schedule`` on ``group`` (ring ranks x Ulysses ranks); ``lay``:
+    a layout given by the caller (a placement), checked against the group."""
+    if lay is not None:
+        if not isinstance(lay, Layout) or lay.ranks != group_size(group):
+            raise ValueError(f"layout={lay!r} must be a Layout over the group's {group_size(group)} ranks, e.g. "
+                             f"distattn.sharding.placement(cu_seqlens, n, group)")
+        return lay
+    if schedule == "placed":
+        raise ValueError("schedule='placed' shards by a placement solved from the documents: pass "
+                         "layout=distattn.sharding.placement(cu_seqlens, n, group) (the same on every rank)")
     if schedule not in SCHEDULES + ("auto",):
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES + ('auto',)}")
     # "auto" at call time picks among the schedules of contiguous shards (ring, balanced): contiguous layout
@@ -55,29 +82,35 @@ def layout(group=None, schedule: str = "balanced") -> Layout:
     return layout_of(schedule, topo.R, topo.U)
 
 
-def positions(n: int, group=None, schedule: str = "balanced", rank: int | None = None) -> torch.Tensor:
+_layout = layout  # the module function, under a name the ``layout=`` keywords below do not shadow
+
+
+def positions(n: int, group=None, schedule: str = "balanced", rank: int | None = None, *,
+              layout: Layout | None = None) -> torch.Tensor:
     """Global positions (int64) of the ``n`` local tokens of this rank (or of sequence index ``rank``):
-    what rotary position ids must be for the shard."""
-    lay = layout(group, schedule)
+    what rotary position ids must be for the shard (``layout``: a placement, see :func:`placement`)."""
+    lay = _layout(group, schedule, layout)
     index = _world(group)[0] if rank is None else rank
     return torch.from_numpy(lay.positions(index, n))
 
 
 def _index(lay: Layout, rank: int, n: int, device) -> torch.Tensor | None:
     """Positions of ``rank``'s shard as an index tensor, or None when they are one contiguous range."""
-    if lay.segments_per_rank == 1:
+    if lay.segments_per_rank == 1 and lay.kind != "placed":
         return None
     return torch.from_numpy(lay.positions(rank, n)).to(device)
 
 
-def shard_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str = "balanced") -> torch.Tensor:
-    """This rank's tokens of ``x`` along ``dim`` for ``schedule``'s layout (no communication; differentiable).
+def shard_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str = "balanced",
+                   layout: Layout | None = None) -> torch.Tensor:
+    """This rank's tokens of ``x`` along ``dim`` for ``schedule``'s layout, or for ``layout`` (a placement,
+    :func:`placement`) when given (no communication; differentiable).
 
     Raises:
         ValueError: ``x.size(dim)`` is not a multiple of the group size (zigzag: of twice the group size).
     """
     rank, world = _world(group)
-    lay = layout(group, schedule)
+    lay = _layout(group, schedule, layout)
     size = x.size(dim)
     unit = world * lay.divisor()
     if size % unit:
@@ -94,8 +127,8 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str =
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, schedule):
-        ctx.dim, ctx.group, ctx.schedule = dim, group, schedule
+    def forward(ctx, x, dim, group, schedule, lay):
+        ctx.dim, ctx.group, ctx.schedule, ctx.lay = dim, group, schedule, lay
         from distattn.topology import split
 
         ug, rg = split(group)
@@ -111,8 +144,8 @@ class _GatherSequence(torch.autograd.Function):
             dist.all_gather(rows, row, group=rg)
             parts = [p for r in rows for p in r.chunk(dist.get_world_size(ug), dim=dim)]
         full = torch.cat(parts, dim=dim)  # shards in sequence-index order
-        lay = layout(group, schedule)
-        if lay.segments_per_rank == 1:
+        lay = _layout(group, schedule, lay)
+        if lay.contiguous:
             return full
         n = x.size(dim)
         where = np.concatenate([lay.positions(g, n) for g in range(len(parts))])  # position of each row of full
@@ -126,10 +159,11 @@ class _GatherSequence(torch.autograd.Function):
 
         grad = grad.contiguous()
         all_reduce(grad, ctx.group)  # all U * R ranks of a two-dimensional group
-        return shard_sequence(grad, ctx.dim, ctx.group, schedule=ctx.schedule), None, None, None
+        return shard_sequence(grad, ctx.dim, ctx.group, schedule=ctx.schedule, layout=ctx.lay), None, None, None, None
 
 
-def gather_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str = "balanced") -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str = "balanced",
+                    layout: Layout | None = None) -> torch.Tensor:
     """All ranks' shards put back in sequence order along ``dim`` (differentiable); ``schedule``: the layout
     the shards were made with (``shard_sequence``).
 
@@ -139,6 +173,7 @@ def gather_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str 
         group: the sequence-parallel process group (``None``: the default group; a pair or a 2-D mesh:
             ``distattn.topology``).
         schedule: the schedule whose layout the shards follow (``"zigzag"``: two chunks per rank).
+        layout: the placement the shards follow (``schedule="placed"``; :func:`placement`), else None.
 
     Returns:
         The full tensor, ``(b, P*n, h, d)`` for ``dim=1``, on every rank.
@@ -152,7 +187,7 @@ def gather_sequence(x: torch.Tensor, dim: int = 1, group=None, *, schedule: str 
         loss = out.pow(2).sum()                                   # on the shard: right gradients
         loss = gather_sequence(out).pow(2).sum() / P              # on the whole tensor, every rank: / P
     """
-    layout(group, schedule)  # an unknown schedule raises here, on every rank
+    _layout(group, schedule, layout)  # an unknown schedule raises here, on every rank
     if _world(group)[1] == 1:
         return x
-    return _GatherSequence.apply(x, dim, group, schedule)
+    return _GatherSequence.apply(x, dim, group, schedule, layout)

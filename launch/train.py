@@ -35,9 +35,12 @@ Padding-free training on documents of varied length (``--pack``): the text is sp
 the shipped corpus: its 1,189 chapters, 200 B to 13 KB) that are packed back to back into ``--seq-len`` streams,
 cut where they overflow; attention stays inside each document and the plan skips the chunk pairs that share
 none. The JSON summary adds ``real_tokens_per_s`` (every token is real: nothing is padded),
-``documents_per_step``, ``attention_work_vs_causal`` and ``pair_work_skipped``::
+``documents_per_step``, ``attention_work_vs_causal``, ``pair_work_skipped``, ``pairs_skipped_per_step`` and
+``predicted_compute_idle_per_step`` (the simulator's compute idle of the plan each step runs). ``--schedule placed``
+shards every step's stream on the work-balanced placement of its documents (``distattn.schedule.placement``)::
 
     torchrun --standalone --nproc-per-node 4 launch/train.py --pack --seq-len 8192 --batch-size 1
+    torchrun --standalone --nproc-per-node 4 launch/train.py --pack --seq-len 8192 --batch-size 1 --schedule placed
 
 ``DISTATTN_AUTOTUNE=1`` (CUDA, Triton backend): before step 1, rank 0 benchmarks the Triton kernels' launch configs
 for this run's attention shapes (or reads them from its cache, ``DISTATTN_TUNE_CACHE``, default
@@ -306,14 +309,24 @@ def batch_loss(model, batch, cfg: RunConfig, group, mode: str) -> torch.Tensor:
                              position_ids=positions[None])
     else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)
         inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
+    docs = _placed_documents(cfg, inputs)
     with train_model.autocast(cfg, mode):
         # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
         # FSDP2/DDP reduction (train_model's docstring).
         if cfg.args.tile_loss:  # the same loss, computed inside the model's forward over tiles (no logits)
             return model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                         shift_labels=inputs["shift_labels"]).loss
-        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
+                         shift_labels=inputs["shift_labels"], **docs).loss
+        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], **docs).logits
         return causal_lm_loss(logits, inputs["shift_labels"], group=group)
+
+
+def _placed_documents(cfg, inputs) -> dict:
+    """``--schedule placed``: the stream's documents for the model's hook, which gathers the shards by their
+    placement (``distattn.integrations.hf.shard_batch``); other schedules: nothing."""
+    if cfg.args.schedule != "placed":
+        return {}
+    cu, longest = inputs["cu_seq_lens"], inputs["max_length"]
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def gather_stats(loss: torch.Tensor, device_type: str, device) -> tuple[float, list[int]]:
@@ -404,7 +417,7 @@ def packing_stats(positions: torch.Tensor, sp: int, schedule: str = "balanced", 
 
     Every token of a packed stream is real (documents are cut, never padded), so tokens/s counts real tokens.
     """
-    from distattn.schedule import MaskSpec, make_plan, pair_work
+    from distattn.schedule import MaskSpec, Shapes, make_plan, pair_work, simulate
 
     starts = (positions == 0).nonzero().flatten().tolist()
     total = positions.numel()
@@ -412,9 +425,13 @@ def packing_stats(positions: torch.Tensor, sp: int, schedule: str = "balanced", 
     visible = sum(map(sum, pair_work(spec, sp, total // sp)))
     ring = sp // ulysses
     plan = make_plan(ring, True, schedule, mask=spec, chunk=total // ring)
-    dense = make_plan(ring, True, schedule, mask=MaskSpec(causal=True), chunk=total // ring)
+    # pairs the layout could need without documents: causal contiguous P(P+1)/2; zigzag and a placement, every pair
+    dense = ring * ring if schedule == "placed" else len(
+        make_plan(ring, True, schedule, mask=MaskSpec(causal=True), chunk=total // ring).pairs())
+    idle = simulate(ring, True, schedule, Shapes(seq_per_rank=total // ring, heads_q=1, heads_kv=1, head_dim=1),
+                    mask=spec).compute_idle_fraction  # the plan's predicted compute idle (work only, no shapes)
     return {"documents": len(starts), "attention_work_vs_causal": visible / (total * (total + 1) / 2),
-            "pairs_skipped": len(dense.pairs()) - len(plan.pairs())}
+            "pairs_skipped": dense - len(plan.pairs()), "predicted_compute_idle": idle}
 
 
 def train(job: Job, dataset) -> dict:
@@ -473,7 +490,8 @@ def train(job: Job, dataset) -> dict:
                        documents_per_step=sum(r["documents"] for r in packed) / len(packed),
                        attention_work_vs_causal=sum(r["attention_work_vs_causal"] for r in packed) / len(packed),
                        pair_work_skipped=1 - sum(r["attention_work_vs_causal"] for r in packed) / len(packed),
-                       pairs_skipped_per_step=sum(r["pairs_skipped"] for r in packed) / len(packed))
+                       pairs_skipped_per_step=sum(r["pairs_skipped"] for r in packed) / len(packed),
+                       predicted_compute_idle_per_step=sum(r["predicted_compute_idle"] for r in packed) / len(packed))
     return summary
 
 

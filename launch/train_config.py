@@ -209,10 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("model")
     a.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face "
                    "checkpoint directory (config.json + safetensors weights)")
-    a.add_argument("--schedule", default="balanced", choices=("balanced", "ring", "zigzag", "auto"),
+    a.add_argument("--schedule", default="balanced", choices=("balanced", "ring", "zigzag", "placed", "auto"),
                    help="distattn causal schedule (default: balanced); zigzag lays each sequence out as chunks r "
-                   "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size); auto: the cost "
-                   "model's pick for this model and group (distattn.choose_schedule; DISTATTN_LINK=ib|nvlink)")
+                   "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size); placed (with "
+                   "--pack, flat groups): every step's stream on the work-balanced placement of its documents; "
+                   "auto: the cost model's pick for this model and group (distattn.choose_schedule; "
+                   "DISTATTN_LINK=ib|nvlink)")
     a.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
     a.add_argument("--remat", action="store_true",
@@ -357,6 +359,9 @@ def _resolve_parallel(args, env: Env) -> tuple[int, int]:
     if sp % args.ulysses:
         raise UsageError(f"--ulysses {args.ulysses} does not divide the sequence-parallel size {sp} (world "
                          f"{world}{'' if sp == world else f', --sp-size {sp}'}); use a divisor of {sp}")
+    if args.schedule == "placed" and (not args.pack or args.ulysses > 1):
+        raise UsageError(f"--schedule placed places packed documents over a flat group: add --pack and use "
+                         f"--ulysses 1 (got {'no --pack' if not args.pack else f'--ulysses {args.ulysses}'})")
     unit = sp * (2 if args.schedule == "zigzag" else 1)  # zigzag: two chunks per rank
     if args.seq_len % unit:
         lo, hi = args.seq_len // unit * unit, (args.seq_len // unit + 1) * unit

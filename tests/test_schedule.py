@@ -288,7 +288,7 @@ def test_format_table_and_cli(capsys):
 def test_bad_inputs():
     with pytest.raises(ValueError, match=r"world_size=0 must be >= 1"):
         make_plan(0)
-    with pytest.raises(ValueError, match=r"schedule='zigzagx' is not one of \('ring', 'balanced', 'zigzag'\); pass"):
+    with pytest.raises(ValueError, match=r"schedule='zigzagx' is not one of \('ring', 'balanced', 'zigzag', 'placed'\); pass"):
         make_plan(3, schedule="zigzagx")
     with pytest.raises(TypeError, match=r"world_size=2.5 must be an int"):
         make_plan(2.5)

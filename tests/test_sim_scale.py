@@ -34,8 +34,9 @@ SCALE_BOUND_S = 60.0  # generous "does not take minutes" bound (it takes about a
 
 
 def _reference_steps(p, causal, schedule):
-    """The dense plans written out task by task, as the package docstring draws them."""
-    if schedule == "balanced" and causal:
+    """The dense plans written out task by task, as the package docstring draws them (a dense "placed" plan is the
+    balanced one: its placement falls back to contiguous shards)."""
+    if schedule in ("balanced", "placed") and causal:
         steps = [[Task(r, r, r) for r in range(p)]]
         for d in range(1, (p + 1) // 2):
             steps.append([Task(r, r + p - d, r) for r in range(d)] + [Task(i, i, i - d) for i in range(d, p)])

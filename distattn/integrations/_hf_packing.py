@@ -85,7 +85,8 @@ def _stream_documents_op(position_ids: torch.Tensor, cu_seq_lens_q: torch.Tensor
     rows = position_ids.reshape(-1, position_ids.shape[-1])  # (b, n)
     stream = rows
     if group_size(group) > 1:  # (b, T): every rank's positions in sequence order, by the model's layout
-        stream = gather_sequence(rows, 1, group, schedule=schedule)
+        stream = gather_sequence(rows, 1, group, **_layout_of(schedule, cu_seq_lens_q, cu_seq_lens_k,
+                                                                rows.shape[-1], group))
         _check_layout(stream, group, schedule)
     total = stream.shape[-1]
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
@@ -101,6 +102,19 @@ def _stream_documents_fake(position_ids, cu_seq_lens_q, cu_seq_lens_k, group_key
     return torch.empty(total + 1, dtype=torch.int64, device="cpu")  # host memory: the op's reader is the host
 
 
+def _layout_of(schedule: str, cu_q, cu_k, n: int, group) -> dict:
+    """``gather_sequence``'s layout keywords: ``schedule="placed"`` shards a packed stream by the placement of its
+    documents, which the hook learns from ``cu_seq_lens_q/k`` (``shard_batch(...)["cu_seq_lens"]``); a stream
+    without them is one document per row, laid out contiguously."""
+    if schedule != "placed":
+        return {"schedule": schedule}
+    if cu_q is None and cu_k is None:
+        return {"schedule": "balanced"}
+    from distattn.sharding import placement
+
+    return {"schedule": "balanced", "layout": placement(cu_seq_lens_documents(cu_q, cu_k), n, group)}
+
+
 def _check_layout(stream: torch.Tensor, group, schedule: str) -> None:
     """Refuse a stream that the model's layout put back out of order (a document starting at position != 0)."""
     jumps = torch.diff(stream, dim=1) != 1  # (b, T - 1): a new document starts after each jump
@@ -108,7 +122,7 @@ def _check_layout(stream: torch.Tensor, group, schedule: str) -> None:
     if not bool(wrong.any()):
         return
     row, i = (int(x) for x in wrong.nonzero()[0])
-    lay = layout(group, schedule)
+    lay = layout(group, "balanced" if schedule == "placed" else schedule)  # placed without documents: contiguous
     where = f"{lay.kind} over {lay.ranks} ranks" + (f", {lay.ulysses} per Ulysses group" if lay.ulysses > 1 else "")
     raise ValueError(f"the batch was not sharded with the layout of the model's attention schedule={schedule!r} "
                      f"({where}): "

@@ -388,7 +388,9 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
             ``-100`` where no loss is wanted; ``None``: no ``shift_labels``.
         group: the sequence-parallel group (``None``: the default group; a ``(ulysses_group, ring_group)`` pair
             or a 2-D ``DeviceMesh``: all ``U * R`` ranks split the sequence).
-        schedule: ``"balanced"``, ``"ring"`` or ``"zigzag"``: the schedule given to ``use_distattn``.
+        schedule: ``"balanced"``, ``"ring"``, ``"zigzag"`` or ``"placed"`` (packed streams on the work-balanced
+            placement of their documents; pass ``cu_seq_lens_q=cu_seq_lens_k=out["cu_seq_lens"]`` to the model so
+            that its hook knows the layout): the schedule given to ``use_distattn``.
         attention_mask: ``(batch, seq)``, 1 = token, 0 = padding.
         position_ids: ``(1, T)`` of the flattened format.
         pad_id: token id of the tail padding of packed streams.
@@ -411,13 +413,14 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
     """
     schedule = _resolve_schedule(schedule, group)
     world = _group_size(group)
-    multiple = world * _layout(group, schedule).divisor()  # zigzag: two chunks per rank
-    shard = functools.partial(shard_sequence, dim=1, group=group, schedule=schedule)  # (b, T) -> this rank's (b, n)
+    placed = schedule == "placed"  # packed: the placement of the documents; rows: contiguous (one document each)
+    multiple = world * (1 if placed else _layout(group, schedule).divisor())  # zigzag: two chunks per rank
+    shard = functools.partial(shard_sequence, dim=1, group=group, schedule="balanced" if placed else schedule)
     if isinstance(input_ids, (list, tuple)):
         packed = pack_sequences(input_ids, multiple_of=multiple, pad_id=pad_id)
         stream_labels = None if labels is None else pack_sequences(labels, multiple_of=multiple,
                                                                    pad_id=IGNORE_INDEX).input_ids
-        return _shard_packed(packed, stream_labels, shard)
+        return _shard_packed(packed, stream_labels, _placed(shard, packed, group) if placed else shard)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq) or a list of documents, got shape "
                          f"{tuple(input_ids.shape)}; add a batch dim with input_ids.unsqueeze(0)")
@@ -429,7 +432,7 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
         if labels is not None:
             stream_labels = torch.full_like(packed.input_ids, IGNORE_INDEX)
             stream_labels[:packed.num_tokens] = labels.flatten()[packed.index]
-        return _shard_packed(packed, stream_labels, shard)
+        return _shard_packed(packed, stream_labels, _placed(shard, packed, group) if placed else shard)
     if position_ids is not None:
         if position_ids.shape != input_ids.shape or input_ids.shape[0] != 1:
             raise ValueError(f"flattened position_ids must be (1, T) like input_ids, got {tuple(position_ids.shape)} "
@@ -437,7 +440,8 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
         cu = cu_seqlens_from_position_ids(position_ids)
         lengths = (cu[1:] - cu[:-1]).tolist()
         packed = Packed(input_ids[0], cu, position_ids[0], max(lengths))
-        return _shard_packed(packed, None if labels is None else labels[0], shard)
+        return _shard_packed(packed, None if labels is None else labels[0],
+                             _placed(shard, packed, group) if placed else shard)
     batch, seq = input_ids.shape
     positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
     out = {"input_ids": shard(input_ids), "position_ids": shard(positions)}  # global positions, same layout
@@ -445,6 +449,15 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
         shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # token i predicts labels[i + 1], full sequence
         out["shift_labels"] = shard(shifted)
     return out
+
+
+def _placed(shard, packed: Packed, group):
+    """``shard`` on the placement of the packed stream's documents (``schedule="placed"``; the same on every rank)."""
+    from distattn.sharding import placement
+
+    total = packed.input_ids.shape[0]
+    lay = placement(packed.cu_seqlens, total // _group_size(group), group)
+    return functools.partial(shard, schedule="balanced", layout=lay)
 
 
 def _shard_packed(packed: Packed, stream_labels, shard) -> dict:

@@ -62,7 +62,7 @@ __all__ = ["Link", "LINKS", "Cluster", "Candidate", "Choice", "predict", "choose
 
 BWD_FLOP_FACTOR = 2.5  # FlashAttention backward: 5 matmuls of the forward's size vs 2 (dq, dk, dv, dp, recompute s)
 H100_FA2_FLOPS = 350e12  # assumed: FA2 forward on H100 SXM, bf16, head dim 128 (see module docstring)
-TIE_ORDER = ("balanced", "zigzag", "ring")  # equal predicted times: flat in this order, then 2D by U, then this
+TIE_ORDER = ("balanced", "zigzag", "ring", "placed")  # equal predicted times: flat in this order, then 2D by U, then this
 _MIB = 1 << 20
 
 
@@ -313,6 +313,11 @@ def _check_allow(allow) -> frozenset | None:
     return allow
 
 
+def _flat_schedules(mask) -> tuple[str, ...]:
+    """The flat candidates: "placed" only for a mask with documents or a window (on a dense mask it is balanced)."""
+    return TIE_ORDER if mask is not None and not mask.dense else TIE_ORDER[:3]
+
+
 def _candidates(world_size, shapes, causal, mask, cluster, partials, allow) -> list[Candidate]:
     def attempt(schedule, ulysses):
         try:
@@ -321,7 +326,7 @@ def _candidates(world_size, shapes, causal, mask, cluster, partials, allow) -> l
         except ValueError as err:
             return Candidate(world_size=world_size, schedule=schedule, ulysses=ulysses, reason=_short(err))
 
-    out = [attempt(s, 1) for s in TIE_ORDER if _allowed(allow, s, 1)]
+    out = [attempt(s, 1) for s in _flat_schedules(mask) if _allowed(allow, s, 1)]
     for u in range(2, world_size + 1):
         if world_size % u:
             continue
@@ -463,7 +468,7 @@ def choose(world_size: int, shapes: Shapes, causal: bool = True, mask: MaskSpec 
         if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world_size % ulysses:
             raise ValueError(f"ulysses={ulysses!r} must be a positive int dividing world_size={world_size}")
         found = []
-        for schedule in TIE_ORDER:
+        for schedule in _flat_schedules(mask) if ulysses == 1 else TIE_ORDER[:3]:
             if allow is not None and schedule not in allow:
                 continue
             try:

@@ -26,28 +26,46 @@ gathers exactly ring shard ``r`` (segment by segment, after :func:`ulysses_order
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 __all__ = ["LAYOUTS", "Layout", "local_bounds", "layout_of"]
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "placed")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """``kind`` of the ring-level layout over ``world_size`` ring ranks; ``ulysses`` ranks per ring rank."""
+    """``kind`` of the ring-level layout over ``world_size`` ring ranks; ``ulysses`` ranks per ring rank.
+
+    ``"placed"``: the segments of every ring rank are data (``placement[r]``, in position order), solved from the
+    mask by ``distattn.schedule.placement.place`` on every rank alike; hashable like the other kinds."""
 
     kind: str = "contiguous"
     world_size: int = 1
     ulysses: int = 1
+    placement: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    """``"placed"`` only: ``placement[r]`` = the ``(start, stop)`` segments of ring rank ``r``, increasing."""
+    group: int = 1
+    """``"placed"``: ranks per group of the placement (its documents' blocks stay inside ``group`` neighbouring ranks,
+    but for the documents cut across groups); the plan runs each group's ring first."""
+    note: str = field(default="", compare=False)
+    """How the layout was chosen (the placement's groups and block size, or why it fell back to contiguous)."""
 
     def __post_init__(self):
         if self.kind not in LAYOUTS:
             raise ValueError(f"layout kind {self.kind!r} is not one of {LAYOUTS}")
         if self.world_size < 1 or self.ulysses < 1:
             raise ValueError(f"world_size={self.world_size} and ulysses={self.ulysses} must be >= 1")
+        if (self.kind == "placed") != (self.placement is not None):
+            raise ValueError("a 'placed' layout needs its placement (per-rank segments), and only it has one: build "
+                             "it with distattn.schedule.placement.place(mask, world_size, n)")
+        if self.kind == "placed" and (len(self.placement) != self.world_size or self.ulysses != 1):
+            raise ValueError(f"a placed layout holds the segments of every rank ({len(self.placement)} given for "
+                             f"world_size={self.world_size}) and runs on a flat group (ulysses={self.ulysses}): the "
+                             f"Ulysses x ring grid over a placement is not supported; use schedule='zigzag' or "
+                             f"'balanced' on a 2-D group")
 
     @property
     def ranks(self) -> int:
@@ -56,6 +74,9 @@ class Layout:
 
     @property
     def segments_per_rank(self) -> int:
+        """Segments of every ring shard (contiguous 1, zigzag 2; placed: the most any rank holds)."""
+        if self.kind == "placed":
+            return max(len(segs) for segs in self.placement)
         return 2 if self.kind == "zigzag" else 1
 
     @property
@@ -65,10 +86,16 @@ class Layout:
 
     def divisor(self) -> int:
         """Tokens per rank must be a multiple of this (zigzag splits every shard in two)."""
-        return self.segments_per_rank
+        return 2 if self.kind == "zigzag" else 1
 
     def check(self, n: int) -> None:
         """Raise a clear error if ``n`` tokens per rank cannot be laid out."""
+        if self.kind == "placed":
+            held = sum(b - a for a, b in self.placement[0])
+            if held != n:
+                raise ValueError(f"this placement was solved for {held} tokens per rank, not {n}: solve it again "
+                                 f"for the stream's cu_seqlens and {n} tokens per rank")
+            return
         if n % self.divisor():
             raise ValueError(f"the zigzag layout splits every rank's shard into 2 chunks, so tokens per rank "
                              f"({n}) must be even: pad the sequence to a multiple of {2 * self.ranks} "
@@ -77,6 +104,8 @@ class Layout:
     def ring_segments(self, ring_rank: int, m: int) -> tuple[tuple[int, int], ...]:
         """Segments of ring shard ``ring_rank`` (``m`` tokens per ring rank), in position order."""
         r, p = ring_rank, self.world_size
+        if self.kind == "placed":
+            return self.placement[r]
         if self.kind == "contiguous":
             return ((r * m, (r + 1) * m),)
         c = m // 2
@@ -86,6 +115,8 @@ class Layout:
         """Segments held by global rank ``rank`` (= ``ring_rank * ulysses + u``) with ``n`` tokens per rank."""
         self.check(n)
         r, u = divmod(rank, self.ulysses)
+        if self.kind == "placed":
+            return self.placement[r]
         piece = n // self.segments_per_rank  # tokens of each ring segment that rank (r, u) holds
         return tuple((a + u * piece, a + (u + 1) * piece) for a, _ in self.ring_segments(r, n * self.ulysses))
 
@@ -95,15 +126,28 @@ class Layout:
 
     def ring(self) -> "Layout":
         """The layout the ring sees after the Ulysses all-to-all (ring shards of ``U * n`` tokens)."""
-        return Layout(self.kind, self.world_size, 1)
+        return Layout(self.kind, self.world_size, 1, self.placement, self.group, self.note)
 
     def render(self, n: int) -> str:
         return "\n".join(f"rank {g}: " + " ".join(f"[{a}, {b})" for a, b in self.segments(g, n))
                          for g in range(self.ranks))
 
 
-def layout_of(schedule: str, world_size: int, ulysses: int = 1) -> Layout:
-    """The layout a schedule's plan runs on (``zigzag``: zigzag; every other schedule: contiguous)."""
+def layout_of(schedule: str, world_size: int, ulysses: int = 1, *, mask=None, n: int | None = None) -> Layout:
+    """The layout a schedule's plan runs on (``zigzag``: zigzag; ``placed``: the placement of ``mask``'s documents
+    for ``n`` tokens per rank, solved by ``distattn.schedule.placement.place``; every other schedule: contiguous)."""
+    if schedule == "placed":
+        if ulysses != 1:
+            raise ValueError(f"schedule='placed' runs on a flat group; this group has ulysses={ulysses} ranks per ring "
+                             f"rank (the Ulysses x ring grid over a placement is not supported): use "
+                             f"schedule='zigzag' or 'balanced' on a 2-D group")
+        if n is None:
+            raise ValueError("the placed layout depends on the documents and the tokens per rank: pass mask= "
+                             "(MaskSpec with cu_seqlens) and n= (tokens per rank)")
+        from distattn.schedule.masks import MaskSpec
+        from distattn.schedule.placement import place
+
+        return place(mask if mask is not None else MaskSpec(causal=True), world_size, n)
     return Layout("zigzag" if schedule == "zigzag" else "contiguous", world_size, ulysses)
 
 

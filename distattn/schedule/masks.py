@@ -83,12 +83,33 @@ def _segment_work(lo: np.ndarray, hi: np.ndarray, a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _pair_work_cached(spec: MaskSpec, p: int, n: int, layout) -> tuple[tuple[int, ...], ...]:
+    """Per query rank ``i``: ``F(x)`` = visible keys at positions ``< x`` summed over ``i``'s rows, at every segment
+    boundary of every rank (sorted bounds + prefix sums); a kv segment ``[a, b)`` holds ``F(b) - F(a)`` of them.
+    O(P * (n + segments) log n): a placement of 256 ranks x 32 segments in well under a second."""
     total = p * n
-    work = np.zeros((p, p), dtype=np.int64)
     segments = [layout.segments(r, n) if layout is not None else ((r * n, (r + 1) * n),) for r in range(p)]
+    owner = np.repeat(np.arange(p), [len(s) for s in segments])
+    a, b = (np.asarray([seg[k] for segs in segments for seg in segs], dtype=np.int64) for k in (0, 1))
+    work = np.zeros((p, p), dtype=np.int64)
     for i in range(p):
-        for a, b in segments[i]:
-            lo, hi = spec.bounds(total, a, b)
-            for j in range(p):
-                work[i, j] += sum(_segment_work(lo, hi, c, e) for c, e in segments[j])
+        q_pos = layout.positions(i, n) if layout is not None else np.arange(i * n, (i + 1) * n, dtype=np.int64)
+        lo, hi = spec.bounds_at(total, q_pos)
+        seen = _keys_before(np.sort(lo), np.sort(hi + 1))
+        work[i] = np.bincount(owner, weights=seen(b) - seen(a), minlength=p).round().astype(np.int64)
     return tuple(tuple(int(x) for x in row) for row in work)
+
+
+def _keys_before(lo_sorted: np.ndarray, end_sorted: np.ndarray):
+    """``F(x) = sum over rows of |[lo, end) & [0, x)|`` for rows with key intervals ``[lo, end)`` (``end = hi + 1``;
+    ``end == lo``: none), as a function of an array ``x``: a row adds ``end`` if ``end <= x``, ``x`` if
+    ``lo < x < end``, else ``lo``, minus its ``lo`` (linear in the indicator counts, so empty rows add 0)."""
+    cum_lo = np.concatenate(([0], np.cumsum(lo_sorted)))
+    cum_end = np.concatenate(([0], np.cumsum(end_sorted)))
+    rows = len(lo_sorted)
+
+    def seen(x: np.ndarray) -> np.ndarray:
+        k_end = np.searchsorted(end_sorted, x, side="right")  # rows with end <= x
+        k_lo = np.searchsorted(lo_sorted, x, side="left")  # rows with lo < x
+        return cum_end[k_end] + (cum_lo[rows] - cum_lo[k_lo]) + x * (k_lo - k_end) - cum_lo[rows]
+
+    return seen

@@ -10,6 +10,7 @@ equal tasks. Pure Python + numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import numpy as np
 from distattn.schedule.layouts import Layout, layout_of
 from distattn.schedule.masks import MaskSpec, pair_work
 
-SCHEDULES = ("ring", "balanced", "zigzag")
+SCHEDULES = ("ring", "balanced", "zigzag", "placed")
 PHASES = ("forward", "backward")
 __all__ = ["SCHEDULES", "PHASES", "Task", "Transfer", "RunTable", "Plan", "make_plan"]
 
@@ -318,7 +319,8 @@ def _validate(world_size, causal, schedule) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(
             f"schedule={schedule!r} is not one of {SCHEDULES}; pass schedule='balanced' for the "
-            f"load-balanced plan, 'zigzag' for the balanced layout, or 'ring' for the unbalanced baseline"
+            f"load-balanced plan, 'zigzag' for the balanced layout, 'placed' for packed documents, or 'ring' "
+            f"for the unbalanced baseline"
         )
 
 
@@ -336,11 +338,18 @@ def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", 
             each remaining pair to its query owner or its kv owner (helper) so that the work is balanced.
         chunk: tokens per rank; needed with a non-dense ``mask`` (zigzag: default 2, even).
 
+    ``"placed"`` runs on the work-balanced placement of the mask's documents (``distattn.schedule.placement``;
+    the plan's ``layout``; shard with ``shard_sequence(x, layout=plan.layout)``) with the balanced assignment of
+    the remaining pairs; where the placement falls back to contiguous shards (a dense mask, a stream too short for
+    blocks; ``layout.note`` says why) it is the balanced plan.
+
     Returns:
         An immutable :class:`Plan`; dense causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P,
         "zigzag" P (every step half a pair of work on every rank when causal).
     """
     _validate(world_size, causal, schedule)
+    if schedule == "placed":
+        return _make_placed_plan(world_size, causal, mask, chunk)
     if schedule == "zigzag":
         chunk = 2 if chunk is None else chunk
         mask = mask if mask is not None else MaskSpec(causal=causal)
@@ -353,6 +362,22 @@ def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", 
         if mask.dense:  # every shard pair has work: the ring order over all P * P pairs, work in closed form
             return _make_zigzag_plan(world_size, mask.causal, chunk)
     return _make_masked_plan(world_size, schedule, mask, chunk)
+
+
+def _make_placed_plan(p: int, causal: bool, mask: MaskSpec | None, chunk: int | None) -> Plan:
+    from distattn.schedule.placement import place
+
+    """The placement depends on the documents only (``cu_seqlens`` and ``chunk``), never on causal or the window, so
+    shards made from the documents (``distattn.sharding.placement``) always match the call's plan; a window is
+    computed exactly and balanced as causal documents are."""
+    mask = mask if mask is not None else MaskSpec(causal=causal)
+    if mask.cu_seqlens is None:  # no documents: contiguous shards and the balanced plan (dense: the optimum)
+        plan = make_plan(p, mask.causal, "balanced", mask=mask, chunk=chunk)
+        return dataclasses.replace(plan, schedule="placed")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
+    layout = place(MaskSpec(causal=True, cu_seqlens=mask.cu_seqlens), p, chunk)
+    return _make_masked_plan(p, "placed", mask, chunk, layout)
 
 
 @functools.lru_cache(maxsize=None)
@@ -390,23 +415,31 @@ def _as_runs(steps: list[list[Task]], work, n: int) -> RunTable:
 
 
 @functools.lru_cache(maxsize=64)
-def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int) -> Plan:
-    layout = layout_of(schedule, p)
+def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layout | None = None) -> Plan:
+    layout = layout if layout is not None else layout_of(schedule, p)
     work = pair_work(mask, p, n, None if layout.contiguous else layout)
     needed = {(i, j) for i in range(p) for j in range(p) if work[i][j] > 0}
     # ring: every pair computed by its query owner, in ring order, empty pairs dropped
     ring = [[Task(r, r, (r - t) % p) for t in range(p) if ((r, (r - t) % p)) in needed] for r in range(p)]
     per_rank = ring
     if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
-        owners = [[ts[0]] + sorted(ts[1:], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.kv_chunk)) if ts else []
-                  for ts in ring]
         balanced = _balance_by_work(p, work, needed)
-        per_rank = min((owners, balanced), key=lambda plan: _length(plan, work))
+        per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
+    elif schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
+        from distattn.schedule.placement import group_order
+
+        per_rank = [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
     steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
     got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
     assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
     return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(steps, work, n), work=work,
                 chunk=n, layout=None if layout.contiguous else layout)
+
+
+def _owners(ring: list[list[Task]], work) -> list[list[Task]]:
+    """Owner tasks only: the local pair first, then the rest largest first (aligns the ranks' large tasks)."""
+    return [[ts[0]] + sorted(ts[1:], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.kv_chunk)) if ts else []
+            for ts in ring]
 
 
 def _length(per_rank: list[list[Task]], work) -> int:

@@ -1,0 +1,263 @@
+"""The work-balanced placement of a packed stream: which blocks of which documents each rank holds.
+
+Contiguous and zigzag shards balance dense causal work, but a packed stream of documents of varied length is
+another mask: the ranks holding long documents' late tokens do most of the work. :func:`place` solves, from the
+mask alone (``cu_seqlens``, causal, window; no tensors, no communication, so every rank derives the same answer),
+a layout of kind ``"placed"`` (``distattn.schedule.layouts``) in which
+
+* every rank holds exactly ``n`` tokens (token-wise layers stay balanced),
+* the ranks form ``P / k`` *groups* of ``k`` neighbouring ranks; every document goes whole to one group when it
+  fits (documents longer than a group's stream are cut across groups), the documents' work balanced over the
+  groups by longest-processing-time first with a token capacity of ``k * n`` per group,
+* inside a group the group's tokens (its documents in position order) are cut into blocks of ``B`` tokens; the
+  whole blocks of every document, in full cycles of ``2k``, are dealt to the group's ``k`` ranks in a snake
+  (0, 1, .., k-1, k-1, .., 0): symmetric, so every (query rank, kv rank) pair of the group gets the same share of
+  that stretch of the document's work, and the plan's steps stay equal across ranks; the remaining blocks
+  (document ends, short documents) go heaviest first to the least loaded rank of the group with room.
+
+``k`` is the smallest divisor of ``P`` whose groups are balanced within :data:`GROUP_TOLERANCE`: small groups
+keep a document's blocks on few ranks (little traffic), ``k = P`` (one group, every document dealt over every
+rank) always balances.
+
+Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
+a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
+the snake's symmetry holds per cycle of ``2k`` whole blocks, and twice the blocks leave half the remainder (at 64
+ranks x 4096 tokens the simulator's makespan is 1.05-1.07x of perfect with 64-token blocks, 1.12-1.13x with 128;
+``bench/results/placement-sim``). When ``n`` is not a multiple of 64 the largest power of two dividing ``n`` is used
+(a stream of fewer than ``P * 64`` tokens gets smaller blocks); when that leaves more than
+:data:`MAX_BLOCKS_PER_RANK` blocks per rank (e.g. an odd ``n`` in the thousands) the solver falls back to the
+contiguous layout and says why in the layout's ``note``. A dense mask (one causal document) also falls back: the balanced schedule is already optimal.
+
+Cost: O(documents x log + blocks) numpy per divisor tried; ~1 ms for 64 ranks x 4096 tokens
+(``bench/placement_solver.py``). Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+
+import numpy as np
+
+from distattn.schedule.layouts import Layout
+from distattn.schedule.masks import MaskSpec
+
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "GROUP_TOLERANCE", "place", "block_size", "group_order"]
+
+BLOCK = 64
+"""Target block size in tokens: a key tile of the kernels (see the module docstring)."""
+MAX_BLOCKS_PER_RANK = 256
+"""More blocks per rank than this (tiny blocks of a large odd ``n``): fall back to contiguous shards."""
+GROUP_TOLERANCE = 1.02
+"""Largest group work / mean group work accepted for a group size ``k < P`` (the rest of the 1.10 budget is left to
+the rounding inside groups and the cut documents)."""
+_INF = 1 << 62
+
+
+def block_size(n: int) -> int | None:
+    """Tokens per block for ``n`` tokens per rank: 64, or the largest power of two dividing ``n``; ``None`` when
+    that leaves more than :data:`MAX_BLOCKS_PER_RANK` blocks per rank."""
+    b = BLOCK
+    while n % b:
+        b //= 2
+    return b if n // b <= MAX_BLOCKS_PER_RANK else None
+
+
+def place(spec: MaskSpec, world_size: int, n: int) -> Layout:
+    """The placement of the stream of ``world_size * n`` tokens under ``spec`` (cached; deterministic)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be the positive number of tokens per rank")
+    return _place_cached(spec, world_size, n)
+
+
+@functools.lru_cache(maxsize=64)
+def _place_cached(spec: MaskSpec, p: int, n: int) -> Layout:
+    if p == 1:
+        return Layout("contiguous", 1, note="one rank: nothing to place")
+    if spec.dense:
+        return Layout("contiguous", p, note="dense mask: the balanced schedule is already optimal on contiguous "
+                                           "shards (1 + P//2 steps causal)")
+    b = block_size(n)
+    if b is None:
+        return Layout("contiguous", p, note=f"{n} tokens per rank split into blocks of a power of two leaves more "
+                                            f"than {MAX_BLOCKS_PER_RANK} blocks per rank; pad to a multiple of "
+                                            f"{BLOCK} to place the documents")
+    cu = np.asarray(spec.documents(p * n), dtype=np.int64)
+    starts, lengths = cu[:-1], np.diff(cu)
+    keep = lengths > 0  # empty documents hold no tokens
+    starts, lengths = starts[keep], lengths[keep]
+    rows = _RowWork(spec, lengths)
+    whole = rows.prefix(np.arange(len(lengths)), lengths)
+    for k in _divisors(p):
+        heaviest = whole[lengths <= k * n].max(initial=0)  # a document that fits a group is never cut
+        if k < p and heaviest > GROUP_TOLERANCE * whole.sum() * k / p:
+            continue  # that document alone overloads its group: no assignment of this k can be balanced
+        pieces, load = _assign_groups(starts, lengths, rows, p // k, k * n)
+        if k == p or load.max() <= GROUP_TOLERANCE * load.mean():
+            break
+    segments = _deal(pieces, starts, rows, p, k, n, b)
+    note = f"{p // k} groups of {k} ranks, blocks of {b} tokens"
+    return Layout("placed", p, placement=segments, group=k, note=note)
+
+
+def _divisors(p: int) -> list[int]:
+    return [k for k in range(1, p + 1) if p % k == 0]
+
+
+class _RowWork:
+    """Visible keys summed over the rows ``[0, x)`` of each document (closed form, vectorized over documents).
+
+    Row ``i`` of a document of ``L`` tokens sees ``1 + min(i, l) + min(L - 1 - i, r)`` keys, with ``l`` the left
+    window (unlimited: ``L``) and ``r`` 0 causal, else the right window (unlimited: ``L``)."""
+
+    def __init__(self, spec: MaskSpec, lengths: np.ndarray):
+        left, right = spec.window
+        self.lengths = lengths
+        self.l = _INF if left < 0 else left
+        self.r = 0 if spec.causal else (_INF if right < 0 else right)
+
+    @staticmethod
+    def _s(m, x):
+        """``sum_{i < m} min(i, x)`` for arrays ``m`` (>= 0) and a scalar ``x`` (>= 0)."""
+        m = np.asarray(m, dtype=np.int64)
+        xs = min(x, 1 << 31)
+        small = m * (m - 1) // 2
+        big = xs * (xs + 1) // 2 + (m - 1 - xs) * xs
+        return np.where(m <= xs + 1, small, big)
+
+    def prefix_one(self, length: int, x: int) -> int:
+        """:meth:`prefix` of one document of ``length`` tokens, in plain Python (the solver's inner loop)."""
+        def s(m, c):
+            return m * (m - 1) // 2 if m <= c + 1 else c * (c + 1) // 2 + (m - 1 - c) * c
+        return x + s(x, self.l) + s(length, self.r) - s(length - x, self.r)
+
+    def prefix(self, doc, x):
+        """Work of rows ``[0, x)`` of documents ``doc`` (arrays)."""
+        length = self.lengths[doc]
+        return x + self._s(x, self.l) + self._s(length, self.r) - self._s(length - x, self.r)
+
+
+def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int):
+    """Documents, longest first, to the least loaded group with room for them whole; a document no group has room
+    for is cut, its first part to the group with the most room. Returns ``pieces`` (``[start, stop, group, doc]``
+    rows, global positions) and the groups' loads (row work). A heap of ``(load, group)``: groups without room are
+    set aside for the current document only."""
+    order = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
+    whole = rows.prefix(np.arange(len(lengths)), lengths).tolist()
+    length_l, start_l = lengths.tolist(), starts.tolist()
+    free, load = [cap] * groups, [0] * groups
+    heap = [(0, g) for g in range(groups)]
+    pieces = []
+    for d in order:
+        length, off = length_l[d], 0
+        aside = []
+        while heap and free[heap[0][1]] < length:
+            aside.append(heapq.heappop(heap))
+        if heap:  # the least loaded group with room for the whole document
+            _, g = heapq.heappop(heap)
+            load[g] += whole[d]
+            free[g] -= length
+            pieces.append((start_l[d], start_l[d] + length, g, d))
+            if free[g]:
+                heapq.heappush(heap, (load[g], g))
+        else:  # cut: the most room first
+            while off < length:
+                g = max(range(groups), key=lambda x: (free[x], -x))
+                take = min(free[g], length - off)
+                load[g] += rows.prefix_one(length, off + take) - rows.prefix_one(length, off)
+                free[g] -= take
+                pieces.append((start_l[d] + off, start_l[d] + off + take, g, d))
+                off += take
+            aside = [(load[g], g) for _, g in aside]
+        for item in aside:
+            if free[item[1]]:  # a full group leaves the heap for good
+                heapq.heappush(heap, item)
+    return np.asarray(pieces, dtype=np.int64), np.asarray(load, dtype=np.int64)
+
+
+def _fill_rest(owner: np.ndarray, work: np.ndarray, p: int, k: int, per_group: int) -> np.ndarray:
+    """Blocks without an owner (``-1``), heaviest first, each to the least loaded rank of its group with room."""
+    slots = per_group // k
+    load = np.bincount(owner[owner >= 0], weights=work[owner >= 0], minlength=p).tolist()
+    used = np.bincount(owner[owner >= 0], minlength=p).tolist()
+    rest = np.flatnonzero(owner < 0)
+    rest = rest[np.lexsort((rest, -work[rest]))].tolist()
+    heaps = [[(load[r], r) for r in range(g * k, (g + 1) * k) if used[r] < slots] for g in range(p // k)]
+    for h in heaps:
+        heapq.heapify(h)
+    work_l = work.tolist()
+    for blk in rest:
+        h = heaps[blk // per_group]
+        w, r = heapq.heappop(h)
+        owner[blk] = r
+        used[r] += 1
+        if used[r] < slots:
+            heapq.heappush(h, (w + work_l[blk], r))
+    return owner
+
+
+def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int):
+    """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring:
+    snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns the segments of every rank
+    (merged where neighbouring), in position order."""
+    order = np.lexsort((pieces[:, 0], pieces[:, 2]))  # by group, then position
+    start, stop, group, doc = (pieces[order, c] for c in range(4))
+    length = stop - start
+    first = np.searchsorted(group, np.arange(p // k), side="left")
+    csum = np.cumsum(length) - length
+    offset = csum - csum[first[group]]  # offset of each piece in its group's stream
+    reps = (offset + length - 1) // b - offset // b + 1  # blocks a piece touches
+    idx = np.repeat(np.arange(len(start)), reps)
+    j = np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)  # 0 .. reps-1 within a piece
+    block = offset[idx] // b + j
+    lo = np.maximum(block * b, offset[idx]) - offset[idx] + start[idx]
+    hi = np.minimum((block + 1) * b, offset[idx] + length[idx]) - offset[idx] + start[idx]
+    d, d0 = doc[idx], starts[doc[idx]]
+    per_group = k * n // b
+    key = group[idx] * per_group + block  # every group has exactly k * n / b blocks
+    work = np.bincount(key, weights=rows.prefix(d, hi - d0) - rows.prefix(d, lo - d0), minlength=p // k * per_group)
+    # a block wholly inside one piece, in a full cycle of 2k of the piece's whole blocks: the snake (symmetric, so
+    # every pair of the group gets the same share of that stretch of the document); the rest (document ends, short
+    # documents): heaviest first to the least loaded rank of the group with room
+    whole = (hi - lo == b)
+    first_whole = np.repeat((offset + b - 1) // b, reps)  # first block wholly inside the piece
+    n_whole = np.repeat((offset + length) // b, reps) - first_whole
+    t = block - first_whole
+    cyc = whole & (t < n_whole // (2 * k) * (2 * k))
+    rnd, pos = np.divmod(t, k)
+    owner = np.full(len(work), -1, dtype=np.int64)
+    owner[key[cyc]] = group[idx][cyc] * k + np.where(rnd[cyc] % 2 == 0, pos[cyc], k - 1 - pos[cyc])
+    owner = _fill_rest(owner, work, p, k, per_group)
+    rank = owner[key]
+    order = np.lexsort((lo, rank))
+    lo, hi, rank = lo[order], hi[order], rank[order]
+    new = np.ones(len(lo), dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (lo[1:] != hi[:-1])  # a segment starts unless it continues the last
+    seg_lo = lo[new]
+    seg_hi = np.maximum.reduceat(hi, np.flatnonzero(new))
+    seg_rank = rank[new]
+    bounds = np.searchsorted(seg_rank, np.arange(p + 1))
+    lo_l, hi_l = seg_lo.tolist(), seg_hi.tolist()
+    out = tuple(tuple(zip(lo_l[bounds[r]:bounds[r + 1]], hi_l[bounds[r]:bounds[r + 1]])) for r in range(p))
+    assert all(sum(e - s for s, e in segs) == n for segs in out), "placement: a rank does not hold n tokens"
+    return out
+
+
+def group_order(p: int, k: int, work, needed) -> list[list[int]]:
+    """The kv ranks of every rank's pairs, in the order the placed plan runs them (owner tasks: ``distattn.schedule.
+    plan``). First the pairs inside the rank's group of ``k`` by the group's ring rotations (every step a permutation
+    of the group: each rank sends its k/v to one rank; the pairs of one group hold like work), the diagonal first,
+    then the rotations whose largest pair is heaviest; then the pairs of documents cut across groups, rotated by the
+    rank's offset in its group (rank ``g0 + x`` first fetches the other group's rank at offset ``x``: the ``k`` ranks
+    that share a cut document fetch from ``k`` different ranks in a step, not all from one)."""
+    rotations = {}  # per group: its ring's rotations, the heaviest first (the groups' large steps coincide)
+    for g0 in range(0, p, k):
+        size = [max(work[r][g0 + (r - g0 - t) % k] for r in range(g0, g0 + k)) for t in range(k)]
+        rotations[g0] = [0] + sorted(range(1, k), key=lambda t: (-size[t], t))
+    out = []
+    for r in range(p):
+        g0 = r // k * k
+        inside = [g0 + (r - g0 - t) % k for t in rotations[g0]]
+        cross = sorted((j for j in range(p) if j // k != r // k and (r, j) in needed), key=lambda j: ((j - r) % k, j))
+        out.append([j for j in inside if (r, j) in needed] + cross)
+    return out
