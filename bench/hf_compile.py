@@ -7,8 +7,9 @@
 
 A tiny ``LlamaForCausalLM`` (2 layers, GQA 4/2, fp32) with ``use_distattn`` is compiled as
 ``torch.compile(model, backend=..., fullgraph=...)`` and runs forward + backward on 4 batches whose tokens per rank
-and document boundaries change every step: ``dense`` rows (``shard_batch(ids)``) and ``packed`` documents
-(``shard_batch(list_of_documents)``; step 2 has step 1's length with other boundaries). Each step also runs the
+and document boundaries change every step: ``dense`` rows (``shard_batch(ids)``), ``packed`` documents
+(``shard_batch(list_of_documents)``; step 2 has step 1's length with other boundaries) and ``masked`` (the dense
+rows with an all-ones 2-D ``attention_mask``, what HF tokenizers and ``Trainer`` pass). Each step also runs the
 same model eagerly. Per step the table gives: graphs compiled in that step (dynamo's ``unique_graphs``: a frame's
 first compile or a recompile; ``torch.compile(model)`` compiles the forward pre-hook and the forward as two
 frames), graph breaks so far (``torch._dynamo.utils.counters``), the largest difference of the compiled loss and
@@ -30,7 +31,7 @@ import torch
 VOCAB = 48
 DENSE_TOKENS = [16, 18, 20, 22]  # the whole sequence per step (divisible by 1 and 2 ranks)
 PACKED_DOCS = [[5, 1, 9], [3, 7, 2, 4], [9, 7], [11, 6, 3]]  # documents per step; step 2: step 1's length
-MODES = ("dense", "packed")
+MODES = ("dense", "packed", "masked")  # masked: dense rows with an all-ones attention_mask, as tokenizers give
 
 
 def make_model(layers: int = 2, dtype=torch.float32, group=None, *, distattn: bool = True):
@@ -52,7 +53,7 @@ def make_model(layers: int = 2, dtype=torch.float32, group=None, *, distattn: bo
 def step_documents(mode: str) -> list[list[torch.Tensor]]:
     """The token ids of every step of ``mode``: its documents (a dense row is one document of the whole sequence)."""
     g = torch.Generator().manual_seed(1)
-    if mode == "dense":
+    if mode in ("dense", "masked"):
         return [[torch.randint(0, VOCAB, (n,), generator=g)] for n in DENSE_TOKENS]
     return [[torch.randint(0, VOCAB, (n,), generator=g) for n in lengths] for lengths in PACKED_DOCS]
 
@@ -61,8 +62,11 @@ def batches(mode: str, group=None) -> list[dict]:
     """This rank's ``shard_batch`` of every step of ``mode`` (the same token ids on every rank)."""
     from distattn.integrations import hf
 
-    if mode == "dense":
-        return [hf.shard_batch(d[0][None], labels=d[0][None], group=group) for d in step_documents(mode)]
+    if mode in ("dense", "masked"):
+        out = [hf.shard_batch(d[0][None], labels=d[0][None], group=group) for d in step_documents(mode)]
+        if mode == "masked":  # this rank's shard of an all-ones mask: all ones
+            out = [{**b, "attention_mask": torch.ones_like(b["input_ids"])} for b in out]
+        return out
     return [hf.shard_batch(docs, labels=docs, group=group) for docs in step_documents(mode)]
 
 
@@ -71,7 +75,8 @@ def train_step(model, batch, group=None) -> tuple[torch.Tensor, dict]:
     from distattn.integrations import hf
 
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                   attention_mask=batch.get("attention_mask")).logits
     loss = hf.causal_lm_loss(logits, batch["shift_labels"], group=group)
     loss.backward()
     # a compiled module names its parameters "_orig_mod.<name>"

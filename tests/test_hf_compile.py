@@ -1,18 +1,20 @@
 """``torch.compile(model, fullgraph=True)`` of a whole Hugging Face model with distattn: no graph break, and no
 recompile per step when the tokens per rank and the document boundaries change.
 
-The run is ``bench/hf_compile.py``'s (a tiny LLaMA, 4 steps of dense rows or packed documents, each step with
-another length or other boundaries), on 2 gloo ranks. Counted per step (``torch._dynamo.utils.counters``): graphs
-compiled (``unique_graphs``: first compiles and recompiles) and graph breaks. Every step's compiled loss and
-gradients (summed over the ranks) meet the accuracy rule against fp64 (every document alone through transformers'
-own eager attention), with the same distattn model run eagerly in fp32 as the baseline.
+The run is ``bench/hf_compile.py``'s (a tiny LLaMA, 4 steps of dense rows, packed documents, or dense rows with an
+all-ones 2-D ``attention_mask``, each step with another length or other boundaries), on 2 gloo ranks. Counted per
+step (``torch._dynamo.utils.counters``): graphs compiled (``unique_graphs``: first compiles and recompiles) and
+graph breaks. A mask with padding on one rank raises the padding ``ValueError`` on both from the compiled model.
+Every step's compiled loss and gradients (summed over the ranks) meet the accuracy rule against fp64 (every document
+alone through transformers' own eager attention), with the same distattn model run eagerly in fp32 as the baseline.
 
 Backends: ``aot_eager`` (dynamo + AOTAutograd, the joint forward/backward graph that inductor would get, without
-its C++ compile) for dense and packed; ``inductor`` once (packed, one layer, ``dynamic=True``: one compile of
+its C++ compile) for every mode; ``inductor`` once (packed, one layer, ``dynamic=True``: one compile of
 ~30 s with a cold inductor cache, where the automatic switch to a dynamic length would compile twice).
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import hf_compile  # noqa: E402
 
 from distattn._ops import documents_of, padded_documents  # noqa: E402
+from distattn.integrations import hf  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 600  # under a loaded 2-core machine; idle the whole spawn takes about a minute
@@ -35,6 +38,8 @@ TIMEOUT_S = 600  # under a loaded 2-core machine; idle the whole spawn takes abo
 # first change of tokens per rank recompiles each frame once with that length dynamic (automatic dynamic shapes);
 # after that no batch compiles anything. This is the bound the test holds.
 MAX_RECOMPILES_PER_FRAME = 1
+MASKED_TOKENS = 8  # per rank, in the padded-mask case
+PADDING_ERROR = r"cannot apply a padding attention_mask.*zeros on some rank.*packs the rows padding-free"
 
 
 def _reference(mode, layers):
@@ -67,11 +72,30 @@ def _full_gradients(rows):
 def _cases(rank, world_size):
     torch.set_num_threads(1)
     out = {}
-    for mode in hf_compile.MODES:
-        out[("aot_eager", mode)] = (_full_gradients(hf_compile.compile_run(mode, "aot_eager")), _reference(mode, 2))
+    for mode in hf_compile.MODES:  # masked: one layer (the mask is checked once per forward, not per layer)
+        layers = 1 if mode == "masked" else 2
+        rows = hf_compile.compile_run(mode, "aot_eager", layers=layers)
+        out[("aot_eager", mode)] = (_full_gradients(rows), _reference(mode, layers))
     rows = hf_compile.compile_run("packed", "inductor", dynamic=True, layers=1)
     out[("inductor", "packed")] = (_full_gradients(rows), _reference("packed", 1))
-    return out
+    return out, _padded_under_compile(rank)
+
+
+def _padded_under_compile(rank):
+    """The compiled model (fullgraph) called with a mask that has one zero, on rank 1's shard only: this rank's
+    ``ValueError`` message (``None``: nothing raised) and the graph breaks counted."""
+    model = torch.compile(hf_compile.make_model(1), backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, hf_compile.VOCAB, (1, 2 * MASKED_TOKENS), generator=torch.Generator().manual_seed(3))
+    batch = hf.shard_batch(ids)
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, -1] = 0 if rank == 1 else 1
+    try:
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask)
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return error, hf_compile.graph_breaks()
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +104,7 @@ def spawned():
 
 
 def _runs(spawned):
-    for rank, res in enumerate(spawned):
+    for rank, (res, _) in enumerate(spawned):
         for (backend, mode), (rows, ref) in res.items():
             yield rank, backend, mode, rows, ref
 
@@ -113,6 +137,13 @@ def test_compiled_loss_and_gradients_match_eager(spawned):
             for name, grad in row["grads"].items():
                 assert_close_by_rule(f"{where} {name}", grad, row["eager_grads"][name], ref_grads[name],
                                      torch.float32, magnitude=mag)
+
+
+def test_padding_mask_raises_under_compile_on_every_rank(spawned):
+    for rank, (_, (error, breaks)) in enumerate(spawned):
+        assert error is not None, f"rank {rank}: a padding mask was silently ignored by the compiled model"
+        assert re.search(PADDING_ERROR, error), error
+        assert breaks == 0, (rank, breaks)
 
 
 def test_documents_tensor_round_trip():

@@ -24,6 +24,9 @@ back scrambled, with a document starting at a position other than 0, which ``sha
 (positions count from 0 in every sequence and every document). Every rank sees the same stream, so every rank
 raises the same ``ValueError`` before any attention runs.
 
+Padding is the opposite of a packed batch: ``refuse_padding`` (the model's mask interface calls it) raises on every
+rank for a 2-D ``attention_mask`` with a zero, also from an op, so a masked forward compiles too.
+
 Legend: ``b`` batch rows, ``n`` tokens per rank, ``T = P * n`` tokens in the stream.
 """
 
@@ -31,10 +34,18 @@ from __future__ import annotations
 
 import torch
 
+import torch.distributed as dist
+
 from distattn._ops import group_of, padded_documents
 from distattn.sharding import gather_sequence, group_size, layout
+from distattn.topology import all_reduce
 
-__all__ = ["install_packing_hook", "stream_documents", "cu_seq_lens_documents", "DOCUMENTS_KWARG"]
+__all__ = ["install_packing_hook", "stream_documents", "cu_seq_lens_documents", "refuse_padding", "DOCUMENTS_KWARG",
+           "NO_PADDING_FIX"]
+
+NO_PADDING_FIX = ("remove the padding instead: shard_batch(input_ids, labels, attention_mask=mask) packs the "
+                  "rows padding-free (documents attend only within themselves), then call the model with its "
+                  "input_ids and position_ids and no attention_mask")
 
 DOCUMENTS_KWARG = "distattn_documents"
 """The keyword argument under which the hook hands the stream's documents to every attention layer: transformers
@@ -167,3 +178,37 @@ def _from_stream(stream: torch.Tensor):
     raise ValueError(f"position_ids restart inside rows of a batch of {len(rows)}: distattn packs documents into "
                      f"ONE stream (batch 1); build it with distattn.integrations.hf.shard_batch(list_of_documents) "
                      f"or shard_batch(input_ids, attention_mask=...)")
+
+
+# -- padding: refused, in an op so that a masked forward compiles -----------------------------------------
+def refuse_padding(attention_mask: torch.Tensor, group_key: str) -> None:
+    """Raise ``ValueError`` on every rank of the group if any rank's 2-D ``attention_mask`` has a zero.
+
+    The check reads the mask's values (and all-reduces a flag), so it is an op: ``torch.compile`` traces it
+    without a graph break and it raises when the compiled graph runs. Nothing consumes the op's flag, so
+    ``torch._assert_async`` does: a side-effect-free op whose output is unused would be dropped from the graph.
+    """
+    ok = torch.ops.distattn.refuse_padding(attention_mask, group_key)
+    torch._assert_async(ok, "distattn::refuse_padding let a padding attention_mask through")
+
+
+@torch.library.custom_op("distattn::refuse_padding", mutates_args=())
+def _refuse_padding_op(attention_mask: torch.Tensor, group_key: str) -> torch.Tensor:
+    """``True`` (a 0-d bool CPU tensor) when no rank's mask has a zero; else ``ValueError`` on every rank."""
+    group = group_of(group_key)
+    padded = torch.tensor([0 if bool(attention_mask.all()) else 1], device=attention_mask.device)
+    if group_size(group) > 1:  # the ranks hold different shards of the mask: agree before any attention
+        all_reduce(padded, group, dist.ReduceOp.MAX)
+    if padded.item():
+        zeros = int((~attention_mask.bool()).sum())
+        raise ValueError(f"distattn cannot apply a padding attention_mask: the mask has zeros on some rank of the "
+                         f"group (this rank: {zeros} of {attention_mask.numel()}, shape "
+                         f"{tuple(attention_mask.shape)}), and distattn attention is causal over the whole "
+                         f"sequence with no per-token mask, so padded tokens would be attended to; "
+                         f"{NO_PADDING_FIX} (an all-ones mask is accepted)")
+    return torch.ones((), dtype=torch.bool)
+
+
+@_refuse_padding_op.register_fake
+def _refuse_padding_fake(attention_mask, group_key):
+    return torch.empty((), dtype=torch.bool, device="cpu")

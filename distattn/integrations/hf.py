@@ -84,7 +84,8 @@ from distattn import kernels
 from distattn._compat import hf_checkpointing_enable
 from distattn._ops import group_key, group_of
 from distattn.api import dist_attn_with_documents, dist_flash_attn_func, dist_flash_attn_varlen_func
-from distattn.integrations._hf_packing import cu_seq_lens_documents, install_packing_hook, stream_documents
+from distattn.integrations._hf_packing import (NO_PADDING_FIX, cu_seq_lens_documents, install_packing_hook,
+                                                refuse_padding, stream_documents)
 from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
 from distattn.integrations._hf_checkpointing import enable_remat_checkpointing, offload_checkpoints
 from distattn.integrations._hf_data import ReplicaSampler, check_same_batches, shard_inputs
@@ -95,7 +96,6 @@ from distattn.schedule import ulysses_heads
 from distattn.sharding import group_size as _group_size
 from distattn.sharding import layout as _layout
 from distattn.sharding import shard_sequence
-from distattn.topology import all_reduce as all_reduce_group
 from distattn.topology import split as _split_group
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "offload_checkpoints",
@@ -138,10 +138,6 @@ _DEFAULT_OPTIONS = _Options(group_key=group_key(None), schedule="balanced", back
 
 
 # -- attention ----------------------------------------------------------------------------------------------
-NO_PADDING_FIX = ("remove the padding instead: shard_batch(input_ids, labels, attention_mask=mask) packs the "
-                  "rows padding-free (documents attend only within themselves), then call the model with its "
-                  "input_ids and position_ids and no attention_mask")
-
 # Names that transformers model configs use for the attention-probability dropout (LLaMA-style first).
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 
@@ -234,7 +230,8 @@ def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
     none). distattn applies no per-token mask, so a mask with any padding (a zero) is refused on every rank of
     the group: the ranks hold different shards of the mask, so they agree on "any rank has padding" with one
     all-reduce of a single flag before any attention communication starts (no collective when no mask is
-    passed). An all-ones mask masks nothing and is accepted.
+    passed). An all-ones mask masks nothing and is accepted. The check is the ``distattn::refuse_padding`` op, so
+    ``torch.compile`` traces a masked forward without a graph break and the check runs with the compiled graph.
 
     Returns:
         ``None``: the model passes ``attention_mask=None`` to every attention layer.
@@ -242,19 +239,8 @@ def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
     Raises:
         ValueError: some rank's ``attention_mask`` has a zero.
     """
-    if attention_mask is None:
-        return None
-    group = group_of(options.group_key)
-    padded = torch.tensor([0 if bool(attention_mask.all()) else 1], device=attention_mask.device)
-    if _group_size(group) > 1:
-        all_reduce_group(padded, group, dist.ReduceOp.MAX)
-    if padded.item():
-        zeros = int((~attention_mask.bool()).sum())
-        raise ValueError(f"distattn cannot apply a padding attention_mask: the mask has zeros on some rank of the "
-                         f"group (this rank: {zeros} of {attention_mask.numel()}, shape "
-                         f"{tuple(attention_mask.shape)}), and distattn attention is causal over the whole "
-                         f"sequence with no per-token mask, so padded tokens would be attended to; "
-                         f"{NO_PADDING_FIX} (an all-ones mask is accepted)")
+    if attention_mask is not None:
+        refuse_padding(attention_mask, options.group_key)
     return None
 
 
