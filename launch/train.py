@@ -534,6 +534,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.Do
         train_data.check_vocab(dataset.eval_set, config.vocab_size, "--eval-data")
         train_eval.eval_sample_count(cfg, dataset.eval_set)  # enough held-out windows for every replica
     check_checkpoint_dir(cfg, config)
+    train_log.check_json_log(cfg.args.log_json)  # its folder created; rank 0 opens it after the first step
     train_export.preflight(cfg, config)  # --export-hf: a new or empty, writable directory with room
     train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
