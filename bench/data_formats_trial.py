@@ -192,7 +192,8 @@ def trial(args, out: Path, work: Path) -> int:
         first = first or s
         same = (s["losses"], s["evals"], s["documents"]) == (first["losses"], first["evals"], first["documents"])
         ok &= same
-        rows.append({"format": name, "documents": s["documents"], "steps": s["steps"], "first_loss": f"{s['losses'][0]:.6f}",
+        rows.append({"format": name, "documents": s["documents"], "steps": s["steps"],
+                     "first_loss": f"{s['losses'][0]:.6f}",
                      "final_loss": f"{s['final_loss']:.6f}", "eval_loss": f"{s['eval_loss']:.6f}",
                      "eval_ppl": f"{s['eval_ppl']:.3f}", "wall_s": f"{s['wall_s']:.1f}",
                      "same_as_first": "yes" if same else "NO"})
