@@ -110,11 +110,12 @@ by all-to-all and ``S/U`` of those groups form the ring (``U`` divides ``S`` and
     torchrun --standalone --nproc-per-node 4 launch/train.py --model tiny-gqa --ulysses 2 --schedule zigzag
 
 Output: rank 0 draws a progress line on stderr (loss, tokens/s over the job, each rank's peak memory: CUDA
-allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step; the last line
-on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size", "seq_len", ...}``.
-A bad argument or an unusable path (missing or unreadable ``--data``, an ``--export-hf`` folder that is not
-empty, a ``--ckpt-dir`` that is not writable, has no room for a checkpoint or is in use by another job, a
-checkpoint of another model) makes every rank exit with status 2, rank 0 printing one ``train.py: error:`` line; the checks that need no process group run before it exists
+allocator peak on GPU, peak RSS on CPU); ``--log-json FILE`` writes one JSON record per step (its folder is
+created); the last line on stdout is a JSON summary ``{"steps", "final_loss", "tokens_per_s", "world_size",
+"seq_len", ...}``. A bad argument or an unusable path (missing or unreadable ``--data``, an ``--export-hf`` folder
+that is not empty, a ``--ckpt-dir`` that is not writable, has no room for a checkpoint or is in use by another job,
+a checkpoint of another model, a ``--log-json`` file that cannot be written) makes every rank exit with status 2,
+rank 0 printing one ``train.py: error:`` line; the checks that need no process group run before it exists
 (before step 1). torchrun then adds its own failure report, whose root cause quotes the same line.
 """
 
@@ -534,6 +535,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.Do
         train_data.check_vocab(dataset.eval_set, config.vocab_size, "--eval-data")
         train_eval.eval_sample_count(cfg, dataset.eval_set)  # enough held-out windows for every replica
     check_checkpoint_dir(cfg, config)
+    train_log.check_json_log(cfg.args.log_json)  # its folder created; rank 0 opens it after the first step
     train_export.preflight(cfg, config)  # --export-hf: a new or empty, writable directory with room
     train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation

@@ -11,8 +11,11 @@ import resource
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+from train_config import UsageError
 
 
 def peak_memory_bytes(device_type: str) -> int:
@@ -102,6 +105,20 @@ def _per_rank(peak_mem: list[int]) -> str:
 def _clock(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m:d}:{s:02d}" if m < 60 else f"{m // 60:d}:{m % 60:02d}:{s:02d}"
+
+
+def check_json_log(path: str | None) -> None:
+    """``--log-json FILE``: its folder is created and the file opens for appending. Every rank, before the process
+    group exists, so a bad path is one ``train.py: error:`` line, not rank 0's traceback after the model is built."""
+    if path is None:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):  # append: a resumed job's records stay
+            pass
+    except OSError as exc:
+        why = f"{exc.filename} is not a folder" if isinstance(exc, FileExistsError) else exc.strerror or exc
+        raise UsageError(f"--log-json {path} cannot be written ({why}); pass a file in a writable folder") from exc
 
 
 class JsonLog:

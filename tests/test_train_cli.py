@@ -126,7 +126,7 @@ def _prepare_error(monkeypatch, argv, env=None) -> str:
 
 @pytest.mark.parametrize("name", ["seq-len", "preset", "missing data", "unwritable ckpt dir", "read-only ckpt dir",
                                   "resume must, nothing", "ulysses", "zigzag seq-len", "autotune env",
-                                  "tile-loss", "tile-mlp"])
+                                  "tile-loss", "tile-mlp", "unwritable log-json"])
 def test_preflight_errors_in_process(name, tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -148,6 +148,8 @@ def test_preflight_errors_in_process(name, tmp_path, monkeypatch):
         "autotune env": ([], {"DISTATTN_AUTOTUNE": "yes"}, "DISTATTN_AUTOTUNE='yes' must be 0 or 1"),
         "tile-loss": (["--tile-loss", "0"], {}, "--tile-loss must be a positive number of tokens per tile, got 0"),
         "tile-mlp": (["--tile-mlp", "-8"], {}, "--tile-mlp must be a positive number of tokens per tile, got -8"),
+        "unwritable log-json": (["--log-json", str(afile / "log.jsonl")], {},
+                                f"--log-json {afile / 'log.jsonl'} cannot be written ({afile} is not a folder)"),
     }[name]
     assert reason in _prepare_error(monkeypatch, argv, env)
 
@@ -295,6 +297,22 @@ def test_ckpt_dir_without_save_every_warns(tmp_path, monkeypatch, capsys):
             f"--save-every N") in err
     train.prepare(["--device", "cpu", "--seq-len", "256", "--ckpt-dir", str(tmp_path / "c"), "--save-every", "5"])
     assert "warning: --ckpt-dir" not in capsys.readouterr().err
+
+
+def test_log_json_folder_is_created_before_step_1(tmp_path, monkeypatch):
+    """--log-json in a folder that does not exist yet: created by the preflight (it used to be rank 0's
+    FileNotFoundError traceback after the model was built); an existing log is kept for --resume to append to."""
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train
+
+    log = tmp_path / "runs" / "a" / "log.jsonl"
+    train.prepare(["--device", "cpu", "--seq-len", "256", "--log-json", str(log)])
+    assert log.is_file() and log.read_text() == ""
+    log.write_text('{"step": 1}\n')
+    train.prepare(["--device", "cpu", "--seq-len", "256", "--log-json", str(log)])
+    assert log.read_text() == '{"step": 1}\n'
 
 
 def test_no_progress_prints_a_plain_line_per_log_step(monkeypatch, capsys):
