@@ -116,7 +116,7 @@ def test_bad_input_raises_same_error_on_every_rank_without_hanging():
     assert None not in msgs
     assert "heads_q (6) must be a multiple of heads_kv (4)" in msgs[0]
     assert "q holds 4 tokens of this rank's shard but k/v hold 5" in msgs[1]
-    assert "schedule='zigzagx' is not one of ('ring', 'balanced', 'zigzag', 'auto')" in msgs[2]
+    assert "schedule='zigzagx' is not one of ('ring', 'balanced', 'zigzag', 'placed', 'auto')" in msgs[2]
     assert "backend='nope' is unknown" in msgs[3]
     assert msgs[4].startswith("TypeError: q, k, v must share one dtype")
     assert msgs[5].startswith("sequence length 5 (dim 1) must be divisible by the group size 3")

@@ -254,7 +254,7 @@ def test_causal_lm_loss_validates_shapes():
 
 def test_use_distattn_validates():
     model = make_model("llama")
-    with pytest.raises(ValueError, match=r"schedule='zigzig' is not one of \('ring', 'balanced', 'zigzag', 'auto'\)"):
+    with pytest.raises(ValueError, match=r"schedule='zigzig' is not one of \('ring', 'balanced', 'zigzag', 'placed', 'auto'\)"):
         hf.use_distattn(model, schedule="zigzig")
     with pytest.raises(ValueError, match=r"schedule='zig' is not one of .*the same to use_distattn and shard_batch"):
         hf.shard_batch(make_ids(), schedule="zig")

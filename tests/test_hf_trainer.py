@@ -268,3 +268,34 @@ def test_replica_sampler_deals_each_replica_its_batch_on_every_rank():
     one_process = [order[i:i + 2 * batch] for i in range(0, n, 2 * batch)]
     assert [dealt[0][k] + dealt[1][k] for k in range(2)] == [one_process[0], one_process[1] + order[:2]]
     assert len(ReplicaSampler(n, batch, replica, drop_last=True)) == 1 * len(replica) * batch
+
+
+# -- GPU tier: the collectives' CUDA tensors ---------------------------------------------------------------------------
+def _collectives_on_cuda(rank, world):
+    from distattn.integrations._hf_data import check_same_batches
+    from distattn.integrations._hf_trainer import SequenceParallelMixin
+
+    device = torch.device("cuda", 0)  # the ranks share one GPU over gloo (NCCL refuses two ranks on one device)
+    same = [{"input_ids": torch.arange(6)}]
+    check_same_batches(same, device=device)  # equal batches: no error
+    try:
+        check_same_batches([{"input_ids": torch.arange(6) + rank}], device=device)
+        differing = "no error"
+    except ValueError as exc:
+        differing = str(exc)
+    count = torch.tensor([rank + 1.0], device=device)
+    SequenceParallelMixin._all_reduce(None, count, None)  # the step's target tokens over the world (no group)
+    return differing, float(count)
+
+
+# CUDA-only: _hf_data._reduce and SequenceParallelMixin._all_reduce poll the CUDA work of their bounded waits
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trainer_collectives_on_cuda_over_gloo():
+    """The batch-digest check and the token count on CUDA tensors: the same error on both ranks for differing
+    batches, and the count summed over the world."""
+    per_rank = run_distributed(_collectives_on_cuda, 2, timeout=TIMEOUT_S)
+    for differing, count in per_rank:
+        assert "hold different batches" in differing, differing
+        assert count == 3.0
+    assert per_rank[0][0] == per_rank[1][0]
