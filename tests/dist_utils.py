@@ -113,3 +113,12 @@ def _format_errors(errors: dict[int, str], world_size: int) -> str:
     if not errors:
         return ""
     return "".join(f"\n\n----- rank {r} of {world_size} -----\n{errors[r].rstrip()}" for r in sorted(errors))
+
+
+def refused(fn) -> str:
+    """The text of the ``ValueError`` that ``fn()`` raises, or "no error" (a spawned rank's result for a bad input)."""
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

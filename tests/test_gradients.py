@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_ref import assert_close_by_rule, magnitude_of, naive_attention
-from dist_utils import run_distributed
+from dist_utils import refused as _refused, run_distributed
 
 import distattn
 from distattn.integrations.hf import IGNORE_INDEX, causal_lm_loss, shard_batch
@@ -120,14 +120,6 @@ def _fsdp(batches, group):
     distattn.set_fsdp_gradient_divide_factor(model, group)
     _micro_batches(model, batches, group)  # FSDP2 reduce-scatters after every micro-batch: each one divided
     return _grads(model)
-
-
-def _refused(fn) -> str:
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
 
 
 def _cases_p(rank, world_size):

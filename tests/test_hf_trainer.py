@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import refused as _refused, run_distributed
 
 pytest.importorskip("accelerate")
 
@@ -106,14 +106,6 @@ def _launch_env(rank: int, world: int) -> None:
     """What torchrun would set: accelerate reads these (the process group itself is already up)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-
-
-def _refused(fn) -> str:
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
 
 
 def _differing_sampler_trainer():

@@ -156,14 +156,18 @@ def agree_on_move(tensors, src: TokenLayout, dst: TokenLayout, group, timeout: f
     rank otherwise. Pairs with ``distattn.api.validated_everywhere``'s rejection of a rank's bad input."""
     if src == dst or src.world == 1 or not agreement.enabled():
         return
-    lib = communicator(group, timeout)
+    _agree(communicator(group, timeout), tensors, {"compat": what, "from": src.describe(), "to": dst.describe()},
+           timeout, what, "before moving tokens")
+
+
+def _agree(lib, tensors, extra: dict, timeout: float, what: str, when: str) -> None:
+    """One agreement collective on the call's fields (``tensors``' shapes and dtypes, ``extra``); on a mismatch
+    the library's groups are aborted and every rank raises the same error."""
     seq = lib.next_call()
-    fields = agreement.call_fields("forward", seq, tensors, {"compat": what, "from": src.describe(),
-                                                             "to": dst.describe()})
+    fields = agreement.call_fields("forward", seq, tensors, extra)
     device = next(iter(tensors.values())).device
     try:
-        agreement.agree(lib, fields, device if lib.nccl else torch.device("cpu"), timeout,
-                        f"{what} call {seq}, before moving tokens")
+        agreement.agree(lib, fields, device if lib.nccl else torch.device("cpu"), timeout, f"{what} call {seq}, {when}")
     except DistAttnError:
         lib.abort()
         raise
@@ -198,15 +202,7 @@ def gather_call_texts(tensors, text: str, group, timeout: float, what: str) -> l
     if lib.world_size == 1:
         return [text]
     if agreement.enabled():
-        seq = lib.next_call()
-        fields = agreement.call_fields("forward", seq, tensors, {"compat": what})
-        device = next(iter(tensors.values())).device
-        try:
-            agreement.agree(lib, fields, device if lib.nccl else torch.device("cpu"), timeout,
-                            f"{what} call {seq}, before gathering the ranks' local cu_seqlens")
-        except DistAttnError:
-            lib.abort()
-            raise
+        _agree(lib, tensors, {"compat": what}, timeout, what, "before gathering the ranks' local cu_seqlens")
     device = next(iter(tensors.values())).device
     try:
         return all_gather_text(lib.fetch, text, device if lib.nccl else torch.device("cpu"), timeout,
