@@ -182,7 +182,6 @@ def _write_error_file(line: str) -> None:
             pass  # the report keeps torchrun's default text; rank 0 printed the line anyway
 
 
-
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line on rank 0 only (every rank still exits)."""
 

@@ -55,8 +55,7 @@ COVERAGE: dict[str, list[str]] = {
     "distattn/comm.py:PeerExchange.post": [_D + "test_side_stream_orders_transfers_and_keeps_buffers"],
     "distattn/comm.py:PeerExchange.wait": [_D + "test_side_stream_orders_transfers_and_keeps_buffers"],
     "distattn/ulysses.py:_Row.__init__": [_D + "test_dist_op_on_cuda_over_gloo_every_schedule_and_layout"],
-    "distattn/integrations/_hf_data.py:_reduce": ["tests/test_hf_trainer.py::test_trainer_collectives_on_cuda_over_gloo"],
-    "distattn/integrations/_hf_trainer.py:SequenceParallelMixin._all_reduce": [
+    "distattn/integrations/_hf_data.py:bounded_all_reduce": [
         "tests/test_hf_trainer.py::test_trainer_collectives_on_cuda_over_gloo"],
     "distattn/compat/_relayout.py:_move": ["tests/test_compat_ring_flash_attn.py::test_moved_layouts_on_cuda_over_gloo"],
     "distattn/topology.py:_gather_int": [_D + "test_nccl_branches_gather_cuda_tensors"],

@@ -264,8 +264,7 @@ def test_replica_sampler_deals_each_replica_its_batch_on_every_rank():
 
 # -- GPU tier: the collectives' CUDA tensors ---------------------------------------------------------------------------
 def _collectives_on_cuda(rank, world):
-    from distattn.integrations._hf_data import check_same_batches
-    from distattn.integrations._hf_trainer import SequenceParallelMixin
+    from distattn.integrations._hf_data import bounded_all_reduce, check_same_batches
 
     device = torch.device("cuda", 0)  # the ranks share one GPU over gloo (NCCL refuses two ranks on one device)
     same = [{"input_ids": torch.arange(6)}]
@@ -276,11 +275,11 @@ def _collectives_on_cuda(rank, world):
     except ValueError as exc:
         differing = str(exc)
     count = torch.tensor([rank + 1.0], device=device)
-    SequenceParallelMixin._all_reduce(None, count, None)  # the step's target tokens over the world (no group)
+    bounded_all_reduce(count, None, "counting the step's target tokens")  # over the world (no group), as the Trainer
     return differing, float(count)
 
 
-# CUDA-only: _hf_data._reduce and SequenceParallelMixin._all_reduce poll the CUDA work of their bounded waits
+# CUDA-only: _hf_data.bounded_all_reduce polls the CUDA work of its bounded waits (the digest check, the token count)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_trainer_collectives_on_cuda_over_gloo():

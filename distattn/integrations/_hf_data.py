@@ -150,13 +150,13 @@ def check_same_batches(batches, group=None, *, device=None, what: str = "this st
         return
     h = _digest(batches)
     both = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    _reduce(both, group, dist.ReduceOp.MAX, "agreeing on the batch digest")
+    bounded_all_reduce(both, group, "agreeing on the batch digest", dist.ReduceOp.MAX)
     hi, neg_lo = both.tolist()
     if hi == h and -neg_lo == h:
         return
     every = torch.zeros(size, dtype=torch.int64, device=device)
     every[index] = h
-    _reduce(every, group, dist.ReduceOp.SUM, "gathering the batch digests")
+    bounded_all_reduce(every, group, "gathering the batch digests")
     digests = ", ".join(f"rank {r}: {d:016x}" for r, d in enumerate(every.tolist()))
     raise ValueError(f"distattn: the ranks of a sequence-parallel group hold different batches at {what} (digests "
                      f"of their input_ids/labels/...: {digests}); every rank of a sequence-parallel group must shard "
@@ -166,9 +166,9 @@ def check_same_batches(batches, group=None, *, device=None, what: str = "this st
                      f"or ReplicaSampler in your own loop")
 
 
-def _reduce(t: torch.Tensor, group, op, what: str) -> None:
-    """All-reduce over every rank of ``group`` (a two-dimensional one: its Ulysses row, then its ring), each wait
-    bounded."""
+def bounded_all_reduce(t: torch.Tensor, group, what: str, op=dist.ReduceOp.SUM) -> None:
+    """All-reduce ``t`` in place over every rank of ``group`` (None: the world; a two-dimensional one: its Ulysses
+    row, then its ring), each wait bounded by ``distattn.comm.default_timeout``."""
     ulysses_group, ring_group = _split_group(group)
     poll = t.device.type == "cuda"
     for g in ([ulysses_group] if ulysses_group is not None else []) + [ring_group]:
@@ -192,7 +192,7 @@ def replica_of_ranks(group=None, *, device=None) -> list[int]:
     ulysses_group, ring_group = _split_group(group)
     mine = _group_ranks(ring_group) | (_group_ranks(ulysses_group) if ulysses_group is not None else set())
     low = torch.tensor([min(mine)], dtype=torch.int64, device=device)
-    _reduce(low, group, dist.ReduceOp.MIN, "finding the lowest rank of the sequence-parallel group")
+    bounded_all_reduce(low, group, "finding the lowest rank of the sequence-parallel group", dist.ReduceOp.MIN)
     lows = [torch.empty_like(low) for _ in range(dist.get_world_size())]
     dist.all_gather(lows, low)
     lows = [int(x.item()) for x in lows]

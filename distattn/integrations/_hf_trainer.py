@@ -30,13 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
-from distattn.comm import bounded_wait, default_timeout
 from distattn.gradients import register_ddp_gradient_hook
-from distattn.integrations._hf_data import (IGNORE_INDEX, ReplicaSampler, check_same_batches, replica_of_ranks,
-                                            shard_inputs)
+from distattn.integrations._hf_data import (IGNORE_INDEX, ReplicaSampler, bounded_all_reduce, check_same_batches,
+                                            replica_of_ranks, shard_inputs)
 from distattn.integrations._hf_tiling import global_mean
 from distattn.sharding import _world
-from distattn.topology import all_reduce as all_reduce_group
 
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer"]
 
@@ -174,18 +172,10 @@ class SequenceParallelMixin:
         count = sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in sharded)
         count = torch.tensor([float(count)], dtype=torch.float64, device=self._comm_device())
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
-            self._all_reduce(count, None)  # every rank's share: the targets of all replicas
+            bounded_all_reduce(count, None, "counting the step's target tokens")  # the targets of all replicas
         else:
-            self._all_reduce(count, group)  # this replica's targets
+            bounded_all_reduce(count, group, "counting the step's target tokens")  # this replica's targets
         return sharded, count[0].to(device)
-
-    def _all_reduce(self, t: torch.Tensor, group) -> None:
-        if group is not None:
-            all_reduce_group(t, group)
-            return
-        bounded_wait([dist.all_reduce(t, async_op=True)], default_timeout(),
-                     f"distattn: rank {dist.get_rank()}, counting the step's target tokens",
-                     poll=t.device.type == "cuda")
 
     # -- loss and gradients ------------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -229,7 +219,7 @@ class SequenceParallelMixin:
         the logged value over all ranks, which is the same ``sum / count``."""
         total = local_sum.detach().double().reshape(1)
         if self.sequence_parallel_size > 1:
-            all_reduce_group(total, self.sequence_parallel_group)
+            bounded_all_reduce(total, self.sequence_parallel_group, "summing the step's loss")
         replicas = len(set(self._replica)) if self.args.average_tokens_across_devices else 1
         count = torch.as_tensor(count, dtype=torch.float64, device=local_sum.device).clamp(min=1.0)
         value = (total[0] / count).float() + (local_sum - local_sum.detach()) / count.float()
