@@ -529,7 +529,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.Do
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
     train_export.rope_guard(cfg, config)  # --rope-scaling applied, or a --seq-len past the model's positions warned
     train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
-    train_config.resolve_schedule(cfg, config)  # --schedule auto: the cost model's pick, before sharding
+    train_config.resolve_schedule(cfg, config, dataset)  # --schedule auto: the cost model's pick, before sharding
     train_data.check_vocab(dataset, config.vocab_size)
     if dataset.eval_set is not None:
         train_data.check_vocab(dataset.eval_set, config.vocab_size, "--eval-data")

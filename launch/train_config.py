@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size); placed (with "
                    "--pack, flat groups): every step's stream on the work-balanced placement of its documents; "
                    "auto: the cost model's pick for this model and group (distattn.choose_schedule; "
-                   "DISTATTN_LINK=ib|nvlink)")
+                   "DISTATTN_LINK=ib|nvlink); with --pack on a flat group placed is a candidate too, judged on the "
+                   "first batch's documents")
     a.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
     a.add_argument("--remat", action="store_true",
@@ -387,11 +388,13 @@ def check_heads(cfg: "RunConfig", config) -> None:
                          f"key/value heads): {exc}") from exc
 
 
-def resolve_schedule(cfg: "RunConfig", config) -> None:
+def resolve_schedule(cfg: "RunConfig", config, dataset=None) -> None:
     """``--schedule auto``: the cost model's best schedule for this model, sequence length and group
     (``distattn.choose_schedule`` at the group's Ulysses degree; ``DISTATTN_LINK=ib|nvlink`` and
     ``DISTATTN_GPUS_PER_NODE`` describe the cluster), chosen before sharding so it may pick the zigzag layout.
-    Deterministic: every rank picks the same. Rank 0 logs the choice and why."""
+    With ``--pack`` on a flat group the candidates include ``placed`` and the model reads the documents of the
+    first batch of the run (sample 0 on, the same on every rank: a representative packed stream, since the
+    documents change every step). Deterministic: every rank picks the same. Rank 0 logs the choice and why."""
     if cfg.args.schedule != "auto":
         return
     import distattn
@@ -399,11 +402,18 @@ def resolve_schedule(cfg: "RunConfig", config) -> None:
     heads_q = config.num_attention_heads
     heads_kv = getattr(config, "num_key_value_heads", None) or heads_q
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads_q
-    choice = distattn.choose_schedule(cfg.sp_size, heads_q, heads_kv, head_dim, cfg.args.seq_len // cfg.sp_size,
-                                      dtype=cfg.dtype, allow={"ring", "balanced", "zigzag"}, ulysses=cfg.ulysses)
+    allow, cu_seqlens, total = {"ring", "balanced", "zigzag"}, None, cfg.args.seq_len
+    if cfg.args.pack and cfg.ulysses == 1 and dataset is not None and cfg.sp_size > 1:
+        _, positions = dataset.batch(0, cfg.args.batch_size)
+        total = positions.numel()  # the batch's samples are one stream, split over the group
+        cu_seqlens = (positions == 0).nonzero().flatten().tolist() + [total]
+        allow = allow | {"placed"}
+    choice = distattn.choose_schedule(cfg.sp_size, heads_q, heads_kv, head_dim, total // cfg.sp_size,
+                                      dtype=cfg.dtype, allow=allow, ulysses=cfg.ulysses, cu_seqlens=cu_seqlens)
     cfg.args.schedule = choice.best.schedule
     if cfg.env.rank == 0:
-        print(f"--schedule auto: {choice.why()}", flush=True)
+        docs = f" (the first batch's {len(cu_seqlens) - 1} documents)" if cu_seqlens else ""
+        print(f"--schedule auto{docs}: {choice.why()}", flush=True)
 
 
 def _resolve_model(args) -> dict | None:

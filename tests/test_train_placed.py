@@ -2,6 +2,7 @@
 contiguous (balanced) run's loss curve, and the summary reports the plans' predicted compute idle."""
 
 import json
+import re
 
 from test_train import LOSS_RTOL_ACROSS_WORLDS, _records, _torchrun
 
@@ -35,3 +36,43 @@ def test_placed_needs_pack():
     rc, _, err = _torchrun(1, "--device", "cpu", "--model", "tiny", "--seq-len", "64", "--steps", "1",
                            "--schedule", "placed")
     assert rc != 0 and "--schedule placed places packed documents over a flat group: add --pack" in err
+
+
+def _prepare(monkeypatch, argv, world=4, link="nvlink"):
+    """``train.prepare`` as rank 0 of a ``world``-rank job, in-process (it runs before any process group exists)."""
+    from test_train_cli import ROOT
+
+    for key, value in {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
+                       "DISTATTN_LINK": link}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    import train
+
+    return train.prepare(["--device", "cpu", *argv])[0]
+
+
+def _skewed_documents(path, seq_len):
+    """Packed streams whose documents leave contiguous shards unbalanced: one long document, then short ones."""
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(4):
+            f.write(json.dumps({"text": "a" * (seq_len - 600)}) + "\n")
+            for _ in range(6):
+                f.write(json.dumps({"text": "b" * 99}) + "\n")  # + the end-of-document token: 100 tokens
+
+
+def test_auto_with_pack_weighs_the_placement_on_the_first_batchs_documents(tmp_path, monkeypatch, capsys):
+    """``--pack --schedule auto``: the placement is a candidate, judged on the first batch's documents (the same on
+    every rank); dense streams (no --pack) never get it, and neither does a 2-D group."""
+    data = tmp_path / "docs.jsonl"
+    seq = 16384
+    _skewed_documents(data, seq)
+    common = ["--model", "llama-1b", "--seq-len", str(seq), "--batch-size", "1", "--data", str(data),
+              "--schedule", "auto"]
+    cfg = _prepare(monkeypatch, [*common, "--pack"])
+    out = capsys.readouterr().out
+    assert cfg.args.schedule == "placed", out
+    assert re.search(r"--schedule auto \(the first batch's \d+ documents\): placed: [\d.]+ ms vs", out), out
+    cfg = _prepare(monkeypatch, common)  # no --pack: one dense causal stream, where the balanced plan is optimal
+    assert cfg.args.schedule != "placed"
+    cfg = _prepare(monkeypatch, [*common, "--pack", "--ulysses", "2"])
+    assert cfg.args.schedule != "placed"
