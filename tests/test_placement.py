@@ -130,3 +130,23 @@ def test_auto_chooses_the_placement_where_it_is_fastest_and_never_for_a_dense_ma
     assert choice.best.schedule == "placed", choice.explain()
     dense = choose(8, shapes, mask=MaskSpec(causal=True), cluster=Cluster.preset("nvlink"), allow=flat)
     assert "placed" not in {c.schedule for c in dense.candidates}  # on a dense mask it is the balanced plan
+
+
+def test_a_short_piece_of_a_document_cut_across_groups_stays_on_one_rank():
+    """Groups of 2 ranks of 512 tokens: the third 600-token document has no group with room for it whole, so it is cut
+    (424 tokens to group 0, 176 to group 1). The short piece is one unit: its keys travel from one rank of group 1,
+    not from both."""
+    from distattn.schedule.placement import _place_cached
+
+    cu = (0, 600, 1200, 1800, 2048)
+    lay = _place_cached.__wrapped__(MaskSpec(causal=True, cu_seqlens=cu), 4, 512, 2)
+    assert lay.group == 2
+    holders = {}
+    for r in range(4):
+        pos = lay.positions(r, 512)
+        held = int(((pos >= 1200) & (pos < 1800)).sum())
+        if held:
+            holders[r] = held
+    group1 = {r: t for r, t in holders.items() if r >= 2}
+    assert sum(holders.values()) == 600
+    assert len(group1) == 1 and list(group1.values()) == [176], holders

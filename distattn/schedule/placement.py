@@ -13,7 +13,9 @@ a layout of kind ``"placed"`` (``distattn.schedule.layouts``) in which
   whole blocks of every document, in full cycles of ``2k``, are dealt to the group's ``k`` ranks in a snake
   (0, 1, .., k-1, k-1, .., 0): symmetric, so every (query rank, kv rank) pair of the group gets the same share of
   that stretch of the document's work, and the plan's steps stay equal across ranks; the remaining blocks
-  (document ends, short documents) go heaviest first to the least loaded rank of the group with room.
+  (document ends, short documents) go heaviest first to the least loaded rank of the group with room, but for a
+  short piece (at most half a rank's blocks) of a document cut across groups, whose blocks go to one rank
+  together: its keys then travel to one rank of the next group (or come from one), not to all ``k`` of them.
 
 ``k`` is the smallest divisor of ``P`` whose groups are balanced within :data:`GROUP_TOLERANCE`: small groups
 keep a document's blocks on few ranks (little traffic), ``k = P`` (one group, every document dealt over every
@@ -71,7 +73,9 @@ def place(spec: MaskSpec, world_size: int, n: int) -> Layout:
 
 
 @functools.lru_cache(maxsize=64)
-def _place_cached(spec: MaskSpec, p: int, n: int) -> Layout:
+def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None) -> Layout:
+    """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
+    table of ``bench/placement_sim.py --groups``)."""
     if p == 1:
         return Layout("contiguous", 1, note="one rank: nothing to place")
     if spec.dense:
@@ -88,9 +92,9 @@ def _place_cached(spec: MaskSpec, p: int, n: int) -> Layout:
     starts, lengths = starts[keep], lengths[keep]
     rows = _RowWork(spec, lengths)
     whole = rows.prefix(np.arange(len(lengths)), lengths)
-    for k in _divisors(p):
+    for k in _divisors(p) if group is None else [group]:
         heaviest = whole[lengths <= k * n].max(initial=0)  # a document that fits a group is never cut
-        if k < p and heaviest > GROUP_TOLERANCE * whole.sum() * k / p:
+        if group is None and k < p and heaviest > GROUP_TOLERANCE * whole.sum() * k / p:
             continue  # that document alone overloads its group: no assignment of this k can be balanced
         pieces, load = _assign_groups(starts, lengths, rows, p // k, k * n)
         if k == p or load.max() <= GROUP_TOLERANCE * load.mean():
@@ -175,25 +179,67 @@ def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int):
     return np.asarray(pieces, dtype=np.int64), np.asarray(load, dtype=np.int64)
 
 
-def _fill_rest(owner: np.ndarray, work: np.ndarray, p: int, k: int, per_group: int) -> np.ndarray:
-    """Blocks without an owner (``-1``), heaviest first, each to the least loaded rank of its group with room."""
+def _fill_rest(owner: np.ndarray, work: np.ndarray, unit: np.ndarray, p: int, k: int, per_group: int) -> np.ndarray:
+    """Blocks without an owner (``-1``) to the ranks of their group: *items* heaviest first, each to the least loaded
+    rank of the group with room for it whole. An item is the run of blocks with one ``unit`` id (``>= 0``: a short
+    piece of a document cut across groups, kept on one rank) or a single block (``-1``); an item that no rank has
+    room for goes block by block."""
     slots = per_group // k
     load = np.bincount(owner[owner >= 0], weights=work[owner >= 0], minlength=p).tolist()
     used = np.bincount(owner[owner >= 0], minlength=p).tolist()
     rest = np.flatnonzero(owner < 0)
-    rest = rest[np.lexsort((rest, -work[rest]))].tolist()
+    if not len(rest):
+        return owner
+    ident = np.where(unit[rest] >= 0, unit[rest], -1 - rest)  # a block outside every unit is an item of its own
+    first = np.flatnonzero(np.append(True, ident[1:] != ident[:-1]))  # the rest blocks of a unit are consecutive
+    size = np.diff(np.append(first, len(rest)))
+    item_work = np.add.reduceat(work[rest], first)
     heaps = [[(load[r], r) for r in range(g * k, (g + 1) * k) if used[r] < slots] for g in range(p // k)]
     for h in heaps:
         heapq.heapify(h)
-    work_l = work.tolist()
-    for blk in rest:
-        h = heaps[blk // per_group]
+    work_l, rest_l = work.tolist(), rest.tolist()
+    order = np.lexsort((first, -item_work))[::-1]  # a stack: the heaviest item on top
+    pending = list(zip(first[order].tolist(), size[order].tolist()))
+    while pending:
+        at, count = pending.pop()
+        h = heaps[rest_l[at] // per_group]
+        aside = []
+        while h and slots - used[h[0][1]] < count:
+            aside.append(heapq.heappop(h))
+        if not h:  # no rank has room for the whole item: its blocks one by one, the heaviest first
+            for item in aside:
+                heapq.heappush(h, item)
+            pending += [(i, 1) for i in sorted(range(at, at + count), key=lambda i: (work_l[rest_l[i]], -rest_l[i]))]
+            continue
         w, r = heapq.heappop(h)
-        owner[blk] = r
-        used[r] += 1
+        for i in range(at, at + count):
+            owner[rest_l[i]] = r
+            w += work_l[rest_l[i]]
+        used[r] += count
         if used[r] < slots:
-            heapq.heappush(h, (w + work_l[blk], r))
+            heapq.heappush(h, (w, r))
+        for item in aside:
+            heapq.heappush(h, item)
     return owner
+
+
+def _units(key: np.ndarray, idx: np.ndarray, unit_piece: np.ndarray, blocks: int) -> np.ndarray:
+    """Per block, the item it belongs to (``-1``: none): the block ranges of the unit pieces, merged where they
+    share a block (two pieces meeting inside one block go to one rank together)."""
+    unit = np.full(blocks, -1, dtype=np.int64)
+    touched = unit_piece[idx]
+    if not touched.any():
+        return unit
+    pieces, keys = idx[touched], key[touched]
+    first = np.flatnonzero(np.append(True, pieces[1:] != pieces[:-1]))  # a piece's blocks: consecutive entries
+    lo, hi = keys[first], np.maximum.reduceat(keys, first)
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    ident = np.cumsum(np.append(True, lo[1:] > reach[:-1])) - 1  # a range overlapping the last one joins its item
+    for a, b, i in zip(lo.tolist(), hi.tolist(), ident.tolist()):
+        unit[a:b + 1] = i
+    return unit
 
 
 def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int):
@@ -223,11 +269,14 @@ def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b:
     first_whole = np.repeat((offset + b - 1) // b, reps)  # first block wholly inside the piece
     n_whole = np.repeat((offset + length) // b, reps) - first_whole
     t = block - first_whole
-    cyc = whole & (t < n_whole // (2 * k) * (2 * k))
+    # a short piece (at most half a rank's blocks) of a document cut across groups is a *unit*: its blocks stay on one
+    # rank, so the piece's keys go to one rank of the other group (or come from one), not to every rank of it
+    unit_piece = (reps <= n // b // 2) & (np.bincount(doc)[doc] > 1)
+    cyc = whole & (t < n_whole // (2 * k) * (2 * k)) & ~unit_piece[idx]
     rnd, pos = np.divmod(t, k)
     owner = np.full(len(work), -1, dtype=np.int64)
     owner[key[cyc]] = group[idx][cyc] * k + np.where(rnd[cyc] % 2 == 0, pos[cyc], k - 1 - pos[cyc])
-    owner = _fill_rest(owner, work, p, k, per_group)
+    owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group)
     rank = owner[key]
     order = np.lexsort((lo, rank))
     lo, hi, rank = lo[order], hi[order], rank[order]
