@@ -249,8 +249,8 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         schedule: (distattn) ``"balanced"`` (DistFlashAttn load balancing: ``1 + P//2`` steps causal), ``"zigzag"``
             (balanced by layout: only k/v travel, the choice for GQA; inputs sharded with
             ``shard_sequence(x, schedule="zigzag")``), ``"placed"`` (packed documents, the varlen call: inputs
-            sharded with ``shard_sequence(x, layout=distattn.sharding.placement(cu_seqlens, n))``; on a flat
-            group), ``"ring"``, or ``"auto"``: the cost model's best among the
+            sharded with ``shard_sequence(x, layout=distattn.sharding.placement(cu_seqlens, n, group))``; on a
+            2-D group the ring level runs on it), ``"ring"``, or ``"auto"``: the cost model's best among the
             schedules for contiguous shards (``distattn.schedule.cost``; to let it pick the zigzag layout or a
             2-D group, choose before sharding: ``distattn.choose_schedule``).
         backend: (distattn) kernel backend, ``"triton"``/``"torch"``/``None``.
@@ -466,11 +466,8 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
         schedule = resolve_auto(q, k, topo, causal=causal, window=window, documents=documents, partials=partials)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES + ('auto',)}; use schedule='balanced'")
-    if schedule == "placed" and topo.two_d:
-        raise ValueError(f"schedule='placed' runs on a flat group; this group is {topo.U} (Ulysses) x {topo.R} "
-                         f"(ring): the Ulysses x ring grid over a placement is not supported; use schedule="
-                         f"'zigzag' or 'balanced' on a 2-D group, or a flat group for packed documents")
-    lay = layout_of("balanced" if schedule == "placed" else schedule, topo.R, topo.U)  # placed: solved by the plan
+    # placed takes any n: its layout is solved by the ring's plan from the documents (R ring ranks of U * n tokens)
+    lay = layout_of("balanced" if schedule == "placed" else schedule, topo.R, topo.U)
     if q.shape[1] % lay.divisor():
         raise ValueError(f"schedule='zigzag' splits every rank's shard into 2 chunks, so tokens per rank "
                          f"({q.shape[1]}) must be even: pad the sequence to a multiple of {2 * topo.world_size} "

@@ -6,8 +6,9 @@ ring_group)`` or a 2-D mesh, ``distattn.topology``) lays out by the sequence ind
 ``schedule`` (and ``group``) to ``shard_sequence``, the attention call and ``gather_sequence``.
 
 ``schedule="placed"`` (packed documents): the shards follow a placement solved from the documents
-(:func:`placement`, the same on every rank, no communication); pass it as ``layout=`` to ``shard_sequence``,
-``gather_sequence`` and ``positions``, and ``schedule="placed"`` with the same ``cu_seqlens`` to the attention call.
+(:func:`placement`, the same on every rank, no communication; on a 2-D group too); pass it as ``layout=`` to
+``shard_sequence``, ``gather_sequence`` and ``positions``, and ``schedule="placed"`` with the same ``cu_seqlens`` to the
+attention call.
 """
 
 from __future__ import annotations
@@ -47,15 +48,30 @@ def group_size(group=None) -> int:
 def placement(cu_seqlens, n: int, group=None) -> Layout:
     """The work-balanced placement of a packed stream over ``group`` (``distattn.schedule.placement``): every rank
     derives the same layout from the same ``cu_seqlens`` (global, ints or a tensor) and ``n`` tokens per rank, the
-    layout ``schedule="placed"`` runs on for any causal flag or window. Falls back to contiguous shards
-    (``layout.note`` says why) for a stream it cannot place."""
+    layout ``schedule="placed"`` runs on for any causal flag or window. On a two-dimensional group (``U`` x ``R``,
+    ``distattn.topology``) the placement is solved over the ``R`` ring ranks of ``U * n`` tokens and rank ``(r, u)``
+    holds the ``u``-th ``n`` of ring shard ``r``'s tokens (``distattn.schedule.layouts``). Falls back to contiguous
+    shards (``layout.note`` says why) for a stream it cannot place."""
     from distattn.schedule import MaskSpec
 
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.tolist()
     spec = MaskSpec(causal=True, cu_seqlens=tuple(int(c) for c in cu_seqlens))
     _, world = _world(group)
-    return layout_of("placed", world, 1, mask=spec, n=n) if world > 1 else Layout("contiguous", 1)
+    if world == 1:
+        return Layout("contiguous", 1)
+    ring, ulysses = _grid(group)
+    return layout_of("placed", ring, ulysses, mask=spec, n=n)
+
+
+def _grid(group) -> tuple[int, int]:
+    """``(R, U)``: ring ranks and Ulysses ranks per ring rank of ``group`` (a flat group: ``(P, 1)``)."""
+    from distattn.topology import split, topology
+
+    if split(group)[0] is None:
+        return group_size(group), 1
+    topo = topology(group)
+    return topo.R, topo.U
 
 
 def layout(group=None, schedule: str = "balanced", lay: Layout | None = None) -> Layout:
@@ -65,6 +81,11 @@ def layout(group=None, schedule: str = "balanced", lay: Layout | None = None) ->
         if not isinstance(lay, Layout) or lay.ranks != group_size(group):
             raise ValueError(f"layout={lay!r} must be a Layout over the group's {group_size(group)} ranks, e.g. "
                              f"distattn.sharding.placement(cu_seqlens, n, group)")
+        grid = _grid(group) if _initialized() else (1, 1)
+        if not lay.contiguous and (lay.world_size, lay.ulysses) != grid:  # same ranks, another grid: other shards
+            raise ValueError(f"layout= was made for {lay.world_size} ring ranks x {lay.ulysses} Ulysses ranks, but "
+                             f"the group is {grid[0]} x {grid[1]}, and the attention call's plan follows the group: "
+                             f"make the layout for it, distattn.sharding.placement(cu_seqlens, n, group)")
         return lay
     if schedule == "placed":
         raise ValueError("schedule='placed' shards by a placement solved from the documents: pass "
@@ -74,12 +95,7 @@ def layout(group=None, schedule: str = "balanced", lay: Layout | None = None) ->
     # "auto" at call time picks among the schedules of contiguous shards (ring, balanced): contiguous layout
     if not _initialized():
         return layout_of(schedule, 1)
-    from distattn.topology import split, topology
-
-    if split(group)[0] is None:
-        return layout_of(schedule, group_size(group))
-    topo = topology(group)
-    return layout_of(schedule, topo.R, topo.U)
+    return layout_of(schedule, *_grid(group))
 
 
 _layout = layout  # the module function, under a name the ``layout=`` keywords below do not shadow

@@ -13,8 +13,10 @@ Heads: rank ``u`` of a row gets query heads ``[u*h_q/U, (u+1)*h_q/U)`` and the k
 ``h_kv < U``, each kv head is replicated ``U / h_kv`` times before the exchange (``U % h_kv == 0``) so every rank
 holds exactly the one kv head its query heads read; its gradient is the sum over the replicas.
 
-Layout: a rank's ``n`` tokens are ``S`` segments (``S = 2`` for zigzag), the ``u``-th piece of every segment of
-ring shard ``r`` (``Layout(kind, R, U)``), so after the all-to-all the pieces are put back segment by segment.
+Layout: a rank's ``n`` tokens are ``S`` pieces, the ``u``-th ``1/U`` of every piece of ring shard ``r``'s local tokens
+(``Layout(kind, R, U)``; ``S = Layout.pieces``: 2 for zigzag, its chunks; 1 for contiguous shards and for a
+placement, where rank ``(r, u)`` holds local tokens ``[u*n, (u+1)*n)`` of ring shard ``r``, whatever its segments),
+so after the all-to-all the pieces are put back piece by piece and the ring shard is in local (position) order.
 
 Backward: q, k, v, dout, lse and ``delta = rowsum(dout * out)`` (computed here, on the sequence shards, so ``out``
 never travels) go through the all-to-all; dq, dk, dv come back. Bytes: ``distattn.schedule.a2a_bytes``.
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from distattn import agreement, kernels
 from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward, reject_call
 from distattn.comm import COUNTERS, DistAttnError, bounded_wait, communicator
-from distattn.schedule import layout_of, ulysses_heads
+from distattn.schedule import pieces_of, ulysses_heads
 from distattn.topology import Topology, topology
 
 __all__ = ["ulysses_forward", "ulysses_backward"]
@@ -49,7 +51,7 @@ class _Row:
         self.lib = communicator(topo.ulysses_group, cfg.timeout)
         self.seq = self.lib.next_call()
         self.stage = like.is_cuda and not self.lib.nccl  # gloo moves CUDA tensors through host memory
-        self.S = layout_of(cfg.schedule, topo.R).segments_per_rank
+        self.S = pieces_of(cfg.schedule)  # pieces of a ring shard: 2 zigzag, 1 contiguous or placed
         b, n, h_q, _ = checked["q"].shape
         self.hq, self.hkv, self.replicas = ulysses_heads(h_q, checked["k"].shape[2], topo.U)
         if agreement.enabled():

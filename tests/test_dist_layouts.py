@@ -1,8 +1,9 @@
 """Layouts other than the contiguous split, on spawned gloo ranks against an fp64 single-device reference.
 
 Covered: the zigzag layout (rank r of P holds chunks r and 2P-1-r of 2P) for dense and packed-document
-attention, two-dimensional sequence parallelism (Ulysses x ring, a pair of groups or a 2-D DeviceMesh), the
-``partials`` dtype, a sub-group that is not the world, and the errors of layouts that cannot be made.
+attention, two-dimensional sequence parallelism (Ulysses x ring, a pair of groups or a 2-D DeviceMesh; and packed
+documents on the placement of its ring level, ``schedule="placed"``), the ``partials`` dtype, a sub-group that is
+not the world, and the errors of layouts that cannot be made.
 
 Every case checks this rank's out, dq, dk, dv with the accuracy rule (``attn_ref``) and that the bytes its comm
 counters saw equal the simulator's prediction for the same plan (``simulate(..., ulysses=U, partials=...)``).
@@ -25,7 +26,7 @@ from attn_ref import assert_all_close_by_rule, assert_close_by_rule, finite_err,
 from dist_utils import run_distributed
 from distattn import comm
 from distattn.schedule import MaskSpec, Shapes, simulate
-from distattn.sharding import positions
+from distattn.sharding import placement, positions
 from distattn.topology import make_2d_groups, topology
 
 TIMEOUT_S = 420  # every section of one world size, up to 8 ranks sharing two cores
@@ -60,6 +61,8 @@ def _sections(world):
     names = ["layout", "zigzag", "varlen"]
     if world in GRIDS:
         names.append("grid2d")
+    if world in PLACED2D_GRIDS:
+        names.append("placed2d")
     if world >= 2:
         names.append("partials")
     if world == 4:
@@ -294,6 +297,81 @@ def _grid2d_section(rank, world):
     return failures, None
 
 
+# (causal, window, h_q, h_kv, dtype) of the placement on a (U, R) grid; h_kv = 1 < U: kv heads replicated
+PLACED2D_CASES = [
+    (True, (-1, -1), 4, 2, torch.float32),
+    (True, (5, 0), 4, 2, torch.float16),  # sliding window
+    (False, (3, 4), 4, 1, torch.float32),
+]
+PLACED2D_GRIDS = {4: (2, 2), 6: (2, 3)}  # (U, R): a ring of 2 and one of 3
+
+
+def _placed_streams(U, n, total):
+    """cu_seqlens whose placement is not contiguous: a single-token and an empty document, one longer than a ring
+    shard (``U * n`` tokens), mixed lengths and a padding tail."""
+    m = U * n
+    yield [0, 1, 1, 3, 3 + m + 5, 3 + m + 9, total - 7, total - 2]
+    yield [0, 5, 6, 6, 6 + m + 3, total - 1]
+
+
+def _placed2d_case(rank, world, group, U, case, cu, n, seed):
+    causal, window, h_q, h_kv, dtype = case
+    total, d = world * n, 16
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(total, h, d, generator=g).to(dtype) for h in (h_q, h_kv, h_kv, h_q))
+    lay = placement(cu, n, group)  # solved over the R ring ranks of U * n tokens, from the documents alone
+    shard = functools.partial(distattn.shard_sequence, dim=0, group=group, layout=lay)
+    qs, ks, vs = (shard(t).clone().requires_grad_() for t in (q, k, v))
+    comm.reset_counters()
+    out = distattn.dist_flash_attn_varlen_func(qs, ks, vs, torch.tensor(cu, dtype=torch.int32), total,
+                                               causal=causal, window_size=window, group=group, schedule="placed")
+    out.backward(shard(dout))
+    sent, recv = comm.COUNTERS.bytes_sent, comm.COUNTERS.bytes_recv
+    whole = distattn.gather_sequence(qs.detach(), 0, group, layout=lay)
+    index = topology(group).index
+    mine = positions(n, group, layout=lay)
+
+    def check():
+        assert lay.kind == "placed" and (lay.world_size, lay.ulysses) == (world // U, U), (lay, lay.note)
+        assert torch.equal(whole, q), "gather_sequence(shard_sequence(q, layout=), layout=) != q"
+        assert torch.equal(qs.detach(), q[mine]), "shard_sequence and positions disagree"
+        spec = MaskSpec(causal=causal, window=window, cu_seqlens=tuple(cu))
+        rep = simulate(world, causal, "placed", Shapes(batch=1, seq_per_rank=n, heads_q=h_q, heads_kv=h_kv,
+                                                       head_dim=d, dtype_bytes=q.element_size()),
+                       mask=spec, ulysses=U)
+        assert (sent, recv) == (rep.bytes_sent[index], rep.bytes_recv[index]), \
+            f"bytes sent/recv {(sent, recv)} != simulator {(rep.bytes_sent[index], rep.bytes_recv[index])}"
+        keep = _keep(cu, total, causal, window)
+        ref = [t[mine] for t in _masked_reference(q, k, v, dout, keep, torch.float64)]
+        base = [t[mine] for t in _masked_reference(q, k, v, dout, keep, dtype)]
+        assert_all_close_by_rule(NAMES, [out, qs.grad, ks.grad, vs.grad], base, ref, dtype)
+    return check
+
+
+def _placed2d_section(rank, world):
+    """schedule="placed" on a Ulysses x ring grid: packed documents on the placement of the ring level."""
+    U, _ = PLACED2D_GRIDS[world]
+    group = make_2d_groups(U)
+    n = 12  # ring shards of 24 tokens: blocks of 8, three per ring rank
+    failures = []
+    for i, case in enumerate(PLACED2D_CASES):
+        for j, cu in enumerate(_placed_streams(U, n, world * n)):
+            check = _placed2d_case(rank, world, group, U, case, cu, n, seed=800 + 10 * i + j)
+            _collect(failures, f"2-D placed U={U} case={case} cu={cu}", check)
+    flat = placement([0, 3, world * n], n)  # over the default group: world ring ranks, not this grid
+    try:
+        distattn.shard_sequence(torch.zeros(world * n), 0, group, layout=flat)
+        failures.append("a flat placement sharded a 2-D group")
+    except ValueError as exc:
+        _collect(failures, "flat placement on a 2-D group", lambda: _expect(
+            str(exc), f"made for {world} ring ranks x 1 Ulysses ranks, but the group is {world // U} x {U}"))
+    return failures, None
+
+
+def _expect(msg, part):
+    assert part in msg, msg
+
+
 def _mesh2d_section(rank, world):
     """The same computation through a 2-D DeviceMesh named ("ring", "ulysses"), and heads that cannot be split
     over U raise the same ValueError on every rank (before any communication, so nobody hangs)."""
@@ -361,8 +439,8 @@ def _bad_section(rank, world):
 
 
 _SECTIONS = {"layout": _layout_section, "zigzag": _zigzag_section, "varlen": _varlen_section,
-             "grid2d": _grid2d_section, "partials": _partials_section, "mesh2d": _mesh2d_section,
-             "subgroup": _subgroup_section, "bad": _bad_section}
+             "grid2d": _grid2d_section, "placed2d": _placed2d_section, "partials": _partials_section,
+             "mesh2d": _mesh2d_section, "subgroup": _subgroup_section, "bad": _bad_section}
 
 
 def _world_worker(rank, world):
@@ -402,6 +480,11 @@ def test_zigzag_packed_documents_against_reference(world):
 @pytest.mark.parametrize("world", sorted(GRIDS))
 def test_two_dimensional_against_reference(world):
     _assert_section(world, "grid2d")
+
+
+@pytest.mark.parametrize("world", sorted(PLACED2D_GRIDS))
+def test_two_dimensional_placed_documents_against_reference(world):
+    _assert_section(world, "placed2d")
 
 
 def test_two_dimensional_device_mesh_and_unsplittable_heads():

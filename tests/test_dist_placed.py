@@ -4,6 +4,8 @@ Every rank solves the placement from the same ``cu_seqlens`` (``distattn.shardin
 it, runs ``dist_flash_attn_varlen_func(..., schedule="placed")``, and checks its out/dq/dk/dv against the fp64
 per-document reference over the whole stream (the accuracy rule), its byte counters against the simulator's plan,
 that every rank holds the same placement, and that ``gather_sequence`` with the placement puts the stream back.
+The same on a Ulysses x ring grid (the placement of its ring level): ``tests/test_dist_layouts.py``, section
+"placed2d", which shares that file's spawns.
 """
 
 import pytest
@@ -85,21 +87,3 @@ def test_placed_documents_against_reference(world):
     seen = run_distributed(_worker, world, n, timeout=TIMEOUT_S)
     assert all(s == seen[0] for s in seen)  # one placement on every rank
     assert len(seen[0]) == (3 * len(CASES) if world == 1 else 6)
-
-
-def _two_d_worker(rank, world):
-    from distattn.topology import make_2d_groups
-
-    groups = make_2d_groups(2)
-    x = torch.zeros(4, 2, 8)
-    try:
-        distattn.dist_flash_attn_varlen_func(x, x, x, torch.tensor([0, 3, 16], dtype=torch.int32), 16, causal=True,
-                                             group=groups, schedule="placed")
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def test_placed_refuses_a_two_d_group_on_every_rank():
-    msgs = run_distributed(_two_d_worker, 4, timeout=60)
-    assert all(m is not None and "Ulysses x ring grid over a placement is not supported" in m for m in msgs), msgs

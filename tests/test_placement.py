@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from distattn.schedule import Layout, MaskSpec, local_bounds, make_plan, pair_work, simulate
+from distattn.schedule import Layout, MaskSpec, layout_of, local_bounds, make_plan, pair_work, simulate
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.placement import BLOCK, block_size, place
 
@@ -83,13 +83,50 @@ def test_block_size_and_fallbacks():
 def test_placed_layout_errors():
     with pytest.raises(ValueError, match="needs its placement"):
         Layout("placed", 2)
-    with pytest.raises(ValueError, match="Ulysses x ring grid over a placement is not supported"):
-        Layout("placed", 1, 2, placement=(((0, 4),),))
+    with pytest.raises(ValueError, match=r"segments of every ring rank \(1 given for world_size=2\)"):
+        Layout("placed", 2, 2, placement=(((0, 4),),))
     lay = place(MaskSpec(causal=True, cu_seqlens=(0, 3, 16)), 2, 8)
     with pytest.raises(ValueError, match="solved for 8 tokens per rank, not 6"):
         lay.segments(0, 6)
+    grid = layout_of("placed", 2, 2, mask=MaskSpec(causal=True, cu_seqlens=(0, 3, 16)), n=4)
+    assert grid.placement == lay.placement and grid.ulysses == 2  # the ring level: 2 ranks of 2 x 4 tokens
+    with pytest.raises(ValueError, match=r"solved for 8 tokens per ring rank \(4 per rank of a Ulysses row of 2\), "
+                                         r"not 8"):
+        grid.segments(0, 8)
     with pytest.raises(ValueError, match="chunk=None must be the positive number of tokens per rank"):
         make_plan(2, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=(0, 3, 16)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_placed_on_a_grid_every_rank_holds_n_tokens_of_its_ring_shard_in_order(seed):
+    """Ulysses x ring (``U`` ranks per ring rank): rank ``(r, u)`` holds local tokens ``[u*n, (u+1)*n)`` of ring shard
+    ``r``, so the ``U`` ranks of a row hold, concatenated in ``u`` order, ring shard ``r`` in position order (what the
+    all-to-all puts together in one piece), and the ranks partition the stream."""
+    rng = random.Random(100 + seed)
+    ring, ulysses, n = rng.randint(2, 4), rng.randint(2, 3), rng.choice([1, 3, 8, 12])
+    spec = _random_spec(rng, ring * ulysses * n)
+    lay = layout_of("placed", ring, ulysses, mask=spec, n=n)
+    assert lay.kind == "placed" and (lay.world_size, lay.ulysses, lay.ranks) == (ring, ulysses, ring * ulysses)
+    assert lay.ring().placement == lay.placement == place(spec, ring, ulysses * n).placement
+    assert lay.pieces == 1
+    held = []
+    for r in range(ring):
+        shard = lay.ring().positions(r, ulysses * n)
+        row = [lay.positions(r * ulysses + u, n) for u in range(ulysses)]
+        assert all(len(pos) == n for pos in row)
+        assert np.array_equal(np.concatenate(row), shard)  # the row, in u order, is the ring shard in local order
+        for u in range(ulysses):
+            segs = lay.segments(r * ulysses + u, n)
+            assert all(a < b for a, b in segs) and all(s[1] < t[0] for s, t in zip(segs, segs[1:]))
+        held += row
+    assert sorted(np.concatenate(held).tolist()) == list(range(ring * ulysses * n))
+    contiguous = layout_of("balanced", ring, ulysses)  # the one rule: contiguous and zigzag as before
+    assert [contiguous.segments(g, n) for g in range(ring * ulysses)] == [((g * n, (g + 1) * n),)
+                                                                          for g in range(ring * ulysses)]
+    zigzag, c = layout_of("zigzag", ring, ulysses), 2 * n  # rank (1, 1): the second half of each of its chunks
+    half = ulysses * n  # tokens of a zigzag chunk of ring shard 1 (the ring shard holds chunks 1 and 2R - 2)
+    last = (2 * ring - 2) * half
+    assert zigzag.segments(ulysses + 1, c) == ((half + n, half + c), (last + n, last + c))
 
 
 def test_placed_steps_inside_a_group_are_permutations():
@@ -150,3 +187,21 @@ def test_a_short_piece_of_a_document_cut_across_groups_stays_on_one_rank():
     group1 = {r: t for r, t in holders.items() if r >= 2}
     assert sum(holders.values()) == 600
     assert len(group1) == 1 and list(group1.values()) == [176], holders
+
+
+def test_cost_model_lists_the_placement_on_a_grid_for_documents_only():
+    from distattn.schedule import Shapes
+    from distattn.schedule.cost import choose, predict
+
+    shapes = Shapes(seq_per_rank=4096, heads_q=32, heads_kv=8, head_dim=128)
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths("longtail:2048", 8 * 4096))
+    labels = {c.label for c in choose(8, shapes, mask=mask).candidates if c.runnable}
+    assert {"2d U=2 x placed R=4", "2d U=4 x placed R=2", "placed"} <= labels, labels
+    fixed = choose(8, shapes, mask=mask, ulysses=2)
+    assert {c.schedule for c in fixed.candidates} == {"balanced", "zigzag", "ring", "placed"}
+    cand = predict(8, shapes, "placed", 2, mask=mask)
+    rep = simulate(8, True, "placed", shapes, mask=mask, ulysses=2)
+    assert cand.steps == rep.steps and cand.bytes_fwd == max(max(rep.bytes_sent_fwd), max(rep.bytes_recv_fwd))
+    assert rep.a2a_fwd > 0 and rep.label == "2d U=2 x placed R=4"
+    for dense in (None, MaskSpec(causal=True, window=(512, 0))):  # no documents: on a grid it is balanced
+        assert "placed" not in {c.schedule for c in choose(8, shapes, mask=dense).candidates if c.ulysses > 1}

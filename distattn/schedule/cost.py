@@ -318,6 +318,12 @@ def _flat_schedules(mask) -> tuple[str, ...]:
     return TIE_ORDER if mask is not None and not mask.dense else TIE_ORDER[:3]
 
 
+def _ring_schedules(mask) -> tuple[str, ...]:
+    """The ring-level candidates of a Ulysses x ring grid: balanced, zigzag, ring (the last only for a fixed ``U``),
+    and "placed" for a mask with documents (the placement of the ring level, ``R`` ranks of ``U * n`` tokens)."""
+    return TIE_ORDER if mask is not None and mask.cu_seqlens is not None else TIE_ORDER[:3]
+
+
 def _candidates(world_size, shapes, causal, mask, cluster, partials, allow) -> list[Candidate]:
     def attempt(schedule, ulysses):
         try:
@@ -330,7 +336,7 @@ def _candidates(world_size, shapes, causal, mask, cluster, partials, allow) -> l
     for u in range(2, world_size + 1):
         if world_size % u:
             continue
-        ring_schedules = [s for s in ("balanced", "zigzag") if _allowed(allow, s, u)]
+        ring_schedules = [s for s in _ring_schedules(mask) if s != "ring" and _allowed(allow, s, u)]
         if world_size // u == 1:  # pure Ulysses: one local step, the ring schedule is moot
             ring_schedules = ring_schedules[:1]
         if not ring_schedules:
@@ -440,8 +446,9 @@ def _why(win: Candidate, other: Candidate, partials: str, heads_q: int) -> str:
 
 def choose(world_size: int, shapes: Shapes, causal: bool = True, mask: MaskSpec | None = None,
            cluster: Cluster = Cluster(), partials: str = "fp32", allow=None, ulysses: int | None = None) -> Choice:
-    """Predict every candidate (flat ring/balanced/zigzag; Ulysses x ring for every ``U <= gpus_per_node``
-    dividing P whose heads split) and rank them by predicted forward + backward time.
+    """Predict every candidate (flat ring/balanced/zigzag, and placed for a non-dense mask; Ulysses x ring for every
+    ``U <= gpus_per_node`` dividing P whose heads split, ring level balanced/zigzag, and placed for packed documents)
+    and rank them by predicted forward + backward time.
 
     Args:
         world_size: P, ranks of the sequence-parallel group.
@@ -453,7 +460,8 @@ def choose(world_size: int, shapes: Shapes, causal: bool = True, mask: MaskSpec 
             for callers that shard contiguously before choosing (the functional API); ``"2d"`` admits
             Ulysses x ring with the allowed ring-level schedules.
         ulysses: ``None`` (every degree) or the one Ulysses degree ``U`` the group already has (1: flat); with
-            ``U > 1`` the ring-level schedules ring/balanced/zigzag are all candidates.
+            ``U > 1`` the ring-level schedules ring/balanced/zigzag (and placed, for packed documents) are all
+            candidates.
 
     Returns:
         A :class:`Choice`; ``.best`` is the argmin, ties broken by :data:`TIE_ORDER` then U. Deterministic.
@@ -468,7 +476,7 @@ def choose(world_size: int, shapes: Shapes, causal: bool = True, mask: MaskSpec 
         if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world_size % ulysses:
             raise ValueError(f"ulysses={ulysses!r} must be a positive int dividing world_size={world_size}")
         found = []
-        for schedule in _flat_schedules(mask) if ulysses == 1 else TIE_ORDER[:3]:
+        for schedule in _flat_schedules(mask) if ulysses == 1 else _ring_schedules(mask):
             if allow is not None and schedule not in allow:
                 continue
             try:

@@ -18,19 +18,29 @@ the rows: :func:`local_bounds` maps the global bounds through the layout, and th
 (per-row key intervals) holds unchanged with ``k_start = 0``. Pure Python + numpy.
 
 Two-dimensional layouts (Ulysses x ring, ``ulysses = U > 1``): the ring of ``R = P / U`` ranks runs on *ring
-shards* of ``U * n`` tokens laid out by ``ring_kind``; rank ``(r, u)`` (global index ``r * U + u``) holds the
-``u``-th ``1/U`` of every segment of ring shard ``r``, so that the all-to-all over the ``U`` ranks of a row
-gathers exactly ring shard ``r`` (segment by segment, after :func:`ulysses_order`).
+shards* of ``U * n`` tokens laid out by ``kind``; a ring shard is cut into :attr:`Layout.pieces` equal pieces of its
+local (position-ordered) tokens (contiguous 1, zigzag 2: its two chunks, placed 1: the whole ring shard, however
+many segments it has) and rank ``(r, u)`` (global index ``r * U + u``) holds the ``u``-th ``1/U`` of every piece of
+ring shard ``r``, so that the all-to-all over the ``U`` ranks of a row gathers exactly ring shard ``r`` in local
+order (piece by piece, ``distattn.ulysses``)::
+
+    placed, U = 2, n = 6:   ring shard r: [0, 4) [10, 14) [20, 24)
+                            rank (r, 0):  [0, 4) [10, 12)      rank (r, 1): [12, 14) [20, 24)
+
+For a placement the ring level is solved as a flat one, over ``R`` ring ranks of ``U * n`` tokens
+(``place(mask, R, U * n)``): the ring's plan, executors, simulator and cost model read it unchanged, and every rank
+still holds exactly ``n`` tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "Layout", "local_bounds", "layout_of"]
+__all__ = ["LAYOUTS", "Layout", "local_bounds", "layout_of", "pieces_of"]
 
 LAYOUTS = ("contiguous", "zigzag", "placed")
 
@@ -40,7 +50,8 @@ class Layout:
     """``kind`` of the ring-level layout over ``world_size`` ring ranks; ``ulysses`` ranks per ring rank.
 
     ``"placed"``: the segments of every ring rank are data (``placement[r]``, in position order), solved from the
-    mask by ``distattn.schedule.placement.place`` on every rank alike; hashable like the other kinds."""
+    mask by ``distattn.schedule.placement.place`` over the ring ranks (``ulysses * n`` tokens each) on every rank
+    alike; hashable like the other kinds."""
 
     kind: str = "contiguous"
     world_size: int = 1
@@ -61,11 +72,10 @@ class Layout:
         if (self.kind == "placed") != (self.placement is not None):
             raise ValueError("a 'placed' layout needs its placement (per-rank segments), and only it has one: build "
                              "it with distattn.schedule.placement.place(mask, world_size, n)")
-        if self.kind == "placed" and (len(self.placement) != self.world_size or self.ulysses != 1):
-            raise ValueError(f"a placed layout holds the segments of every rank ({len(self.placement)} given for "
-                             f"world_size={self.world_size}) and runs on a flat group (ulysses={self.ulysses}): the "
-                             f"Ulysses x ring grid over a placement is not supported; use schedule='zigzag' or "
-                             f"'balanced' on a 2-D group")
+        if self.kind == "placed" and len(self.placement) != self.world_size:
+            raise ValueError(f"a placed layout holds the segments of every ring rank ({len(self.placement)} given "
+                             f"for world_size={self.world_size}); solve it with distattn.schedule.placement.place("
+                             f"mask, world_size, ulysses * n)")
 
     @property
     def ranks(self) -> int:
@@ -74,10 +84,16 @@ class Layout:
 
     @property
     def segments_per_rank(self) -> int:
-        """Segments of every ring shard (contiguous 1, zigzag 2; placed: the most any rank holds)."""
+        """Segments of every ring shard (contiguous 1, zigzag 2; placed: the most any ring rank holds)."""
         if self.kind == "placed":
             return max(len(segs) for segs in self.placement)
         return 2 if self.kind == "zigzag" else 1
+
+    @property
+    def pieces(self) -> int:
+        """Equal pieces of a ring shard's local tokens of which every rank of its Ulysses row holds one ``1/U``
+        each (module docstring): zigzag 2 (its chunks), contiguous and placed 1 (the shard in position order)."""
+        return pieces_of(self.kind)
 
     @property
     def contiguous(self) -> bool:
@@ -92,9 +108,12 @@ class Layout:
         """Raise a clear error if ``n`` tokens per rank cannot be laid out."""
         if self.kind == "placed":
             held = sum(b - a for a, b in self.placement[0])
-            if held != n:
-                raise ValueError(f"this placement was solved for {held} tokens per rank, not {n}: solve it again "
-                                 f"for the stream's cu_seqlens and {n} tokens per rank")
+            if held != n * self.ulysses:
+                per = f"{held} tokens per rank" if self.ulysses == 1 else \
+                    f"{held} tokens per ring rank ({held / self.ulysses:g} per rank of a Ulysses row of {self.ulysses})"
+                raise ValueError(f"this placement was solved for {per}, not {n}: solve it again for the stream's "
+                                 f"cu_seqlens and {n} tokens per rank (distattn.sharding.placement(cu_seqlens, {n}, "
+                                 f"group))")
             return
         if n % self.divisor():
             raise ValueError(f"the zigzag layout splits every rank's shard into 2 chunks, so tokens per rank "
@@ -112,13 +131,17 @@ class Layout:
         return ((r * c, (r + 1) * c), ((2 * p - 1 - r) * c, (2 * p - r) * c))
 
     def segments(self, rank: int, n: int) -> tuple[tuple[int, int], ...]:
-        """Segments held by global rank ``rank`` (= ``ring_rank * ulysses + u``) with ``n`` tokens per rank."""
+        """Segments held by global rank ``rank`` (= ``ring_rank * ulysses + u``) with ``n`` tokens per rank: the
+        ``u``-th ``1/U`` of every piece of its ring shard's local tokens (module docstring)."""
         self.check(n)
         r, u = divmod(rank, self.ulysses)
-        if self.kind == "placed":
-            return self.placement[r]
-        piece = n // self.segments_per_rank  # tokens of each ring segment that rank (r, u) holds
-        return tuple((a + u * piece, a + (u + 1) * piece) for a, _ in self.ring_segments(r, n * self.ulysses))
+        ring = self.ring_segments(r, n * self.ulysses)
+        if self.ulysses == 1:
+            return ring
+        piece = n // self.pieces  # local tokens of each piece of the ring shard that rank (r, u) holds
+        size = piece * self.ulysses  # local tokens of each piece of the ring shard
+        return tuple(seg for s in range(self.pieces)
+                     for seg in _local_slice(ring, s * size + u * piece, s * size + (u + 1) * piece))
 
     def positions(self, rank: int, n: int) -> np.ndarray:
         """Global positions of the ``n`` local tokens of ``rank``, increasing (int64)."""
@@ -133,21 +156,38 @@ class Layout:
                          for g in range(self.ranks))
 
 
+def pieces_of(schedule: str) -> int:
+    """:attr:`Layout.pieces` of the layout ``schedule`` runs on, known from the name alone (a placement is one piece,
+    as is its contiguous fallback): what the Ulysses all-to-all needs to put a ring shard together."""
+    return 2 if schedule == "zigzag" else 1
+
+
+def _local_slice(segments, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+    """The positions of local tokens ``[lo, hi)`` of a shard made of ``segments`` (in position order), as
+    segments."""
+    out, offset = [], 0  # offset: local index of the current segment's first token
+    for a, b in segments:
+        start, stop = max(lo, offset), min(hi, offset + b - a)
+        if start < stop:
+            out.append((a + start - offset, a + stop - offset))
+        offset += b - a
+    return tuple(out)
+
+
 def layout_of(schedule: str, world_size: int, ulysses: int = 1, *, mask=None, n: int | None = None) -> Layout:
     """The layout a schedule's plan runs on (``zigzag``: zigzag; ``placed``: the placement of ``mask``'s documents
-    for ``n`` tokens per rank, solved by ``distattn.schedule.placement.place``; every other schedule: contiguous)."""
+    for ``n`` tokens per rank, solved by ``distattn.schedule.placement.place`` over the ``world_size`` ring ranks of
+    ``ulysses * n`` tokens each; every other schedule: contiguous). ``world_size``: ring ranks, ``ulysses``: ranks per
+    ring rank."""
     if schedule == "placed":
-        if ulysses != 1:
-            raise ValueError(f"schedule='placed' runs on a flat group; this group has ulysses={ulysses} ranks per ring "
-                             f"rank (the Ulysses x ring grid over a placement is not supported): use "
-                             f"schedule='zigzag' or 'balanced' on a 2-D group")
         if n is None:
             raise ValueError("the placed layout depends on the documents and the tokens per rank: pass mask= "
                              "(MaskSpec with cu_seqlens) and n= (tokens per rank)")
         from distattn.schedule.masks import MaskSpec
         from distattn.schedule.placement import place
 
-        return place(mask if mask is not None else MaskSpec(causal=True), world_size, n)
+        ring = place(mask if mask is not None else MaskSpec(causal=True), world_size, ulysses * n)
+        return dataclasses.replace(ring, ulysses=ulysses) if ulysses > 1 else ring
     return Layout("zigzag" if schedule == "zigzag" else "contiguous", world_size, ulysses)
 
 

@@ -30,6 +30,11 @@ ranks x 4096 tokens the simulator's makespan is 1.05-1.07x of perfect with 64-to
 :data:`MAX_BLOCKS_PER_RANK` blocks per rank (e.g. an odd ``n`` in the thousands) the solver falls back to the
 contiguous layout and says why in the layout's ``note``. A dense mask (one causal document) also falls back: the balanced schedule is already optimal.
 
+Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement is solved for the ring level,
+``place(mask, R, U * n)`` over the ``R`` ring ranks, and rank ``(r, u)`` holds the ``u``-th ``n`` of ring shard
+``r``'s tokens in position order (``distattn.schedule.layouts.layout_of("placed", R, U, mask=, n=)``), so the
+all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
+
 Cost: O(documents x log + blocks) numpy per divisor tried; ~1 ms for 64 ranks x 4096 tokens
 (``bench/placement_solver.py``). Pure Python + numpy.
 """
