@@ -211,10 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--schedule", default="balanced", choices=("balanced", "ring", "zigzag", "placed", "auto"),
                    help="distattn causal schedule (default: balanced); zigzag lays each sequence out as chunks r "
                    "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size); placed (with "
-                   "--pack, flat groups): every step's stream on the work-balanced placement of its documents; "
+                   "--pack; with --ulysses, of the ring's shards): every step's stream on the work-balanced placement of its "
+                   "documents; "
                    "auto: the cost model's pick for this model and group (distattn.choose_schedule; "
-                   "DISTATTN_LINK=ib|nvlink); with --pack on a flat group placed is a candidate too, judged on the "
-                   "first batch's documents")
+                   "DISTATTN_LINK=ib|nvlink); with --pack placed is a candidate too, judged on the first batch's "
+                   "documents")
     a.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
     a.add_argument("--remat", action="store_true",
@@ -359,9 +360,9 @@ def _resolve_parallel(args, env: Env) -> tuple[int, int]:
     if sp % args.ulysses:
         raise UsageError(f"--ulysses {args.ulysses} does not divide the sequence-parallel size {sp} (world "
                          f"{world}{'' if sp == world else f', --sp-size {sp}'}); use a divisor of {sp}")
-    if args.schedule == "placed" and (not args.pack or args.ulysses > 1):
-        raise UsageError(f"--schedule placed places packed documents over a flat group: add --pack and use "
-                         f"--ulysses 1 (got {'no --pack' if not args.pack else f'--ulysses {args.ulysses}'})")
+    if args.schedule == "placed" and not args.pack:
+        raise UsageError("--schedule placed places packed documents: add --pack (without it every sample is one "
+                         "dense causal sequence, where the balanced or zigzag schedule is already optimal)")
     unit = sp * (2 if args.schedule == "zigzag" else 1)  # zigzag: two chunks per rank
     if args.seq_len % unit:
         lo, hi = args.seq_len // unit * unit, (args.seq_len // unit + 1) * unit
@@ -392,8 +393,8 @@ def resolve_schedule(cfg: "RunConfig", config, dataset=None) -> None:
     """``--schedule auto``: the cost model's best schedule for this model, sequence length and group
     (``distattn.choose_schedule`` at the group's Ulysses degree; ``DISTATTN_LINK=ib|nvlink`` and
     ``DISTATTN_GPUS_PER_NODE`` describe the cluster), chosen before sharding so it may pick the zigzag layout.
-    With ``--pack`` on a flat group the candidates include ``placed`` and the model reads the documents of the
-    first batch of the run (sample 0 on, the same on every rank: a representative packed stream, since the
+    With ``--pack`` the candidates include ``placed`` (on a 2-D group: the placement of the ring's shards) and
+    the model reads the documents of the first batch of the run (sample 0 on, the same on every rank: a representative packed stream, since the
     documents change every step). Deterministic: every rank picks the same. Rank 0 logs the choice and why."""
     if cfg.args.schedule != "auto":
         return
@@ -403,7 +404,7 @@ def resolve_schedule(cfg: "RunConfig", config, dataset=None) -> None:
     heads_kv = getattr(config, "num_key_value_heads", None) or heads_q
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads_q
     allow, cu_seqlens, total = {"ring", "balanced", "zigzag"}, None, cfg.args.seq_len
-    if cfg.args.pack and cfg.ulysses == 1 and dataset is not None and cfg.sp_size > 1:
+    if cfg.args.pack and dataset is not None and cfg.sp_size > 1:
         _, positions = dataset.batch(0, cfg.args.batch_size)
         total = positions.numel()  # the batch's samples are one stream, split over the group
         cu_seqlens = (positions == 0).nonzero().flatten().tolist() + [total]

@@ -4,6 +4,8 @@ contiguous (balanced) run's loss curve, and the summary reports the plans' predi
 import json
 import re
 
+import pytest
+
 from test_train import LOSS_RTOL_ACROSS_WORLDS, _records, _torchrun
 
 # The placement changes which rank holds which token, so only the order of fp32 sums (attention merged from other
@@ -14,28 +16,30 @@ JOB = ["--device", "cpu", "--model", "tiny", "--seq-len", "768", "--batch-size",
        "--seed", "0", "--pack"]
 
 
-def _run(tmp_path, schedule):
-    log = tmp_path / f"{schedule}.jsonl"
-    rc, out, err = _torchrun(3, *JOB, "--schedule", schedule, "--log-json", str(log))
+def _run(tmp_path, schedule, world=3, *extra):
+    log = tmp_path / f"{schedule}-{world}.jsonl"
+    rc, out, err = _torchrun(world, *JOB, "--schedule", schedule, "--log-json", str(log), *extra)
     assert rc == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1]), [r["loss"] for r in _records(log)]
 
 
 def test_placed_follows_the_contiguous_loss_curve(tmp_path):
+    """3 ranks placed, and 4 ranks as Ulysses 2 x a placed ring of 2, against 3 ranks balanced: the same stream."""
     base, base_losses = _run(tmp_path, "balanced")
     placed, losses = _run(tmp_path, "placed")
-    assert len(losses) == len(base_losses) == 3
-    for got, want in zip(losses, base_losses):
+    _, grid_losses = _run(tmp_path, "placed", 4, "--ulysses", "2")
+    assert len(losses) == len(grid_losses) == len(base_losses) == 3
+    for got, grid, want in zip(losses, grid_losses, base_losses):
         assert abs(got - want) <= LOSS_RTOL_PLACED * abs(want), (losses, base_losses)
+        assert abs(grid - want) <= LOSS_RTOL_PLACED * abs(want), (grid_losses, base_losses)
     assert placed["schedule"] == "placed" and 0 <= placed["predicted_compute_idle_per_step"] < 1
     assert placed["predicted_compute_idle_per_step"] <= base["predicted_compute_idle_per_step"]
     assert placed["pairs_skipped_per_step"] >= 0
 
 
-def test_placed_needs_pack():
-    rc, _, err = _torchrun(1, "--device", "cpu", "--model", "tiny", "--seq-len", "64", "--steps", "1",
-                           "--schedule", "placed")
-    assert rc != 0 and "--schedule placed places packed documents over a flat group: add --pack" in err
+def test_placed_needs_pack(monkeypatch):
+    with pytest.raises(Exception, match="--schedule placed places packed documents: add --pack"):
+        _prepare(monkeypatch, ["--model", "tiny", "--seq-len", "64", "--steps", "1", "--schedule", "placed"], world=1)
 
 
 def _prepare(monkeypatch, argv, world=4, link="nvlink"):
@@ -62,7 +66,7 @@ def _skewed_documents(path, seq_len):
 
 def test_auto_with_pack_weighs_the_placement_on_the_first_batchs_documents(tmp_path, monkeypatch, capsys):
     """``--pack --schedule auto``: the placement is a candidate, judged on the first batch's documents (the same on
-    every rank); dense streams (no --pack) never get it, and neither does a 2-D group."""
+    every rank), on a flat group and on a grid; dense streams (no --pack) never get it."""
     data = tmp_path / "docs.jsonl"
     seq = 16384
     _skewed_documents(data, seq)
@@ -74,5 +78,5 @@ def test_auto_with_pack_weighs_the_placement_on_the_first_batchs_documents(tmp_p
     assert re.search(r"--schedule auto \(the first batch's \d+ documents\): placed: [\d.]+ ms vs", out), out
     cfg = _prepare(monkeypatch, common)  # no --pack: one dense causal stream, where the balanced plan is optimal
     assert cfg.args.schedule != "placed"
-    cfg = _prepare(monkeypatch, [*common, "--pack", "--ulysses", "2"])
-    assert cfg.args.schedule != "placed"
+    cfg = _prepare(monkeypatch, [*common, "--pack", "--ulysses", "2"])  # the grid places its ring's shards
+    assert cfg.args.schedule == "placed", capsys.readouterr().out
