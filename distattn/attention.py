@@ -170,14 +170,36 @@ class _Executor:
         """Global position of the first token of ``chunk``."""
         return chunk * self.n
 
+    def span(self, q_chunk: int, kv_chunk: int) -> tuple[int, int]:
+        """The local rows ``[a, b)`` of ``kv_chunk``'s k/v that ``q_chunk``'s queries see (``Plan.key_span``): all
+        that travels for an owner task, and all its dk/dv partial covers."""
+        return self.plan.key_span(q_chunk, kv_chunk) or (0, self.n)
+
+    def rows(self, tr: Transfer) -> int | None:
+        """Rows of the k/v slice (``kv``) or dk/dv partial (``dkv``) that ``tr`` carries; ``None``: other kinds."""
+        if tr.kind == "kv":
+            a, b = self.span(tr.dst, tr.src)
+        elif tr.kind == "dkv":
+            a, b = self.span(tr.src, tr.dst)
+        else:
+            return None
+        return b - a
+
+    def borrowed(self, task: Task) -> int:
+        """First local row of the kv slice ``task`` computes with: the span's start for a task on borrowed k/v, 0 when
+        the rank computes with its own (local and helper tasks)."""
+        return self.span(task.q_chunk, task.kv_chunk)[0] if task.rank == task.q_chunk != task.kv_chunk else 0
+
     def mask(self, task: Task) -> dict:
-        """Kernel keywords for ``task``'s (query chunk, kv chunk) pair: the mask and the scale options."""
+        """Kernel keywords for ``task``'s (query chunk, kv chunk) pair: the mask and the scale options (keys: the
+        slice :meth:`borrowed` says)."""
+        a = self.borrowed(task)
         kw = dict(softmax_scale=self.cfg.scale, q_start=self.start(task.q_chunk), k_start=self.start(task.kv_chunk),
                   softcap=self.cfg.softcap, backend=self.backend)
         if self.plan.layout is not None:  # shards are unions of segments: bounds in the kv shard's local indices
-            return dict(kw, q_start=0, k_start=0, causal=False, bounds=self._pair_bounds(task))
+            return dict(kw, q_start=0, k_start=0, causal=False, bounds=self._pair_bounds(task, a))
         if not self.spec.dense:  # documents / window: per-row key bounds, from the description the plan read
-            return dict(kw, causal=False, bounds=self._bounds_of(task.q_chunk))
+            return dict(kw, k_start=self.start(task.kv_chunk) + a, causal=False, bounds=self._bounds_of(task.q_chunk))
         # Off-diagonal causal pairs always have kv_chunk < q_chunk: every key is visible, no mask to pay for.
         return dict(kw, causal=self.cfg.causal and task.is_diagonal, bounds=None)
 
@@ -189,14 +211,15 @@ class _Executor:
             self._bounds[chunk] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
         return self._bounds[chunk]
 
-    def _pair_bounds(self, task: Task) -> kernels.KeyBounds:
+    def _pair_bounds(self, task: Task, first: int = 0) -> kernels.KeyBounds:
         """Per query row of ``task.q_chunk``'s shard, the interval of local keys of ``task.kv_chunk``'s shard it
         sees (``distattn.schedule.layouts.local_bounds``: the layout maps the mask's global positions to local
-        indices, which stay nondecreasing because every shard keeps its positions in order). Cached per pair."""
-        key = (task.q_chunk, task.kv_chunk)
+        indices, which stay nondecreasing because every shard keeps its positions in order), counted from the
+        slice's ``first`` row. Cached per pair."""
+        key = (task.q_chunk, task.kv_chunk, first)
         if key not in self._bounds:
-            lo, hi = local_bounds(self.spec, self.plan.layout, self.n, *key)  # cached, read-only: copied here
-            to_dev = lambda a: torch.from_numpy(a.copy()).to(device=self.device, dtype=torch.int32)  # noqa: E731
+            lo, hi = local_bounds(self.spec, self.plan.layout, self.n, task.q_chunk, task.kv_chunk)  # read-only
+            to_dev = lambda a: torch.from_numpy(a - first).to(device=self.device, dtype=torch.int32)  # noqa: E731
             self._bounds[key] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
         return self._bounds[key]
 
@@ -214,7 +237,7 @@ class _Executor:
         sends = [(tr.dst, payload(tr)) for tr in transfers if tr.src == self.rank]
         inbox = {}
         for i, tr in enumerate(t for t in transfers if t.dst == self.rank):
-            key = (slot, tr.kind, i)
+            key = (slot, tr.kind, i, self.rows(tr))
             if key not in self._pool:
                 self._pool[key] = buffers(tr)
             inbox[tr] = self._pool[key]
@@ -280,9 +303,10 @@ class _Executor:
             absorb(tr, bufs)
 
 
-def _empty(like: torch.Tensor, dtype=None, heads=None) -> torch.Tensor:
+def _empty(like: torch.Tensor, dtype=None, heads=None, rows=None) -> torch.Tensor:
     b, n, h, d = like.shape
-    return torch.empty(b, n, h if heads is None else heads, d, dtype=dtype or like.dtype, device=like.device)
+    return torch.empty(b, n if rows is None else rows, h if heads is None else heads, d, dtype=dtype or like.dtype,
+                       device=like.device)
 
 
 def _stats(like: torch.Tensor) -> torch.Tensor:
@@ -303,6 +327,11 @@ class _WireCopies:
         if id(t) not in self._copies:
             self._copies[id(t)] = t.contiguous()
         return self._copies[id(t)]
+
+    def rows(self, tensors: list[torch.Tensor], a: int, b: int) -> list[torch.Tensor]:
+        """The sequence rows ``[a, b)`` of ``tensors`` (dim 1) as messages: views when contiguous (batch 1), else
+        copies of the slice only (never cached: a slice is a new object every step)."""
+        return [self(t) if a == 0 and b == t.shape[1] else t[:, a:b].contiguous() for t in tensors]
 
 
 def reject_call(group, phase: str, error: Exception, timeout: float, device: torch.device | None = None):
@@ -347,10 +376,10 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
     state = kernels.new_state(q)
 
     def fetch_payload(tr):
-        return [wire(k), wire(v)] if tr.kind == "kv" else [wire(q)]
+        return wire.rows([k, v], *ex.span(tr.dst, tr.src)) if tr.kind == "kv" else [wire(q)]
 
     def fetch_buffers(tr):
-        return [_empty(k), _empty(v)] if tr.kind == "kv" else [_empty(q)]
+        return [_empty(k, rows=ex.rows(tr)), _empty(v, rows=ex.rows(tr))] if tr.kind == "kv" else [_empty(q)]
 
     def compute(task: Task, inbox):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
@@ -388,10 +417,13 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
     dv = torch.zeros_like(dk)
 
     def fetch_payload(tr):
-        return [wire(k), wire(v)] if tr.kind == "kv" else [wire(q), wire(dout), wire(lse), delta]
+        return wire.rows([k, v], *ex.span(tr.dst, tr.src)) if tr.kind == "kv" else [wire(q), wire(dout), wire(lse),
+                                                                                      delta]
 
     def fetch_buffers(tr):
-        return [_empty(k), _empty(v)] if tr.kind == "kv" else [_empty(q), _empty(q), _stats(q), _stats(q)]
+        if tr.kind == "kv":
+            return [_empty(k, rows=ex.rows(tr)), _empty(v, rows=ex.rows(tr))]
+        return [_empty(q), _empty(q), _stats(q), _stats(q)]
 
     def compute(task: Task, inbox):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
@@ -404,8 +436,8 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
             dq_part = torch.zeros(q_i.shape, dtype=torch.float32, device=q.device)
             kernels.backward_chunk_(dout_i, q_i, k, v, lse_i, delta_i, dq_part, dk, dv, **kw)
             return [ex.partial(dq_part, q)]
-        k_j, v_j = bufs  # my queries against their kv: my dq grows; their dk, dv partials go back
-        dk_part = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        k_j, v_j = bufs  # my queries against their kv slice: my dq grows; their dk, dv partials (the slice) go back
+        dk_part = torch.zeros(k_j.shape, dtype=torch.float32, device=k.device)
         dv_part = torch.zeros_like(dk_part)
         kernels.backward_chunk_(dout, q, k_j, v_j, lse, delta, dq, dk_part, dv_part, **kw)
         return [ex.partial(dk_part, k), ex.partial(dv_part, v)]
@@ -415,14 +447,17 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
     def return_buffers(tr):
         if tr.kind == "dq":
             return [_empty(q, torch.float32 if fp32 else q.dtype)]
-        return [_empty(k, torch.float32 if fp32 else k.dtype), _empty(v, torch.float32 if fp32 else v.dtype)]
+        rows = ex.rows(tr)
+        return [_empty(k, torch.float32 if fp32 else k.dtype, rows=rows),
+                _empty(v, torch.float32 if fp32 else v.dtype, rows=rows)]
 
     def absorb(tr, bufs):
         if tr.kind == "dq":
             dq.add_(bufs[0])
-        else:
-            dk.add_(bufs[0])
-            dv.add_(bufs[1])
+        else:  # the partial of the slice the computing rank borrowed
+            a, b = ex.span(tr.src, tr.dst)
+            dk[:, a:b].add_(bufs[0])
+            dv[:, a:b].add_(bufs[1])
 
     ex.run(compute, fetch_payload, fetch_buffers, return_payload=lambda parts: parts,
            return_buffers=return_buffers, absorb=absorb)

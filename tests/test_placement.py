@@ -205,3 +205,26 @@ def test_cost_model_lists_the_placement_on_a_grid_for_documents_only():
     assert rep.a2a_fwd > 0 and rep.label == "2d U=2 x placed R=4"
     for dense in (None, MaskSpec(causal=True, window=(512, 0))):  # no documents: on a grid it is balanced
         assert "placed" not in {c.schedule for c in choose(8, shapes, mask=dense).candidates if c.ulysses > 1}
+
+
+def test_key_spans_are_the_shortest_local_ranges_holding_every_seen_key():
+    """``key_spans`` (the kv rows an owner task borrows) against the per-row local intervals, for random documents,
+    windows and every layout kind."""
+    from distattn.schedule.masks import key_spans
+
+    rng = random.Random(0)
+    for trial in range(120):
+        p, n = rng.randint(1, 6), rng.choice([1, 3, 8, 12, 16])
+        spec = _random_spec(rng, p * n, window=trial % 3 == 0)
+        if trial % 5 == 0:
+            spec = MaskSpec(causal=spec.causal, window=spec.window)  # no documents
+        layout = [None, Layout("zigzag", p) if n % 2 == 0 else None,
+                  place(MaskSpec(causal=True, cu_seqlens=spec.documents(p * n)), p, n)][trial % 3]
+        layout = None if layout is not None and layout.contiguous else layout
+        a, b = key_spans(spec, p, n, layout)
+        for i in range(p):
+            for j in range(p):
+                lo, hi = local_bounds(spec, layout or Layout("contiguous", p), n, i, j)
+                seen = hi >= lo
+                want = (int(lo[seen].min()), int(hi[seen].max()) + 1) if seen.any() else (0, 0)
+                assert (a[i, j], b[i, j]) == want, (trial, i, j)

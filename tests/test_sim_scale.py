@@ -70,6 +70,15 @@ def _transfers(task, phase, which):
     return None if phase == "forward" else (task.rank, task.kv_chunk, "dkv")
 
 
+def _size(plan, sizes, task, kind):
+    """Bytes of a task's transfer of ``kind``: an owner task's k/v in and dk/dv back carry only the rows of the kv
+    shard that its queries see (``Plan.key_span``)."""
+    span = plan.key_span(task.q_chunk, task.kv_chunk)
+    if kind not in ("kv", "dkv") or span is None:
+        return sizes[kind]
+    return sizes[kind] // plan.chunk * (span[1] - span[0])
+
+
 def _sizes(phase, shapes, partials):
     kinds = ("kv", "q", "out") if phase == "forward" else ("kv", "q", "dkv", "dq")
     return {k: payload_bytes(k, phase, shapes, partials) for k in kinds}
@@ -83,16 +92,16 @@ def _reference_bytes(plan, phase, shapes, partials):
             for which in ("fetch", "return"):
                 tr = _transfers(task, phase, which)
                 if tr is not None:
-                    sent[tr[0]] += sizes[tr[2]]
-                    recv[tr[1]] += sizes[tr[2]]
+                    sent[tr[0]] += _size(plan, sizes, task, tr[2])
+                    recv[tr[1]] += _size(plan, sizes, task, tr[2])
     return sent, recv
 
 
-def _comm(transfers, sizes, link):
+def _comm(transfers, link):
     sent, recv, msgs = {}, {}, {}
-    for src, dst, kind in transfers:
-        sent[src] = sent.get(src, 0) + sizes[kind]
-        recv[dst] = recv.get(dst, 0) + sizes[kind]
+    for src, dst, size in transfers:
+        sent[src] = sent.get(src, 0) + size
+        recv[dst] = recv.get(dst, 0) + size
         for rank in (src, dst):
             msgs[rank] = msgs.get(rank, 0) + 1
     return max((max(sent.get(r, 0), recv.get(r, 0)) / link.bandwidth + msgs[r] * link.latency for r in msgs),
@@ -106,13 +115,14 @@ def _reference_phase(plan, phase, shapes, link, flops, partials):
         BWD_FLOP_FACTOR if phase == "backward" else 1.0)
     sizes = _sizes(phase, shapes, partials)
     steps = _tasks(plan)
-    of = lambda tasks, which: [x for x in (_transfers(t, phase, which) for t in tasks) if x is not None]  # noqa
+    of = lambda tasks, which: [(x[0], x[1], _size(plan, sizes, t, x[2])) for t in tasks  # noqa: E731
+                               for x in [_transfers(t, phase, which)] if x is not None]
     fetches = [of(tasks, "fetch") for tasks in steps] + [[]]
     returns = [[]] + [of(tasks, "return") for tasks in steps]
     compute = [max(_cost(plan, t) for t in tasks) * pair_flops / flops for tasks in steps]
-    total = _comm(fetches[0], sizes, link) + _comm(returns[len(steps)], sizes, link)
+    total = _comm(fetches[0], link) + _comm(returns[len(steps)], link)
     for t in range(len(steps)):
-        total += max(compute[t], _comm(fetches[t + 1] + returns[t], sizes, link))
+        total += max(compute[t], _comm(fetches[t + 1] + returns[t], link))
     return sum(compute), total
 
 

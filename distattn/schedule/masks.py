@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MaskSpec", "pair_work"]
+__all__ = ["MaskSpec", "pair_work", "key_spans"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,3 +113,47 @@ def _keys_before(lo_sorted: np.ndarray, end_sorted: np.ndarray):
         return cum_end[k_end] + (cum_lo[rows] - cum_lo[k_lo]) + x * (k_lo - k_end) - cum_lo[rows]
 
     return seen
+
+
+def key_spans(spec: MaskSpec, world_size: int, chunk: int, layout=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(a, b)``, int64 ``(P, P)`` arrays: the keys that rank ``i``'s queries see among rank ``j``'s lie in ``j``'s
+    local indices ``[a[i, j], b[i, j])``, the shortest such range (``b <= a``: none). Only that slice of ``j``'s k/v
+    travels to ``i`` (and only its dk/dv partial comes back), so a document that barely crosses a shard boundary, or a
+    window shorter than a shard, moves a few rows instead of the whole shard. Cached, read-only."""
+    return _key_spans_cached(spec, world_size, chunk, layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _key_spans_cached(spec: MaskSpec, p: int, n: int, layout) -> tuple[np.ndarray, np.ndarray]:
+    """Per query rank: the union of its rows' key intervals (merged where they touch: rows are in position order, so
+    both bounds are nondecreasing), then for every segment of every rank the first and last key inside that union,
+    as local indices of the segment's rank. O(P * segments * log) numpy."""
+    total = p * n
+    segments = [layout.segments(r, n) if layout is not None else ((r * n, (r + 1) * n),) for r in range(p)]
+    owner = np.repeat(np.arange(p), [len(s) for s in segments])
+    sa, sb = (np.asarray([seg[k] for segs in segments for seg in segs], dtype=np.int64) for k in (0, 1))
+    offset = np.concatenate([np.cumsum([0] + [b - a for a, b in segs])[:-1] for segs in segments])  # local index
+    a_out = np.full((p, p), n, dtype=np.int64)
+    b_out = np.zeros((p, p), dtype=np.int64)
+    for i in range(p):
+        q_pos = layout.positions(i, n) if layout is not None else np.arange(i * n, (i + 1) * n, dtype=np.int64)
+        lo, hi = spec.bounds_at(total, q_pos)
+        keep = hi >= lo
+        lo, hi = lo[keep], hi[keep]
+        if not len(lo):
+            continue
+        start = np.append(True, lo[1:] > hi[:-1] + 1)  # a row starts a new block unless it touches the last
+        u_lo, u_hi = lo[start], np.maximum.reduceat(hi, np.flatnonzero(start))
+        k = np.minimum(np.searchsorted(u_hi, sa, side="left"), len(u_hi) - 1)  # first block ending at or after sa
+        ok = (u_hi[k] >= sa) & (u_lo[k] <= sb - 1)
+        first = np.maximum(sa, u_lo[k])
+        k2 = np.maximum(np.searchsorted(u_lo, sb - 1, side="right") - 1, 0)  # last block starting at or before sb-1
+        last = np.minimum(sb - 1, u_hi[k2])
+        ok &= (u_lo[k2] <= sb - 1) & (u_hi[k2] >= sa)
+        np.minimum.at(a_out[i], owner[ok], (offset + first - sa)[ok])
+        np.maximum.at(b_out[i], owner[ok], (offset + last - sa + 1)[ok])
+    a_out[a_out >= b_out] = 0
+    b_out[a_out >= b_out] = 0
+    for arr in (a_out, b_out):
+        arr.flags.writeable = False
+    return a_out, b_out

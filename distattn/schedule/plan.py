@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distattn.schedule.layouts import Layout, layout_of
-from distattn.schedule.masks import MaskSpec, pair_work
+from distattn.schedule.masks import MaskSpec, key_spans, pair_work
 
 SCHEDULES = ("ring", "balanced", "zigzag", "placed")
 PHASES = ("forward", "backward")
@@ -76,7 +76,9 @@ class RunTable:
     """Every run of a plan as read-only arrays, one entry per run, sorted by step then rank: in step ``step[k]`` the
     ranks ``r`` in ``[start[k], stop[k])`` compute ``(r + dq[k], r + dkv[k])``, each task ``cost[k]`` (units of one
     full ``n x n`` pair). ``dq == 0``: owner tasks (``dkv == 0`` too: local); ``dkv == 0``: helper tasks (the kv
-    owner computes for query owner ``r + dq``). Runs of step t are the entries ``offsets[t]:offsets[t + 1]``."""
+    owner computes for query owner ``r + dq``). ``keys[k]``: the kv rows an owner task borrows (its k/v slice in,
+    its dk/dv partial back; :meth:`Plan.key_span`), ``-1``: the whole shard. Runs of step t are the entries
+    ``offsets[t]:offsets[t + 1]``."""
 
     step: np.ndarray
     start: np.ndarray
@@ -84,14 +86,15 @@ class RunTable:
     dq: np.ndarray
     dkv: np.ndarray
     cost: np.ndarray
+    keys: np.ndarray
     offsets: np.ndarray
 
     @classmethod
-    def build(cls, n_steps: int, step, start, stop, dq, dkv, cost) -> "RunTable":
-        *ints, cost = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (step, start, stop, dq, dkv)),
+    def build(cls, n_steps: int, step, start, stop, dq, dkv, cost, keys=-1) -> "RunTable":
+        *ints, cost = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (step, start, stop, dq, dkv, keys)),
                                           np.asarray(cost, dtype=np.float64))  # scalars: the same in every run
         order = np.lexsort((ints[1], ints[0]))  # by step, then by first rank
-        cols = [x[order] for x in ints] + [cost[order]]
+        cols = [x[order] for x in ints[:5]] + [cost[order], ints[5][order]]
         offsets = np.searchsorted(cols[0], np.arange(n_steps + 1), side="left")
         for arr in (*cols, offsets):
             arr.flags.writeable = False
@@ -152,6 +155,15 @@ class Plan:
     """Tokens per chunk the work was computed for (mask and zigzag plans only)."""
     layout: Layout | None = None
     """Which positions each rank holds (``None``: contiguous, rank r holds ``[r*n, (r+1)*n)``)."""
+    spans: tuple[np.ndarray, np.ndarray] | None = None
+    """Masked plans: ``distattn.schedule.masks.key_spans`` of the plan's mask and layout (``None``: whole shards)."""
+
+    def key_span(self, q_chunk: int, kv_chunk: int) -> tuple[int, int] | None:
+        """``(a, b)``: the local rows ``[a, b)`` of ``kv_chunk``'s k/v that ``q_chunk``'s queries see, the slice an
+        owner task borrows and whose dk/dv partial it returns; ``None``: the whole shard (dense plans)."""
+        if self.spans is None:
+            return None
+        return int(self.spans[0][q_chunk, kv_chunk]), int(self.spans[1][q_chunk, kv_chunk])
 
     def num_steps(self) -> int:
         return len(self.run_table.offsets) - 1
@@ -399,18 +411,21 @@ def _make_zigzag_plan(p: int, causal: bool, n: int) -> Plan:
                 layout=Layout("zigzag", p))
 
 
-def _as_runs(steps: list[list[Task]], work, n: int) -> RunTable:
-    """Tasks step by step (any order within a step) as runs: neighbouring ranks with the same offsets and work
-    share one run."""
-    rows: list[list] = []  # step, start, stop, dq, dkv, cost
+def _as_runs(steps: list[list[Task]], work, n: int, spans) -> RunTable:
+    """Tasks step by step (any order within a step) as runs: neighbouring ranks with the same offsets, work and
+    borrowed kv rows share one run."""
+    a, b = spans
+    rows: list[list] = []  # step, start, stop, dq, dkv, cost, keys
     for s, tasks in enumerate(steps):
         for t in sorted(tasks, key=lambda t: t.rank):
-            row = [s, t.rank, t.rank + 1, t.q_chunk - t.rank, t.kv_chunk - t.rank, work[t.q_chunk][t.kv_chunk] / n ** 2]
+            keys = int(b[t.q_chunk, t.kv_chunk] - a[t.q_chunk, t.kv_chunk]) if t.rank == t.q_chunk != t.kv_chunk else -1
+            row = [s, t.rank, t.rank + 1, t.q_chunk - t.rank, t.kv_chunk - t.rank, work[t.q_chunk][t.kv_chunk] / n ** 2,
+                   keys]
             if rows and rows[-1][0] == s and rows[-1][2] == t.rank and rows[-1][3:] == row[3:]:
                 rows[-1][2] = t.rank + 1
             else:
                 rows.append(row)
-    cols = list(zip(*rows)) if rows else [()] * 6
+    cols = list(zip(*rows)) if rows else [()] * 7
     return RunTable.build(len(steps), *cols)
 
 
@@ -418,6 +433,7 @@ def _as_runs(steps: list[list[Task]], work, n: int) -> RunTable:
 def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layout | None = None) -> Plan:
     layout = layout if layout is not None else layout_of(schedule, p)
     work = pair_work(mask, p, n, None if layout.contiguous else layout)
+    spans = key_spans(mask, p, n, None if layout.contiguous else layout)
     needed = {(i, j) for i in range(p) for j in range(p) if work[i][j] > 0}
     # ring: every pair computed by its query owner, in ring order, empty pairs dropped
     ring = [[Task(r, r, (r - t) % p) for t in range(p) if ((r, (r - t) % p)) in needed] for r in range(p)]
@@ -432,8 +448,8 @@ def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Lay
     steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
     got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
     assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
-    return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(steps, work, n), work=work,
-                chunk=n, layout=None if layout.contiguous else layout)
+    return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(steps, work, n, spans),
+                work=work, chunk=n, layout=None if layout.contiguous else layout, spans=spans)
 
 
 def _owners(ring: list[list[Task]], work) -> list[list[Task]]:

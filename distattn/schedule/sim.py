@@ -1,6 +1,8 @@
 """The simulator: what a plan costs (idle slots, work makespan, bytes per rank), read off the plan's runs.
 
-Bytes are the wire contract (:func:`payload_bytes`) that the comm layer's byte counters meet. The plan's runs
+Bytes are the wire contract (:func:`payload_bytes`, per whole shard; an owner task of a masked plan borrows only the
+rows of the kv shard its queries see, ``Plan.key_span``, so its k/v in and dk/dv back shrink in proportion) that the
+comm layer's byte counters meet. The plan's runs
 (``Plan.run_table``) are read as arrays, so a plan of P = 16384 ranks (~10^8 tasks) is simulated in well under a
 second: a run of L tasks is L messages from ranks ``src .. src + L - 1`` to ``dst .. dst + L - 1``
 (:func:`transfer_spans`), and per-rank totals are prefix sums over those spans. Pure Python + numpy.
@@ -183,19 +185,23 @@ class Spans:
 
 def transfer_spans(plan: Plan, phase: str, which: str, sizes: dict) -> Spans:
     """The fetches (``which="fetch"``) or returns of every step of ``phase`` as :class:`Spans`, the same messages as
-    ``plan.fetches`` / ``plan.returns``; ``sizes`` maps each transfer kind of ``phase`` to its bytes."""
+    ``plan.fetches`` / ``plan.returns``; ``sizes`` maps each transfer kind of ``phase`` to its bytes for a whole
+    shard (``kv`` and ``dkv`` of an owner task are scaled to the rows it borrows, the run table's ``keys``)."""
     _check_phase(phase)
     rt = plan.run_table
     helper = (rt.dkv == 0) & (rt.dq != 0)  # the kv owner computes: q comes in, a partial goes back
     owner = (rt.dq == 0) & (rt.dkv != 0)  # the query owner computes with borrowed kv
     other = np.where(helper, rt.dq, rt.dkv)  # offset from the computing rank to the rank it borrows from
+    def borrowed(full: int) -> np.ndarray:  # an owner task's k/v slice (or its dk/dv partial): its rows of n
+        return np.where(rt.keys < 0, full, full // (plan.chunk or 1) * rt.keys)
+
     if which == "fetch":
         keep = helper | owner
-        size = np.where(helper, sizes["q"], sizes["kv"])
+        size = np.where(helper, sizes["q"], borrowed(sizes["kv"]))
         src, dst = rt.start + other, rt.start
     elif which == "return":
         keep = helper if phase == "forward" else helper | owner  # forward: an owner's output is already home
-        size = np.where(helper, sizes["out" if phase == "forward" else "dq"], sizes.get("dkv", 0))
+        size = np.where(helper, sizes["out" if phase == "forward" else "dq"], borrowed(sizes.get("dkv", 0)))
         src, dst = rt.start, rt.start + other
     else:
         raise ValueError(f"which={which!r} is not one of ('fetch', 'return'); pass one of them")
