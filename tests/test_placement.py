@@ -228,3 +228,19 @@ def test_key_spans_are_the_shortest_local_ranges_holding_every_seen_key():
                 seen = hi >= lo
                 want = (int(lo[seen].min()), int(hi[seen].max()) + 1) if seen.any() else (0, 0)
                 assert (a[i, j], b[i, j]) == want, (trial, i, j)
+
+
+def test_a_window_moves_only_the_rows_it_sees():
+    """A sliding window of 5 over shards of 16: each rank borrows the previous shard's last 5 rows only, and the
+    simulator counts exactly those rows (k/v forward and backward, fp32 dk/dv back)."""
+    from distattn.schedule import Shapes
+
+    mask = MaskSpec(causal=True, window=(5, 0))
+    plan = make_plan(4, True, "ring", mask=mask, chunk=16)
+    assert sorted(plan.pairs()) == sorted([(r, r) for r in range(4)] + [(r, r - 1) for r in range(1, 4)])
+    assert all(plan.key_span(r, r - 1) == (11, 16) for r in range(1, 4))
+    shapes = Shapes(batch=1, seq_per_rank=16, heads_q=2, heads_kv=1, head_dim=8, dtype_bytes=2)
+    rep = simulate(4, True, "ring", shapes, mask=mask)
+    row = 1 * 1 * 8 * 2  # one row of k (or v): heads_kv x head_dim x 2 bytes
+    assert rep.bytes_sent_fwd == (2 * 5 * row,) * 3 + (0,)  # k and v rows to the next rank; the last sends none
+    assert rep.bytes_sent_bwd == (2 * 5 * row,) + (2 * 5 * row + 2 * 5 * row * 2,) * 2 + (2 * 5 * row * 2,)
