@@ -232,15 +232,17 @@ class _Executor:
 
         Receive buffers come from the executor's pool: one set per (slot, kind, order within the round), made at
         the first use and reused two steps later (double buffering). Reuse is safe: a slot is posted again only
-        after the step that read it was enqueued, and the side stream waits for that point (``PeerExchange``).
+        after the step that read it was enqueued, and the side stream waits for that point (``PeerExchange``). A
+        k/v slice or dk/dv partial of fewer rows than the shard (:meth:`rows`) is received into the front of the
+        whole-shard buffers, viewed with its own shape, so the pool never grows past two slots of whole shards.
         """
         sends = [(tr.dst, payload(tr)) for tr in transfers if tr.src == self.rank]
         inbox = {}
         for i, tr in enumerate(t for t in transfers if t.dst == self.rank):
-            key = (slot, tr.kind, i, self.rows(tr))
+            key = (slot, tr.kind, i)
             if key not in self._pool:
                 self._pool[key] = buffers(tr)
-            inbox[tr] = self._pool[key]
+            inbox[tr] = _front_rows(self._pool[key], self.rows(tr))
         self.comm.post(slot, sends, [(tr.src, bufs) for tr, bufs in inbox.items()])
         return inbox
 
@@ -303,10 +305,18 @@ class _Executor:
             absorb(tr, bufs)
 
 
-def _empty(like: torch.Tensor, dtype=None, heads=None, rows=None) -> torch.Tensor:
+def _empty(like: torch.Tensor, dtype=None, heads=None) -> torch.Tensor:
     b, n, h, d = like.shape
-    return torch.empty(b, n if rows is None else rows, h if heads is None else heads, d, dtype=dtype or like.dtype,
-                       device=like.device)
+    return torch.empty(b, n, h if heads is None else heads, d, dtype=dtype or like.dtype, device=like.device)
+
+
+def _front_rows(buffers: list[torch.Tensor], rows: int | None) -> list[torch.Tensor]:
+    """Whole-shard ``(b, n, h, d)`` receive buffers as ``(b, rows, h, d)`` tensors on their first elements
+    (contiguous, as a message needs); ``rows=None`` or ``n``: the buffers themselves."""
+    if rows is None or rows == buffers[0].shape[1]:
+        return buffers
+    return [t.view(-1)[:t.shape[0] * rows * t.shape[2] * t.shape[3]].view(t.shape[0], rows, t.shape[2], t.shape[3])
+            for t in buffers]
 
 
 def _stats(like: torch.Tensor) -> torch.Tensor:
@@ -379,7 +389,7 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
         return wire.rows([k, v], *ex.span(tr.dst, tr.src)) if tr.kind == "kv" else [wire(q)]
 
     def fetch_buffers(tr):
-        return [_empty(k, rows=ex.rows(tr)), _empty(v, rows=ex.rows(tr))] if tr.kind == "kv" else [_empty(q)]
+        return [_empty(k), _empty(v)] if tr.kind == "kv" else [_empty(q)]
 
     def compute(task: Task, inbox):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
@@ -421,9 +431,7 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
                                                                                       delta]
 
     def fetch_buffers(tr):
-        if tr.kind == "kv":
-            return [_empty(k, rows=ex.rows(tr)), _empty(v, rows=ex.rows(tr))]
-        return [_empty(q), _empty(q), _stats(q), _stats(q)]
+        return [_empty(k), _empty(v)] if tr.kind == "kv" else [_empty(q), _empty(q), _stats(q), _stats(q)]
 
     def compute(task: Task, inbox):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
@@ -447,9 +455,7 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
     def return_buffers(tr):
         if tr.kind == "dq":
             return [_empty(q, torch.float32 if fp32 else q.dtype)]
-        rows = ex.rows(tr)
-        return [_empty(k, torch.float32 if fp32 else k.dtype, rows=rows),
-                _empty(v, torch.float32 if fp32 else v.dtype, rows=rows)]
+        return [_empty(k, torch.float32 if fp32 else k.dtype), _empty(v, torch.float32 if fp32 else v.dtype)]
 
     def absorb(tr, bufs):
         if tr.kind == "dq":
