@@ -241,21 +241,27 @@ def _varlen_case(rank, world, group, U, case, lengths, n, seed):
     out = distattn.dist_flash_attn_varlen_func(qs, ks, vs, torch.tensor(cu, dtype=torch.int32), total,
                                                causal=causal, window_size=window, group=group, schedule="zigzag")
     out.backward(dout[mine])
-    sent, recv = comm.COUNTERS.bytes_sent, comm.COUNTERS.bytes_recv
-    index = topology(group).index
+    counted = (comm.COUNTERS.bytes_sent, comm.COUNTERS.bytes_recv)
+    return lambda: _check_varlen(world, group, U, "zigzag", case, cu, n, (q, k, v, dout), mine, counted,
+                                 [out, qs.grad, ks.grad, vs.grad])
 
-    def check():
-        spec = MaskSpec(causal=causal, window=window, cu_seqlens=tuple(cu))
-        rep = simulate(world, causal, "zigzag", Shapes(batch=1, seq_per_rank=n, heads_q=h_q, heads_kv=h_kv,
-                                                       head_dim=d, dtype_bytes=q.element_size()),
-                       mask=spec, ulysses=U)
-        assert (sent, recv) == (rep.bytes_sent[index], rep.bytes_recv[index]), \
-            f"bytes sent/recv {(sent, recv)} != simulator {(rep.bytes_sent[index], rep.bytes_recv[index])}"
-        keep = _keep(cu, total, causal, window)
-        ref = [t[mine] for t in _masked_reference(q, k, v, dout, keep, torch.float64)]
-        base = [t[mine] for t in _masked_reference(q, k, v, dout, keep, dtype)]
-        assert_all_close_by_rule(NAMES, [out, qs.grad, ks.grad, vs.grad], base, ref, dtype)
-    return check
+
+def _check_varlen(world, group, U, schedule, case, cu, n, inputs, mine, counted, got):
+    """This rank's byte counters against the simulator's plan, and its out/dq/dk/dv (``got``) against the fp64
+    per-document reference of the whole stream at its positions ``mine`` (the accuracy rule)."""
+    causal, window, h_q, h_kv, dtype = case
+    q, k, v, dout = inputs
+    index = topology(group).index
+    spec = MaskSpec(causal=causal, window=window, cu_seqlens=tuple(cu))
+    rep = simulate(world, causal, schedule, Shapes(batch=1, seq_per_rank=n, heads_q=h_q, heads_kv=h_kv,
+                                                   head_dim=q.shape[-1], dtype_bytes=q.element_size()),
+                   mask=spec, ulysses=U)
+    assert counted == (rep.bytes_sent[index], rep.bytes_recv[index]), \
+        f"bytes sent/recv {counted} != simulator {(rep.bytes_sent[index], rep.bytes_recv[index])}"
+    keep = _keep(cu, world * n, causal, window)
+    ref = [t[mine] for t in _masked_reference(q, k, v, dout, keep, torch.float64)]
+    base = [t[mine] for t in _masked_reference(q, k, v, dout, keep, dtype)]
+    assert_all_close_by_rule(NAMES, got, base, ref, dtype)
 
 
 def _varlen_section(rank, world):
@@ -326,25 +332,16 @@ def _placed2d_case(rank, world, group, U, case, cu, n, seed):
     out = distattn.dist_flash_attn_varlen_func(qs, ks, vs, torch.tensor(cu, dtype=torch.int32), total,
                                                causal=causal, window_size=window, group=group, schedule="placed")
     out.backward(shard(dout))
-    sent, recv = comm.COUNTERS.bytes_sent, comm.COUNTERS.bytes_recv
+    counted = (comm.COUNTERS.bytes_sent, comm.COUNTERS.bytes_recv)
     whole = distattn.gather_sequence(qs.detach(), 0, group, layout=lay)
-    index = topology(group).index
     mine = positions(n, group, layout=lay)
 
     def check():
         assert lay.kind == "placed" and (lay.world_size, lay.ulysses) == (world // U, U), (lay, lay.note)
         assert torch.equal(whole, q), "gather_sequence(shard_sequence(q, layout=), layout=) != q"
         assert torch.equal(qs.detach(), q[mine]), "shard_sequence and positions disagree"
-        spec = MaskSpec(causal=causal, window=window, cu_seqlens=tuple(cu))
-        rep = simulate(world, causal, "placed", Shapes(batch=1, seq_per_rank=n, heads_q=h_q, heads_kv=h_kv,
-                                                       head_dim=d, dtype_bytes=q.element_size()),
-                       mask=spec, ulysses=U)
-        assert (sent, recv) == (rep.bytes_sent[index], rep.bytes_recv[index]), \
-            f"bytes sent/recv {(sent, recv)} != simulator {(rep.bytes_sent[index], rep.bytes_recv[index])}"
-        keep = _keep(cu, total, causal, window)
-        ref = [t[mine] for t in _masked_reference(q, k, v, dout, keep, torch.float64)]
-        base = [t[mine] for t in _masked_reference(q, k, v, dout, keep, dtype)]
-        assert_all_close_by_rule(NAMES, [out, qs.grad, ks.grad, vs.grad], base, ref, dtype)
+        _check_varlen(world, group, U, "placed", case, cu, n, (q, k, v, dout), mine, counted,
+                      [out, qs.grad, ks.grad, vs.grad])
     return check
 
 
@@ -363,8 +360,8 @@ def _placed2d_section(rank, world):
         distattn.shard_sequence(torch.zeros(world * n), 0, group, layout=flat)
         failures.append("a flat placement sharded a 2-D group")
     except ValueError as exc:
-        _collect(failures, "flat placement on a 2-D group", lambda: _expect(
-            str(exc), f"made for {world} ring ranks x 1 Ulysses ranks, but the group is {world // U} x {U}"))
+        _collect(failures, "flat placement on a 2-D group", lambda msg=str(exc): _expect(
+            msg, f"made for {world} ring ranks x 1 Ulysses ranks, but the group is {world // U} x {U}"))
     return failures, None
 
 

@@ -324,33 +324,3 @@ def test_bad_option_messages(kw, exc, match):
     q, k, v = torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16)
     with pytest.raises(exc, match=match):
         distattn.flash_attn_func(q, k, v, **kw)
-
-
-def test_key_spans_are_the_shortest_local_ranges_holding_every_seen_key():
-    """``key_spans`` (what an owner task borrows) against the per-row local intervals, for random documents, windows
-    and every layout kind."""
-    import random
-
-    from distattn.schedule import Layout, local_bounds
-    from distattn.schedule.masks import key_spans
-    from distattn.schedule.placement import place
-
-    rng = random.Random(0)
-    for trial in range(120):
-        p, n = rng.randint(1, 6), rng.choice([1, 3, 8, 12, 16])
-        cu = [0]
-        while cu[-1] < p * n:  # empty, single-token and long documents
-            cu.append(min(p * n, cu[-1] + rng.choice([0, 1, 1, 3, rng.randint(1, p * n)])))
-        causal = rng.random() < 0.7
-        window = (rng.randint(0, 9), 0 if causal else rng.randint(0, 9)) if trial % 3 == 0 else (-1, -1)
-        spec = MaskSpec(causal=causal, window=window, cu_seqlens=tuple(cu) if trial % 5 else None)
-        layout = [None, Layout("zigzag", p) if n % 2 == 0 else None,
-                  place(MaskSpec(causal=True, cu_seqlens=tuple(cu)), p, n)][trial % 3]
-        layout = None if layout is not None and layout.contiguous else layout
-        a, b = key_spans(spec, p, n, layout)
-        for i in range(p):
-            for j in range(p):
-                lo, hi = local_bounds(spec, layout or Layout("contiguous", p), n, i, j)
-                seen = hi >= lo
-                want = (int(lo[seen].min()), int(hi[seen].max()) + 1) if seen.any() else (0, 0)
-                assert (a[i, j], b[i, j]) == want, (trial, i, j)
