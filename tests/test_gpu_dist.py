@@ -57,17 +57,20 @@ def _dense(rank, world, schedule, causal, group, seed):
     return lambda: assert_all_close_by_rule(NAMES, ours, base, ref, DTYPE)
 
 
-def _varlen(rank, world, seed):
+def _varlen(rank, world, seed, schedule="zigzag"):
     from attn_ref import varlen_mask, masked_reference_grads
-    from distattn.sharding import positions
+    from distattn.sharding import placement, positions
 
     total, lens = world * N_PER_RANK, [1, 200, world * N_PER_RANK - 301, 100]
     cu = torch.tensor([0, 1, 201, total - 100, total], dtype=torch.int32)
     q, k, v, dout = (t[0] for t in _inputs(total, seed))  # packed: (total, h, d)
-    mine = positions(N_PER_RANK, None, "zigzag")
+    if schedule == "placed":  # the work-balanced placement: shards of many segments, k/v slices on the wire
+        mine = positions(N_PER_RANK, None, layout=placement(cu.tolist(), N_PER_RANK))
+    else:
+        mine = positions(N_PER_RANK, None, schedule)
     qs, ks, vs = (t[mine].cuda().requires_grad_() for t in (q, k, v))
     out = distattn.dist_flash_attn_varlen_func(qs, ks, vs, cu.cuda(), total, causal=True, window_size=(128, 0),
-                                               schedule="zigzag", backend="triton")
+                                               schedule=schedule, backend="triton")
     out.backward(dout[mine].cuda())
     ours = [t.detach().cpu() for t in (out, qs.grad, ks.grad, vs.grad)]
     mask = varlen_mask(lens, lens, causal=True, window=(128, 0))
@@ -87,6 +90,7 @@ def _op_ranks(rank, world):
     checks = [(f"{schedule} causal={causal}", _dense(rank, world, schedule, causal, None, 10 * i + causal))
               for i, schedule in enumerate(SCHEDULES) for causal in (True, False)]
     checks.append(("varlen zigzag window", _varlen(rank, world, 99)))
+    checks.append(("varlen placed window", _varlen(rank, world, 98, "placed")))
     if world % 2 == 0:  # Ulysses x ring: all-to-all of CUDA tensors staged through host memory (ulysses.py)
         group = make_2d_groups(2)
         checks += [(f"2-D U=2 {schedule}", _dense(rank, world, schedule, True, group, 50 + i))
@@ -103,8 +107,8 @@ def _op_ranks(rank, world):
 
 # CUDA-only: distattn/comm.py PeerExchange staging of CUDA tensors over gloo (_stage: .cpu() sends, pinned
 # receives copied back non_blocking), api.make_config's q.is_cuda device check, ulysses.py's staged all-to-all
-# (stage = like.is_cuda and not nccl), every schedule (ring, balanced, zigzag) and layout (contiguous, zigzag,
-# packed documents, 2-D) with slowed kernels.
+# (stage = like.is_cuda and not nccl), every schedule (ring, balanced, zigzag, placed) and layout (contiguous, zigzag,
+# packed documents on zigzag and on a placement, 2-D) with slowed kernels.
 @pytest.mark.parametrize("world", [2, 3])
 def test_dist_op_on_cuda_over_gloo_every_schedule_and_layout(world):
     results = run_distributed(_op_ranks, world, timeout=TIMEOUT_S)
