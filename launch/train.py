@@ -130,20 +130,38 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 
-import train_config
-import train_data
-import train_eval
-import train_export
-import train_lock
-import train_log
-import train_memory
-import train_model
-import train_offload
-import train_tune
-from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError
+def _stopped_while_preparing(signum, frame) -> None:
+    """SIGTERM before the process group exists: torchrun stops this rank because another one failed to prepare.
+
+    Every rank checks the same arguments, paths and data before the process group exists, and torchrun stops the
+    others with SIGTERM as soon as one exits. A rank still importing or loading when rank 0 finds the fault would
+    otherwise show up as killed by a signal (exit -15) next to rank 0's status 2. It leaves with rank 0's status at
+    once; ``start`` restores the default once the process group is up.
+    """
+    sys.stderr.flush()
+    os._exit(2)  # train_config.EXIT_BAD_ARGS (imported below, after torch: this must be in place first)
+
+
+if "RANK" in os.environ:  # launched by torchrun: set before the slow imports, where a lagging rank spends its time
+    signal.signal(signal.SIGTERM, _stopped_while_preparing)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import train_config  # noqa: E402
+import train_data  # noqa: E402
+import train_eval  # noqa: E402
+import train_export  # noqa: E402
+import train_lock  # noqa: E402
+import train_log  # noqa: E402
+import train_memory  # noqa: E402
+import train_model  # noqa: E402
+import train_offload  # noqa: E402
+import train_tune  # noqa: E402
+from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError  # noqa: E402
+
+assert EXIT_BAD_ARGS == 2, "_stopped_while_preparing exits with it"
 
 
 def log(msg: str) -> None:
@@ -367,6 +385,7 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     import train_ckpt  # torch.distributed.checkpoint: ~1 s of imports that a bad argument should not wait for
 
     device = init_distributed(cfg)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here on errors are agreed on: see _stopped_while_preparing
     if cfg.args.save_every or cfg.args.resume:  # one job per --ckpt-dir, before anything there is read or deleted
         train_ckpt.lock(Path(cfg.args.ckpt_dir), log)
     group = sequence_group(cfg)

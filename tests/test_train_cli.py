@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -282,6 +283,20 @@ def test_help_prints_once():
     # the docstring it used to point at is shown, as written (commands on their own lines)
     assert "see the module docstring" not in out and "Quick start. CPU is enough" in out
     assert "\n    torchrun --standalone --nproc-per-node 4 launch/train.py --pack --seq-len 8192" in out
+
+
+def test_a_rank_stopped_while_preparing_exits_2():
+    """torchrun stops the other ranks (SIGTERM) as soon as rank 0 exits on a bad argument; a rank still importing
+    torch or loading data then must leave with rank 0's status 2, not as killed by a signal (seen in CI: -15)."""
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    proc = subprocess.Popen([sys.executable, str(TRAIN)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # in its imports of torch, or past them waiting for a rendezvous that never comes (port 1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err, err
 
 
 def test_ckpt_dir_without_save_every_warns(tmp_path, monkeypatch, capsys):
