@@ -169,6 +169,27 @@ def test_auto_chooses_the_placement_where_it_is_fastest_and_never_for_a_dense_ma
     assert "placed" not in {c.schedule for c in dense.candidates}  # on a dense mask it is the balanced plan
 
 
+@pytest.mark.parametrize("docs, p", [("uniform:8192", 8), ("uniform:8192", 16)])
+def test_the_group_is_the_smallest_whose_ranks_are_balanced(docs, p):
+    """k is the smallest divisor of P whose dealt blocks keep every rank within BALANCE_TOLERANCE of the mean work
+    (the rank's pairs, and so its bytes, grow with k); every smaller k leaves some rank above it. Uniform documents at
+    P = 16 take groups of 4 (groups of 8 sent twice the bytes for 1.023x instead of 1.058x)."""
+    from distattn.schedule.placement import BALANCE_TOLERANCE, _place_cached
+
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths(docs, p * 4096))
+
+    def ratio(layout):
+        load = np.asarray(pair_work(mask, p, 4096, layout)).sum(axis=1)
+        return load.max() / load.mean()
+
+    chosen = _place_cached(mask, p, 4096)
+    assert chosen.group < p and ratio(chosen) <= BALANCE_TOLERANCE, chosen.note
+    for k in range(1, chosen.group):
+        if p % k == 0:
+            assert ratio(_place_cached.__wrapped__(mask, p, 4096, k)) > BALANCE_TOLERANCE, k
+    assert chosen.group == 4
+
+
 def test_a_short_piece_of_a_document_cut_across_groups_stays_on_one_rank():
     """Groups of 2 ranks of 512 tokens: the third 600-token document has no group with room for it whole, so it is cut
     (424 tokens to group 0, 176 to group 1). The short piece is one unit: its keys travel from one rank of group 1,
