@@ -345,6 +345,28 @@ def test_zigzag_equal_work_every_step_owners_only(p):
         assert {tr.kind for tr in plan.returns(s, "backward")} == {"dkv"} and not plan.returns(s, "forward")
 
 
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_causal_zigzag_borrows_half_of_an_earlier_ranks_shard(p):
+    """Query rank i's chunks (i and 2P-1-i) see only the first chunk of an earlier kv rank j < i: the pair borrows the
+    first n/2 rows; a later kv rank's shard is needed whole. The generic key_spans agrees; the simulator counts it
+    (a quarter fewer k/v bytes than whole shards, forward, every rank together)."""
+    from distattn.schedule.layouts import Layout
+    from distattn.schedule.masks import MaskSpec, key_spans
+
+    n = 12
+    plan = make_plan(p, True, "zigzag", chunk=n)
+    a, b = key_spans(MaskSpec(causal=True), p, n, Layout("zigzag", p))
+    for i in range(p):
+        for j in range(p):
+            assert plan.key_span(i, j) == ((0, n // 2) if j < i else (0, n)) == (a[i, j], b[i, j]), (i, j)
+    assert make_plan(p, False, "zigzag", chunk=n).key_span(1, 0) is None  # non-causal: every key, whole shards
+    shapes = Shapes(seq_per_rank=n, heads_q=4, heads_kv=2, head_dim=8)
+    whole = simulate(p, False, "zigzag", shapes)  # the same transfers, every one a whole shard
+    half = simulate(p, True, "zigzag", shapes)
+    assert 4 * sum(half.bytes_sent_fwd) == 3 * sum(whole.bytes_sent_fwd)
+    assert 2 * half.bytes_recv_fwd[p - 1] == whole.bytes_recv_fwd[p - 1]  # the last rank: only earlier kv ranks
+
+
 def test_zigzag_beats_balanced_on_gqa_bytes_and_makespan():
     # the issue's numbers: LLaMA-3-8B-shaped layer, P=8, 4k tokens per rank
     shapes = Shapes(seq_per_rank=4096, heads_q=32, heads_kv=8, head_dim=128)

@@ -211,6 +211,8 @@ def test_16384_ranks_of_1m_tokens_simulate_in_seconds():
     assert ring.work_makespan == p - 0.5  # the last rank computes every step: half a diagonal + P - 1 pairs
     # balanced: 1 + P/2 steps of at most one full pair; zigzag: P steps of exactly half a pair (plus the diagonal)
     assert bal.steps == 1 + p // 2 and bal.work_makespan == 0.5 + p // 2
-    assert zig.steps == p and zig.bytes_sent_fwd == (zig.bytes_sent_fwd[0],) * p == ((p - 1) * kv,) * p
+    # zigzag: rank r sends its whole shard to the r ranks before it, its first chunk (half) to the ranks after it
+    assert zig.steps == p and all(zig.bytes_sent_fwd[r] == r * kv + (p - 1 - r) * kv // 2 for r in (0, 1, p - 1))
+    assert all(zig.bytes_recv_fwd[r] == r * kv // 2 + (p - 1 - r) * kv for r in (0, 1, p - 1))
     assert zig.work_makespan == pytest.approx(p / 2 + 0.5 / SCALE_N, rel=REL)
     assert best.runnable and best.steps > 0

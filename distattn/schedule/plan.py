@@ -156,7 +156,8 @@ class Plan:
     layout: Layout | None = None
     """Which positions each rank holds (``None``: contiguous, rank r holds ``[r*n, (r+1)*n)``)."""
     spans: tuple[np.ndarray, np.ndarray] | None = None
-    """Masked plans: ``distattn.schedule.masks.key_spans`` of the plan's mask and layout (``None``: whole shards)."""
+    """Masked plans: ``distattn.schedule.masks.key_spans`` of the plan's mask and layout; dense causal zigzag: the same
+    in closed form (``_DenseZigzagSpans``); ``None``: whole shards."""
 
     def key_span(self, q_chunk: int, kv_chunk: int) -> tuple[int, int] | None:
         """``(a, b)``: the local rows ``[a, b)`` of ``kv_chunk``'s k/v that ``q_chunk``'s queries see, the slice an
@@ -315,6 +316,21 @@ class _DenseZigzagWork:
         return (self[i] for i in range(self.world_size))
 
 
+@dataclass(frozen=True)
+class _DenseZigzagSpans:
+    """One side of ``key_spans(MaskSpec(causal=True), P, n, Layout("zigzag", P))`` in closed form, indexed
+    ``[q rank, kv rank]`` like the array it stands for (which would hold P^2 entries: 2 GiB at 16384 ranks). Rank
+    ``i``'s chunks ``i`` and ``2P-1-i`` see of an earlier rank ``j < i`` only its first chunk ``j``, the local rows
+    ``[0, n/2)``; of a later rank both chunks (``2P-1-j`` precedes ``2P-1-i``); the diagonal, everything."""
+
+    n: int
+    stop: bool  # False: the first row of the span (always 0); True: the row after its last
+
+    def __getitem__(self, ij: tuple[int, int]) -> int:
+        i, j = ij
+        return (self.n // 2 if j < i else self.n) if self.stop else 0
+
+
 # -- make_plan ------------------------------------------------------------------------------------------------
 
 
@@ -404,11 +420,19 @@ def _make_plan_cached(p: int, causal: bool, schedule: str) -> Plan:
 
 @functools.lru_cache(maxsize=64)
 def _make_zigzag_plan(p: int, causal: bool, n: int) -> Plan:
+    """Every (i, j) pair in ring order. Causal: a query rank ``i`` sees only the first chunk (``j``) of an earlier kv
+    rank ``j < i`` (its chunk ``2P-1-j`` lies after both of ``i``'s), so those pairs borrow the first half of the kv
+    shard (``key_spans``), a quarter less k/v and dk/dv on the wire than whole shards."""
     work = _DenseZigzagWork(p, n, causal)
     runs = _ring_runs(p, False, work.diagonal / n ** 2, work.off_diagonal / n ** 2)  # every (i, j) has work
     _check_runs(p, False, runs)
-    return Plan(world_size=p, causal=causal, schedule="zigzag", run_table=runs, work=work, chunk=n,
-                layout=Layout("zigzag", p))
+    layout, spans = Layout("zigzag", p), None
+    if causal:
+        spans = (_DenseZigzagSpans(n, False), _DenseZigzagSpans(n, True))
+        runs = RunTable.build(len(runs.offsets) - 1, runs.step, runs.start, runs.stop, runs.dq, runs.dkv, runs.cost,
+                              np.where(runs.dkv < 0, n // 2, -1))  # a run at dkv < 0: kv rank before query rank
+    return Plan(world_size=p, causal=causal, schedule="zigzag", run_table=runs, work=work, chunk=n, layout=layout,
+                spans=spans)
 
 
 def _as_runs(steps: list[list[Task]], work, n: int, spans) -> RunTable:
