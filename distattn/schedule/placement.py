@@ -100,19 +100,20 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None) -> L
     rows = _RowWork(spec, lengths)
     whole = rows.prefix(np.arange(len(lengths)), lengths)
     for k in _divisors(p) if group is None else [group]:
-        # Two cheap refusals before dealing: a group's work is the sum of its k ranks' work, so a group (or a document
-        # that fits a group, and so is never cut) heavier than the tolerance allows leaves some rank above it too.
-        if group is None and k < p:
-            heaviest = whole[lengths <= k * n].max(initial=0)
-            if heaviest > BALANCE_TOLERANCE * whole.sum() * k / p:
-                continue
-        pieces, load = _assign_groups(starts, lengths, rows, p // k, k * n)
-        if group is None and k < p and load.max() > BALANCE_TOLERANCE * load.mean():
+        # k is refused as soon as a rank must exceed the tolerance: a document that fits a group (never cut) or a
+        # group's documents above k ranks' share (a group's work is its ranks' sum), then a dealt rank above its own;
+        # loads only grow, so each stage stops at the first excess
+        search = group is None and k < p
+        limit = BALANCE_TOLERANCE * whole.sum() * k / p if search else float("inf")  # per group
+        if whole[lengths <= k * n].max(initial=0) > limit:
             continue
-        dealt, rank_load = _deal(pieces, starts, rows, p, k, n, b)
-        if group is not None or k == p or rank_load.max() <= BALANCE_TOLERANCE * rank_load.mean():
+        assigned = _assign_groups(starts, lengths, rows, p // k, k * n, limit)
+        if assigned is None:
+            continue
+        dealt = _deal(assigned[0], starts, rows, p, k, n, b, limit / k)  # per rank
+        if dealt is not None:
             break
-    segments = _segments(*dealt, p, n)
+    segments = _segments(*dealt[0], p, n)
     note = f"{p // k} groups of {k} ranks, blocks of {b} tokens"
     return Layout("placed", p, placement=segments, group=k, note=note)
 
@@ -154,10 +155,11 @@ class _RowWork:
         return x + self._s(x, self.l) + self._s(length, self.r) - self._s(length - x, self.r)
 
 
-def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int):
+def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int, limit: float = float("inf")):
     """Documents, longest first, to the least loaded group with room for them whole; a document no group has room
     for is cut, its first part to the group with the most room. Returns ``pieces`` (``[start, stop, group, doc]``
-    rows, global positions) and the groups' loads (row work). A heap of ``(load, group)``: groups without room are
+    rows, global positions) and the groups' loads (row work); ``None`` as soon as a group's load exceeds ``limit``
+    (loads only grow: the caller's tolerance is already lost). A heap of ``(load, group)``: groups without room are
     set aside for the current document only."""
     order = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
     whole = rows.prefix(np.arange(len(lengths)), lengths).tolist()
@@ -173,6 +175,8 @@ def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int):
         if heap:  # the least loaded group with room for the whole document
             _, g = heapq.heappop(heap)
             load[g] += whole[d]
+            if load[g] > limit:
+                return None
             free[g] -= length
             pieces.append((start_l[d], start_l[d] + length, g, d))
             if free[g]:
@@ -182,6 +186,8 @@ def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int):
                 g = max(range(groups), key=free.__getitem__)  # the most room; a tie: the first such group
                 take = min(free[g], length - off)
                 load[g] += rows.prefix_one(length, off + take) - rows.prefix_one(length, off)
+                if load[g] > limit:
+                    return None
                 free[g] -= take
                 pieces.append((start_l[d] + off, start_l[d] + off + take, g, d))
                 off += take
@@ -192,13 +198,16 @@ def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int):
     return np.asarray(pieces, dtype=np.int64), np.asarray(load, dtype=np.int64)
 
 
-def _fill_rest(owner: np.ndarray, work: np.ndarray, unit: np.ndarray, p: int, k: int, per_group: int) -> np.ndarray:
+def _fill_rest(owner: np.ndarray, work: np.ndarray, unit: np.ndarray, p: int, k: int, per_group: int,
+               limit: float = float("inf")) -> np.ndarray | None:
     """Blocks without an owner (``-1``) to the ranks of their group: *items* heaviest first, each to the least loaded
     rank of the group with room for it whole. An item is the run of blocks with one ``unit`` id (``>= 0``: a short
     piece of a document cut across groups, kept on one rank) or a single block (``-1``); an item that no rank has
-    room for goes block by block."""
+    room for goes block by block. ``None`` as soon as a rank's work exceeds ``limit``."""
     slots = per_group // k
     load = np.bincount(owner[owner >= 0], weights=work[owner >= 0], minlength=p).tolist()
+    if max(load) > limit:
+        return None
     used = np.bincount(owner[owner >= 0], minlength=p).tolist()
     rest = np.flatnonzero(owner < 0)
     if not len(rest):
@@ -228,6 +237,8 @@ def _fill_rest(owner: np.ndarray, work: np.ndarray, unit: np.ndarray, p: int, k:
         for i in range(at, at + count):
             owner[rest_l[i]] = r
             w += work_l[rest_l[i]]
+        if w > limit:
+            return None
         used[r] += count
         if used[r] < slots:
             heapq.heappush(h, (w, r))
@@ -255,11 +266,11 @@ def _units(key: np.ndarray, idx: np.ndarray, unit_piece: np.ndarray, blocks: int
     return unit
 
 
-def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int):
+def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf")):
     """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring:
     snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns
     ``(lo, hi, rank)`` of every piece of a block (:func:`_segments` makes them the ranks' segments), and every
-    rank's work (its rows' visible keys)."""
+    rank's work (its rows' visible keys); ``None`` as soon as a rank's work exceeds ``limit``."""
     order = np.lexsort((pieces[:, 0], pieces[:, 2]))  # by group, then position
     start, stop, group, doc = (pieces[order, c] for c in range(4))
     length = stop - start
@@ -290,7 +301,9 @@ def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b:
     rnd, pos = np.divmod(t, k)
     owner = np.full(len(work), -1, dtype=np.int64)
     owner[key[cyc]] = group[idx][cyc] * k + np.where(rnd[cyc] % 2 == 0, pos[cyc], k - 1 - pos[cyc])
-    owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group)
+    owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group, limit)
+    if owner is None:
+        return None
     return (lo, hi, owner[key]), np.bincount(owner, weights=work, minlength=p)
 
 
