@@ -292,7 +292,16 @@ def test_a_rank_stopped_while_preparing_exits_2():
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     proc = subprocess.Popen([sys.executable, str(TRAIN)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)  # in its imports of torch, or past them waiting for a rendezvous that never comes (port 1)
+    # once its SIGTERM handler is in place (Linux: the caught-signals mask; elsewhere 1.5 s), it is in its imports of
+    # torch or past them waiting for a rendezvous that never comes (port 1): both before the process group exists
+    deadline, status = time.monotonic() + 30, f"/proc/{proc.pid}/status"
+    while os.path.exists(status) and time.monotonic() < deadline and proc.poll() is None:
+        caught = next((line.split()[1] for line in open(status) if line.startswith("SigCgt:")), "0")
+        if int(caught, 16) & (1 << (signal.SIGTERM - 1)):
+            break
+        time.sleep(0.01)
+    else:
+        time.sleep(1.5)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 2, (proc.returncode, err[-2000:])
