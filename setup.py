@@ -22,8 +22,8 @@ setup(
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
         # matplotlib: tests/test_plots.py renders every plot (the bench scripts still write their tables without it).
         # pytest-xdist: the README's test command runs two workers (`-n 2`).
-        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "transformers>=5.17,<6", "accelerate>=1.12,<2", "safetensors",
-                 "numpy", "matplotlib>=3.5", "datasets>=2.19", "pyarrow>=15"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "transformers>=5.17,<6", "accelerate>=1.12,<2",
+                 "safetensors", "numpy", "matplotlib>=3.5", "datasets>=2.19", "pyarrow>=15"],
         # accelerate: transformers' Trainer needs it (SequenceParallelTrainer); 1.12 and 1.15 tested, 1.1
         # (transformers' own floor) fails inside Trainer on 5.23. safetensors: train.py's --model weights and
         # --export-hf folders.
