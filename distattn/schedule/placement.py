@@ -107,13 +107,10 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None) -> L
         limit = BALANCE_TOLERANCE * whole.sum() * k / p if search else float("inf")  # per group
         if whole[lengths <= k * n].max(initial=0) > limit:
             continue
-        assigned = _assign_groups(starts, lengths, rows, p // k, k * n, limit)
-        if assigned is None:
-            continue
-        dealt = _deal(assigned[0], starts, rows, p, k, n, b, limit / k)  # per rank
-        if dealt is not None:
+        pieces = _assign_groups(starts, lengths, rows, p // k, k * n, limit)
+        segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k)  # per rank
+        if segments is not None:
             break
-    segments = _segments(*dealt[0], p, n)
     note = f"{p // k} groups of {k} ranks, blocks of {b} tokens"
     return Layout("placed", p, placement=segments, group=k, note=note)
 
@@ -158,7 +155,7 @@ class _RowWork:
 def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int, limit: float = float("inf")):
     """Documents, longest first, to the least loaded group with room for them whole; a document no group has room
     for is cut, its first part to the group with the most room. Returns ``pieces`` (``[start, stop, group, doc]``
-    rows, global positions) and the groups' loads (row work); ``None`` as soon as a group's load exceeds ``limit``
+    rows, global positions); ``None`` as soon as a group's load (row work) exceeds ``limit``
     (loads only grow: the caller's tolerance is already lost). A heap of ``(load, group)``: groups without room are
     set aside for the current document only."""
     order = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
@@ -195,7 +192,7 @@ def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int, limit
         for item in aside:
             if free[item[1]]:  # a full group leaves the heap for good
                 heapq.heappush(heap, item)
-    return np.asarray(pieces, dtype=np.int64), np.asarray(load, dtype=np.int64)
+    return np.asarray(pieces, dtype=np.int64)
 
 
 def _fill_rest(owner: np.ndarray, work: np.ndarray, unit: np.ndarray, p: int, k: int, per_group: int,
@@ -268,9 +265,8 @@ def _units(key: np.ndarray, idx: np.ndarray, unit_piece: np.ndarray, blocks: int
 
 def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf")):
     """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring:
-    snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns
-    ``(lo, hi, rank)`` of every piece of a block (:func:`_segments` makes them the ranks' segments), and every
-    rank's work (its rows' visible keys); ``None`` as soon as a rank's work exceeds ``limit``."""
+    snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns every rank's segments
+    (:func:`_segments`); ``None`` as soon as a rank's work (its rows' visible keys) exceeds ``limit``."""
     order = np.lexsort((pieces[:, 0], pieces[:, 2]))  # by group, then position
     start, stop, group, doc = (pieces[order, c] for c in range(4))
     length = stop - start
@@ -304,7 +300,7 @@ def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b:
     owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group, limit)
     if owner is None:
         return None
-    return (lo, hi, owner[key]), np.bincount(owner, weights=work, minlength=p)
+    return _segments(lo, hi, owner[key], p, n)
 
 
 def _segments(lo: np.ndarray, hi: np.ndarray, rank: np.ndarray, p: int, n: int):
