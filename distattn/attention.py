@@ -227,8 +227,9 @@ class _Executor:
         """A partial result as it travels: fp32, or ``like``'s dtype with ``partials="input"``."""
         return t if self.cfg.partials == "fp32" else t.to(like.dtype)
 
-    def post(self, slot, transfers: tuple[Transfer, ...], payload, buffers) -> dict:
-        """Post this rank's part of ``transfers``; returns ``{transfer: receive buffers}``.
+    def post(self, slot, ops: tuple[tuple[Transfer, ...], tuple[Transfer, ...]], payload, buffers) -> dict:
+        """Post this rank's ``(sends, recvs)`` of a round (``Plan.rank_ops``); returns ``{transfer: receive
+        buffers}``.
 
         Receive buffers come from the executor's pool: one set per (slot, kind, order within the round), made at
         the first use and reused two steps later (double buffering). Reuse is safe: a slot is posted again only
@@ -236,9 +237,9 @@ class _Executor:
         k/v slice or dk/dv partial of fewer rows than the shard (:meth:`rows`) is received into the front of the
         whole-shard buffers, viewed with its own shape, so the pool never grows past two slots of whole shards.
         """
-        sends = [(tr.dst, payload(tr)) for tr in transfers if tr.src == self.rank]
+        sends = [(tr.dst, payload(tr)) for tr in ops[0]]
         inbox = {}
-        for i, tr in enumerate(t for t in transfers if t.dst == self.rank):
+        for i, tr in enumerate(ops[1]):
             key = (slot, tr.kind, i)
             if key not in self._pool:
                 self._pool[key] = buffers(tr)
@@ -272,7 +273,8 @@ class _Executor:
         plan, phase, steps = self.plan, self.phase, self.plan.num_steps()
 
         def fetch(t):  # post step t's inputs into fetch slot t % 2 (double-buffered)
-            return self.post(("fetch", phase, t % 2), plan.fetches(t, phase), fetch_payload, fetch_buffers)
+            return self.post(("fetch", phase, t % 2), plan.rank_ops(t, self.rank, phase, "fetch"), fetch_payload,
+                             fetch_buffers)
 
         fetched = {0: fetch(0)} if self.cfg.overlap else {}
         returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
@@ -289,8 +291,8 @@ class _Executor:
             if returned is not None:
                 self._absorb(returned, absorb)
             slot = ("return", phase, t % 2)
-            returned = (slot, self.post(slot, plan.returns(t, phase), lambda tr, parts=produced: return_payload(parts),
-                                        return_buffers))
+            returned = (slot, self.post(slot, plan.rank_ops(t, self.rank, phase, "return"),
+                                        lambda tr, parts=produced: return_payload(parts), return_buffers))
             if not self.cfg.overlap:
                 self._absorb(returned, absorb)
                 returned = None

@@ -5,6 +5,7 @@ import pytest
 from distattn import schedule as sched
 from distattn.schedule import (
     SCHEDULES,
+    MaskSpec,
     Plan,
     Shapes,
     Task,
@@ -152,16 +153,43 @@ def test_transfers_deterministic_across_calls():
             assert plan.returns(s, phase) == again.returns(s, phase)
 
 
-def test_rank_ops_partition_the_step():
-    plan = make_plan(6)
+def _rank_ops_plans():
+    docs = MaskSpec(causal=True, cu_seqlens=(0, 5, 6, 30, 31, 47, 48))
+    yield make_plan(6)
+    for p in (1, 2, 3, 5, 8):
+        for causal in (True, False):
+            for schedule in ("ring", "balanced"):
+                yield make_plan(p, causal, schedule)
+        yield make_plan(p, True, "zigzag", chunk=6)
+    for p in (3, 4):  # masked: helpers (balanced), owners in ring order, the placement, a window
+        for schedule in ("ring", "balanced", "placed"):
+            yield make_plan(p, True, schedule, mask=docs, chunk=48 // p)
+        yield make_plan(p, False, "balanced", mask=MaskSpec(causal=False, cu_seqlens=(0, 20, 48)), chunk=48 // p)
+        yield make_plan(p, True, "balanced", mask=MaskSpec(causal=True, window=(7, 0)), chunk=48 // p)
+
+
+@pytest.mark.parametrize("plan", list(_rank_ops_plans()), ids=lambda plan: f"P{plan.world_size}-{plan.schedule}")
+def test_rank_ops_are_the_ranks_share_of_the_step_in_posting_order(plan):
+    """What the executor reads per step (computed from the step's runs) is exactly its part of fetches/returns, in
+    their order, and the ranks' parts partition the step."""
+    p = plan.world_size
     for s in range(plan.num_steps()):
         for phase in ("forward", "backward"):
             for which, full in (("fetch", plan.fetches(s, phase)), ("return", plan.returns(s, phase))):
-                sends = [tr for r in range(6) for tr in plan.rank_ops(s, r, phase, which)[0]]
-                recvs = [tr for r in range(6) for tr in plan.rank_ops(s, r, phase, which)[1]]
-                assert sorted(sends, key=repr) == sorted(full, key=repr) == sorted(recvs, key=repr)
+                for r in range(p):
+                    sends = tuple(tr for tr in full if tr.src == r)
+                    recvs = tuple(tr for tr in full if tr.dst == r)
+                    assert plan.rank_ops(s, r, phase, which) == (sends, recvs), (s, r, phase, which)
+                got = [tr for r in range(p) for tr in plan.rank_ops(s, r, phase, which)[0]]
+                assert sorted(got, key=repr) == sorted(full, key=repr)
+
+
+def test_rank_ops_reject_bad_arguments():
+    plan = make_plan(6)
     with pytest.raises(ValueError, match="which='both'"):
         plan.rank_ops(0, 0, "forward", "both")
+    with pytest.raises(ValueError, match="phase='sideways'"):
+        plan.rank_ops(0, 0, "sideways")
     with pytest.raises(ValueError, match="phase='sideways'"):
         plan.fetches(0, "sideways")
 

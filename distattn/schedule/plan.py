@@ -201,13 +201,35 @@ class Plan:
         return tuple(sorted((tr for tr in found if tr is not None), key=_sort_key))
 
     def rank_ops(self, step: int, rank: int, phase: str = "forward", which: str = "fetch"):
-        """``(sends, recvs)`` of ``rank`` among the step's fetches (``which="fetch"``) or returns."""
+        """``(sends, recvs)`` of ``rank`` among the step's fetches (``which="fetch"``) or returns, each in the order
+        of :meth:`fetches` / :meth:`returns` (how sends meet their receives).
+
+        What the executor reads every step, so it costs O(runs of the step) in numpy, not a task per rank: the
+        transfers ``rank`` receives are those of its own task (fetches) or those of the tasks that borrowed its data
+        (returns), and the ones it sends the other way round; a run's task borrows from ``rank`` when ``rank - dkv``
+        (an owner task's kv) or ``rank - dq`` (a helper task's queries) is one of the run's ranks."""
         if which not in ("fetch", "return"):
             raise ValueError(f"which={which!r} is not one of ('fetch', 'return'); pass one of them")
-        transfers = self.fetches(step, phase) if which == "fetch" else self.returns(step, phase)
-        sends = tuple(tr for tr in transfers if tr.src == rank)
-        recvs = tuple(tr for tr in transfers if tr.dst == rank)
-        return sends, recvs
+        _check_phase(phase)
+        own = self.task(step, rank)
+        mine = ()
+        if own is not None:
+            tr = _fetch(own, step) if which == "fetch" else _return(own, step, phase)
+            mine = () if tr is None else (tr,)
+        rt = self.run_table
+        lo, hi = rt.offsets[step], rt.offsets[step + 1]
+        start, stop, dq, dkv = rt.start[lo:hi], rt.stop[lo:hi], rt.dq[lo:hi], rt.dkv[lo:hi]
+        helper, owner = (dkv == 0) & (dq != 0), (dq == 0) & (dkv != 0)
+        if which == "return" and phase == "forward":
+            owner = owner & False  # an owner's forward output is already at home
+        borrower = np.where(helper, rank - dq, rank - dkv)  # the rank of each run that would borrow from ``rank``
+        hit = (helper | owner) & (start <= borrower) & (borrower < stop)
+        theirs = []
+        for k in np.flatnonzero(hit).tolist():
+            task = Task(int(borrower[k]), int(borrower[k] + dq[k]), int(borrower[k] + dkv[k]))
+            theirs.append(_fetch(task, step) if which == "fetch" else _return(task, step, phase))
+        theirs.sort(key=_sort_key)
+        return (mine, tuple(theirs)) if which == "return" else (tuple(theirs), mine)
 
     def pairs(self) -> list[tuple[int, int]]:
         """All (q_chunk, kv_chunk) pairs, in step order then rank order."""
