@@ -83,20 +83,65 @@ def _segment_work(lo: np.ndarray, hi: np.ndarray, a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _pair_work_cached(spec: MaskSpec, p: int, n: int, layout) -> tuple[tuple[int, ...], ...]:
-    """Per query rank ``i``: ``F(x)`` = visible keys at positions ``< x`` summed over ``i``'s rows, at every segment
-    boundary of every rank (sorted bounds + prefix sums); a kv segment ``[a, b)`` holds ``F(b) - F(a)`` of them.
-    O(P * (n + segments) log n): a placement of 256 ranks x 32 segments in well under a second."""
+    return tuple(tuple(int(x) for x in row) for row in _pairs(spec, p, n, layout)[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _pairs(spec: MaskSpec, p: int, n: int, layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(work, a, b)`` of every (query rank, kv rank) pair (``pair_work``, ``key_spans``), one query rank at a time.
+
+    Query rank ``i``'s rows see the union of their key intervals: a few *blocks* (its rows are in position order
+    and both bounds are nondecreasing, so touching intervals merge in one pass). Only the pieces of the ranks'
+    segments inside those blocks can hold seen keys, and the segments of all ranks partition the stream, so the
+    pieces are found by binary search in the position-sorted segments: a document's neighbourhood, not every
+    segment of the stream.
+
+    * work: ``F(x)`` = visible keys at positions ``< x`` summed over ``i``'s rows (``_keys_before``: sorted bounds
+      and prefix sums); a piece ``[x0, x1)`` holds ``F(x1) - F(x0)`` of them, summed per owner.
+    * spans: a piece's first and last key as local indices of its owner (its segment's local offset plus the
+      piece's start), the smallest and largest per owner.
+
+    O(P * n + pieces * log n) numpy, rank by rank (each rank's ``n`` rows stay in cache); pieces are about (length
+    of the documents a rank touches) / (segment length) per rank."""
     total = p * n
     segments = [layout.segments(r, n) if layout is not None else ((r * n, (r + 1) * n),) for r in range(p)]
-    owner = np.repeat(np.arange(p), [len(s) for s in segments])
-    a, b = (np.asarray([seg[k] for segs in segments for seg in segs], dtype=np.int64) for k in (0, 1))
+    counts = [len(s) for s in segments]
+    flat = np.asarray([seg for segs in segments for seg in segs], dtype=np.int64).reshape(-1, 2)
+    owner = np.repeat(np.arange(p, dtype=np.int64), counts)
+    length = flat[:, 1] - flat[:, 0]
+    first_row = np.cumsum(length) - length  # flat index of each segment's first position (rank by rank)
+    order = np.argsort(flat[:, 0], kind="stable")  # the segments in position order: a partition of the stream
+    g_a, g_b, g_owner = flat[order, 0], flat[order, 1], owner[order]
+    g_local = (first_row - owner * n - flat[:, 0])[order]  # + a position: the owner's local index (n per rank)
+    positions = np.repeat(flat[:, 0] - first_row, length) + np.arange(total, dtype=np.int64)
     work = np.zeros((p, p), dtype=np.int64)
+    a_out = np.full((p, p), n, dtype=np.int64)
+    b_out = np.zeros((p, p), dtype=np.int64)
     for i in range(p):
-        q_pos = layout.positions(i, n) if layout is not None else np.arange(i * n, (i + 1) * n, dtype=np.int64)
-        lo, hi = spec.bounds_at(total, q_pos)
-        seen = _keys_before(np.sort(lo), np.sort(hi + 1))
-        work[i] = np.bincount(owner, weights=seen(b) - seen(a), minlength=p).round().astype(np.int64)
-    return tuple(tuple(int(x) for x in row) for row in work)
+        lo, hi = spec.bounds_at(total, positions[i * n:(i + 1) * n])  # both nondecreasing: positions increase
+        keep = hi >= lo
+        lo_k, hi_k = lo[keep], hi[keep]
+        if not len(lo_k):
+            continue
+        heads = np.flatnonzero(np.append(True, lo_k[1:] > hi_k[:-1] + 1))  # a row touching the last one merges
+        u_lo, u_hi = lo_k[heads], np.maximum.reduceat(hi_k, heads)
+        s0 = np.searchsorted(g_b, u_lo, side="right")  # the first segment ending after the block's start
+        s1 = np.searchsorted(g_a, u_hi, side="right")  # past the last segment starting at or before its end
+        m = s1 - s0
+        seg = np.repeat(s0 - np.cumsum(m) + m, m) + np.arange(int(m.sum()))
+        x0 = np.maximum(g_a[seg], np.repeat(u_lo, m))
+        x1 = np.minimum(g_b[seg], np.repeat(u_hi, m) + 1)  # the piece [x0, x1) of segment seg
+        seen = _keys_before(lo, hi + 1)
+        who = g_owner[seg]
+        work[i] = np.bincount(who, weights=seen(x1) - seen(x0), minlength=p).round().astype(np.int64)
+        np.minimum.at(a_out[i], who, g_local[seg] + x0)
+        np.maximum.at(b_out[i], who, g_local[seg] + x1)
+    empty = a_out >= b_out
+    a_out[empty] = 0
+    b_out[empty] = 0
+    for arr in (work, a_out, b_out):
+        arr.flags.writeable = False
+    return work, a_out, b_out
 
 
 def _keys_before(lo_sorted: np.ndarray, end_sorted: np.ndarray):
@@ -125,35 +170,4 @@ def key_spans(spec: MaskSpec, world_size: int, chunk: int, layout=None) -> tuple
 
 @functools.lru_cache(maxsize=64)
 def _key_spans_cached(spec: MaskSpec, p: int, n: int, layout) -> tuple[np.ndarray, np.ndarray]:
-    """Per query rank: the union of its rows' key intervals (merged where they touch: rows are in position order, so
-    both bounds are nondecreasing), then for every segment of every rank the first and last key inside that union,
-    as local indices of the segment's rank. O(P * segments * log) numpy."""
-    total = p * n
-    segments = [layout.segments(r, n) if layout is not None else ((r * n, (r + 1) * n),) for r in range(p)]
-    owner = np.repeat(np.arange(p), [len(s) for s in segments])
-    sa, sb = (np.asarray([seg[k] for segs in segments for seg in segs], dtype=np.int64) for k in (0, 1))
-    offset = np.concatenate([np.cumsum([0] + [b - a for a, b in segs])[:-1] for segs in segments])  # local index
-    a_out = np.full((p, p), n, dtype=np.int64)
-    b_out = np.zeros((p, p), dtype=np.int64)
-    for i in range(p):
-        q_pos = layout.positions(i, n) if layout is not None else np.arange(i * n, (i + 1) * n, dtype=np.int64)
-        lo, hi = spec.bounds_at(total, q_pos)
-        keep = hi >= lo
-        lo, hi = lo[keep], hi[keep]
-        if not len(lo):
-            continue
-        start = np.append(True, lo[1:] > hi[:-1] + 1)  # a row starts a new block unless it touches the last
-        u_lo, u_hi = lo[start], np.maximum.reduceat(hi, np.flatnonzero(start))
-        k = np.minimum(np.searchsorted(u_hi, sa, side="left"), len(u_hi) - 1)  # first block ending at or after sa
-        ok = (u_hi[k] >= sa) & (u_lo[k] <= sb - 1)
-        first = np.maximum(sa, u_lo[k])
-        k2 = np.maximum(np.searchsorted(u_lo, sb - 1, side="right") - 1, 0)  # last block starting at or before sb-1
-        last = np.minimum(sb - 1, u_hi[k2])
-        ok &= (u_lo[k2] <= sb - 1) & (u_hi[k2] >= sa)
-        np.minimum.at(a_out[i], owner[ok], (offset + first - sa)[ok])
-        np.maximum.at(b_out[i], owner[ok], (offset + last - sa + 1)[ok])
-    a_out[a_out >= b_out] = 0
-    b_out[a_out >= b_out] = 0
-    for arr in (a_out, b_out):
-        arr.flags.writeable = False
-    return a_out, b_out
+    return _pairs(spec, p, n, layout)[1:]

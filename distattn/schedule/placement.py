@@ -331,10 +331,13 @@ def group_order(p: int, k: int, work, needed) -> list[list[int]]:
     for g0 in range(0, p, k):
         size = [max(work[r][g0 + (r - g0 - t) % k] for r in range(g0, g0 + k)) for t in range(k)]
         rotations[g0] = [0] + sorted(range(1, k), key=lambda t: (-size[t], t))
+    kv_ranks = [[] for _ in range(p)]  # per query rank, the kv ranks of its pairs
+    for i, j in sorted(needed):
+        kv_ranks[i].append(j)
     out = []
     for r in range(p):
         g0 = r // k * k
         inside = [g0 + (r - g0 - t) % k for t in rotations[g0]]
-        cross = sorted((j for j in range(p) if j // k != r // k and (r, j) in needed), key=lambda j: ((j - r) % k, j))
+        cross = sorted((j for j in kv_ranks[r] if j // k != r // k), key=lambda j: ((j - r) % k, j))
         out.append([j for j in inside if (r, j) in needed] + cross)
     return out

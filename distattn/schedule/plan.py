@@ -480,17 +480,19 @@ def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Lay
     layout = layout if layout is not None else layout_of(schedule, p)
     work = pair_work(mask, p, n, None if layout.contiguous else layout)
     spans = key_spans(mask, p, n, None if layout.contiguous else layout)
-    needed = {(i, j) for i in range(p) for j in range(p) if work[i][j] > 0}
-    # ring: every pair computed by its query owner, in ring order, empty pairs dropped
-    ring = [[Task(r, r, (r - t) % p) for t in range(p) if ((r, (r - t) % p)) in needed] for r in range(p)]
-    per_rank = ring
-    if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
-        balanced = _balance_by_work(p, work, needed)
-        per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
-    elif schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
+    rows, cols = np.nonzero(np.asarray(work) > 0)
+    needed = set(zip(rows.tolist(), cols.tolist()))
+    if schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
         from distattn.schedule.placement import group_order
 
         per_rank = [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
+    else:  # ring: every pair computed by its query owner, in ring order, empty pairs dropped
+        dist = np.split((rows - cols) % p, np.searchsorted(rows, np.arange(1, p)))  # per rank (rows are sorted)
+        ring = [[Task(r, r, (r - t) % p) for t in sorted(ts.tolist())] for r, ts in enumerate(dist)]
+        per_rank = ring
+    if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
+        balanced = _balance_by_work(p, work, needed)
+        per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
     steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
     got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
     assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
