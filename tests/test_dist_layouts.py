@@ -53,7 +53,7 @@ VARLEN_CASES = [
 ]
 
 # (U, R) grids per world size; (1, P) and (P, 1) are the degenerate ends (pure ring, pure Ulysses)
-GRIDS = {2: [(1, 2), (2, 1)], 3: [(1, 3), (3, 1)], 4: [(2, 2), (1, 4), (4, 1)], 6: [(2, 3)], 8: [(4, 2)]}
+GRIDS = {2: [(1, 2), (2, 1)], 3: [(1, 3), (3, 1)], 4: [(2, 2), (1, 4), (4, 1)], 6: [(2, 3), (3, 2)], 8: [(4, 2)]}
 
 
 def _sections(world):

@@ -9,7 +9,8 @@ with a plain ``transformers.Trainer`` on one process that sees the same global b
   documents (``DataCollatorWithFlattening``, odd total length); and two bad inputs: a sampler that deals different
   batches to the ranks of the group, and a two-dimensional group whose Ulysses ranks do not split the heads;
 * 4 ranks (data parallel 2 x sequence parallel 2): rows padded with an ``attention_mask`` (a different number of
-  target tokens per replica: the loss is the token mean over both); a checkpoint at step 4 (in the second epoch),
+  target tokens per replica: the loss is the token mean over both; with ``average_tokens_across_devices=False``, the
+  mean of each replica's token mean, as DDP averages them); a checkpoint at step 4 (in the second epoch),
   and a new trainer that resumes from it ends with the same weights; and ``sequence_parallel_size=3``, refused.
 
 Every bad input raises on every rank, before the first step (``global_step`` is still 0).
@@ -149,7 +150,9 @@ def _cases_4(rank, world, out):
     from distattn.integrations.hf import SequenceParallelTrainer
 
     sp2 = {"sequence_parallel_size": 2}
-    res = {"padded": train(SequenceParallelTrainer, "padded", out / "padded", 1, trainer_kw=sp2)}
+    res = {"padded": train(SequenceParallelTrainer, "padded", out / "padded", 1, trainer_kw=sp2),
+           "padded, replica means": train(SequenceParallelTrainer, "padded", out / "replica_means", 1, trainer_kw=sp2,
+                                          average_tokens_across_devices=False)}
     # 3 steps an epoch; step 4 starts epoch 1, the resumed run skips its trained batches and replays epoch 1's order
     saving = dict(max_steps=5, gradient_accumulation_steps=2, save_strategy="steps", save_steps=4)
     res["saved"] = train(SequenceParallelTrainer, "dense", out / "ckpt", 1, trainer_kw=sp2, **saving)
@@ -169,6 +172,22 @@ def spawned(tmp_path_factory):
 
 
 # -- one process -----------------------------------------------------------------------------------------------------
+def _replica_means_trainer():
+    from transformers import Trainer
+
+    class ReplicaMeans(Trainer):
+        """``average_tokens_across_devices=False`` on ``D`` replicas of one row each, on one process: every row's
+        token mean (what each replica's loss is), averaged over the rows (what DDP does to the gradients, and
+        ``Trainer`` to the logged loss)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            rows = range(inputs["input_ids"].shape[0])
+            means = [model(**{k: v[i:i + 1] for k, v in inputs.items()}).loss for i in rows]
+            return torch.stack(means).mean()
+
+    return ReplicaMeans
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The same runs with plain ``Trainer`` on one process (batch: the replicas' batches together)."""
@@ -178,6 +197,7 @@ def references(tmp_path_factory):
     return {"dense": train(Trainer, "dense", out / "dense", 2, gradient_accumulation_steps=2),
             "flattened": train(Trainer, "flattened", out / "flat", 3),
             "padded": train(Trainer, "padded", out / "padded", 2),
+            "replica means": train(_replica_means_trainer(), "padded", out / "replica_means", 2),
             "saved": train(Trainer, "dense", out / "ckpt", 2, max_steps=5, gradient_accumulation_steps=2)}
 
 
@@ -194,7 +214,8 @@ def _assert_same_run(label, ours, reference, steps=None):
         assert err <= WEIGHT_TOL, f"{label}: {name} differs from one process by {err:.3g} after {steps[-1]} steps"
 
 
-CASES = [(2, "dense", "dense"), (2, "flattened", "flattened"), (4, "padded", "padded"), (4, "saved", "saved")]
+CASES = [(2, "dense", "dense"), (2, "flattened", "flattened"), (4, "padded", "padded"), (4, "saved", "saved"),
+         (4, "padded, replica means", "replica means")]
 
 
 @pytest.mark.parametrize("world, case, reference", CASES)

@@ -251,6 +251,29 @@ def test_key_spans_are_the_shortest_local_ranges_holding_every_seen_key():
                 assert (a[i, j], b[i, j]) == want, (trial, i, j)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_work_and_spans_of_many_segments_equal_the_row_by_row_count(seed):
+    """Placements of 12 ranks with a dozen segments each (blocks of 8 or 16 tokens), every layout kind: pair_work and
+    key_spans (computed from the segment pieces inside each query rank's seen blocks) equal counting row by row."""
+    from distattn.schedule.masks import key_spans
+
+    rng = random.Random(100 + seed)
+    p, n = 12, rng.choice([48, 96])
+    spec = _random_spec(rng, p * n, window=seed % 2 == 1)
+    placed = place(MaskSpec(causal=True, cu_seqlens=spec.documents(p * n)), p, n)
+    assert placed.kind == "placed" and placed.segments_per_rank >= 3, placed.note
+    for layout in (placed, Layout("zigzag", p), Layout("contiguous", p)):
+        lay = None if layout.contiguous else layout
+        assert pair_work(spec, p, n, lay) == _brute_work(spec, p, n, layout), layout.kind
+        a, b = key_spans(spec, p, n, lay)
+        for i in range(p):
+            for j in range(p):
+                lo, hi = local_bounds(spec, layout, n, i, j)
+                seen = hi >= lo
+                want = (int(lo[seen].min()), int(hi[seen].max()) + 1) if seen.any() else (0, 0)
+                assert (a[i, j], b[i, j]) == want, (layout.kind, i, j)
+
+
 def test_a_window_moves_only_the_rows_it_sees():
     """A sliding window of 5 over shards of 16: each rank borrows the previous shard's last 5 rows only, and the
     simulator counts exactly those rows (k/v forward and backward, fp32 dk/dv back)."""

@@ -207,7 +207,18 @@ class Plan:
         What the executor reads every step, so it costs O(runs of the step) in numpy, not a task per rank: the
         transfers ``rank`` receives are those of its own task (fetches) or those of the tasks that borrowed its data
         (returns), and the ones it sends the other way round; a run's task borrows from ``rank`` when ``rank - dkv``
-        (an owner task's kv) or ``rank - dq`` (a helper task's queries) is one of the run's ranks."""
+        (an owner task's kv) or ``rank - dq`` (a helper task's queries) is one of the run's ranks. Memoized on the
+        plan: the later calls of a batch (every layer, forward and backward) read each round back."""
+        key = (step, rank, phase, which)
+        if key not in self._rank_ops:  # every layer's calls walk the same plan: each round is derived once
+            self._rank_ops[key] = self._derive_rank_ops(step, rank, phase, which)
+        return self._rank_ops[key]
+
+    @functools.cached_property
+    def _rank_ops(self) -> dict:
+        return {}
+
+    def _derive_rank_ops(self, step: int, rank: int, phase: str, which: str):
         if which not in ("fetch", "return"):
             raise ValueError(f"which={which!r} is not one of ('fetch', 'return'); pass one of them")
         _check_phase(phase)
