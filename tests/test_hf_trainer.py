@@ -13,6 +13,9 @@ with a plain ``transformers.Trainer`` on one process that sees the same global b
   mean of each replica's token mean, as DDP averages them); a checkpoint at step 4 (in the second epoch),
   and a new trainer that resumes from it ends with the same weights; and ``sequence_parallel_size=3``, refused.
 
+Trainer's count of the tokens seen (``include_num_input_tokens_seen``: ``"all"`` on the dense rows, ``"non_padding"``
+on the padded ones) equals one process's: the padding sharding adds is not counted, and each replica's batch once.
+
 Every bad input raises on every rank, before the first step (``global_step`` is still 0).
 """
 
@@ -99,7 +102,7 @@ def train(trainer_cls, data, out, batch, resume=None, trainer_kw=None, **overrid
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    return losses, weights
+    return losses, weights, trainer.state.num_input_tokens_seen
 
 
 # -- spawned side ----------------------------------------------------------------------------------------------------
@@ -125,7 +128,8 @@ def _cases_2(rank, world, out):
     import distattn
     from distattn.integrations.hf import SequenceParallelTrainer
 
-    res = {"dense": train(SequenceParallelTrainer, "dense", out / "dense", 2, gradient_accumulation_steps=2),
+    res = {"dense": train(SequenceParallelTrainer, "dense", out / "dense", 2, gradient_accumulation_steps=2,
+                          include_num_input_tokens_seen="all"),
            "flattened": train(SequenceParallelTrainer, "flattened", out / "flat", 3)}
     state = {}
 
@@ -150,7 +154,8 @@ def _cases_4(rank, world, out):
     from distattn.integrations.hf import SequenceParallelTrainer
 
     sp2 = {"sequence_parallel_size": 2}
-    res = {"padded": train(SequenceParallelTrainer, "padded", out / "padded", 1, trainer_kw=sp2),
+    res = {"padded": train(SequenceParallelTrainer, "padded", out / "padded", 1, trainer_kw=sp2,
+                           include_num_input_tokens_seen="non_padding"),
            "padded, replica means": train(SequenceParallelTrainer, "padded", out / "replica_means", 1, trainer_kw=sp2,
                                           average_tokens_across_devices=False)}
     # 3 steps an epoch; step 4 starts epoch 1, the resumed run skips its trained batches and replays epoch 1's order
@@ -194,16 +199,19 @@ def references(tmp_path_factory):
     from transformers import Trainer
 
     out = tmp_path_factory.mktemp("one_process")
-    return {"dense": train(Trainer, "dense", out / "dense", 2, gradient_accumulation_steps=2),
+    return {"dense": train(Trainer, "dense", out / "dense", 2, gradient_accumulation_steps=2,
+                           include_num_input_tokens_seen="all"),
             "flattened": train(Trainer, "flattened", out / "flat", 3),
-            "padded": train(Trainer, "padded", out / "padded", 2),
+            "padded": train(Trainer, "padded", out / "padded", 2, include_num_input_tokens_seen="non_padding"),
             "replica means": train(_replica_means_trainer(), "padded", out / "replica_means", 2),
             "saved": train(Trainer, "dense", out / "ckpt", 2, max_steps=5, gradient_accumulation_steps=2)}
 
 
 def _assert_same_run(label, ours, reference, steps=None):
-    losses, weights = ours
-    ref_losses, ref_weights = reference
+    losses, weights, tokens = ours
+    ref_losses, ref_weights, ref_tokens = reference
+    if steps is None:  # a whole run: Trainer's count of the tokens seen (the resumed one restores it)
+        assert tokens == ref_tokens, f"{label}: {tokens} input tokens seen, one process {ref_tokens}"
     steps = sorted(ref_losses) if steps is None else steps
     assert set(steps) <= set(losses), f"{label}: logged steps {sorted(losses)}, wanted {steps}"
     for step in steps:

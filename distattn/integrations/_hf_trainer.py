@@ -56,6 +56,9 @@ def sequence_parallel_groups(sequence_parallel_size: int):
     return groups[rank // p]
 
 
+_TOKENS_KEY = "distattn_input_tokens"  # a sharded micro-batch's token count before sharding (``_input_tokens``)
+
+
 class SequenceParallelMixin:
     """Sequence parallelism for a ``transformers.Trainer`` subclass (put it first among the bases).
 
@@ -167,6 +170,8 @@ class SequenceParallelMixin:
         check_same_batches(batches, group, device=self._comm_device(),
                            what=f"optimizer step {self.state.global_step + 1}")
         sharded = [shard_inputs(b, group, schedule=self.schedule, pad_id=self.pad_id) for b in batches]
+        for batch, shard in zip(batches, sharded):
+            shard[_TOKENS_KEY] = self._input_tokens(batch)
         if not sharded:
             return sharded, None
         count = sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in sharded)
@@ -176,6 +181,31 @@ class SequenceParallelMixin:
         else:
             bounded_all_reduce(count, group, "counting the step's target tokens")  # this replica's targets
         return sharded, count[0].to(device)
+
+    def _input_tokens(self, batch) -> torch.Tensor:
+        """What ``Trainer`` would count of this micro-batch on one process (``include_num_input_tokens_seen``): all
+        its tokens, or those under its ``attention_mask`` (else not the processing class's pad token) for
+        ``"non_padding"``; counted before sharding, so the padding ``shard_inputs`` adds is never counted."""
+        ids = batch["input_ids"]
+        counted = ids.numel()
+        if getattr(self.args, "include_num_input_tokens_seen", "no") == "non_padding":
+            pad = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
+            if batch.get("attention_mask") is not None:
+                counted = int(batch["attention_mask"].sum())
+            elif pad is not None:
+                counted = int((ids != pad).sum())
+        return torch.tensor(counted, dtype=torch.int64)
+
+    def _track_num_input_tokens(self, inputs):
+        """``Trainer``'s count of the tokens seen, once per replica: the ranks of a group hold shards of one batch,
+        so the group's first rank brings the batch's count (``_input_tokens``) and the others 0 to the gather that
+        ``Trainer`` makes over every process."""
+        if _TOKENS_KEY not in inputs or getattr(self.args, "include_num_input_tokens_seen", "no") in ("no", False):
+            return super()._track_num_input_tokens(inputs)
+        first = _world(self.sequence_parallel_group)[0] == 0
+        count = inputs[_TOKENS_KEY] if first else torch.zeros_like(inputs[_TOKENS_KEY])
+        count = torch.as_tensor(count, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(count).sum().item()
 
     # -- loss and gradients ------------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
