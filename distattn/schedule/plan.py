@@ -230,9 +230,10 @@ class Plan:
         rt = self.run_table
         lo, hi = rt.offsets[step], rt.offsets[step + 1]
         start, stop, dq, dkv = rt.start[lo:hi], rt.stop[lo:hi], rt.dq[lo:hi], rt.dkv[lo:hi]
-        helper, owner = (dkv == 0) & (dq != 0), (dq == 0) & (dkv != 0)
+        helper = (dkv == 0) & (dq != 0)
+        owner = (dq == 0) & (dkv != 0)
         if which == "return" and phase == "forward":
-            owner = owner & False  # an owner's forward output is already at home
+            owner[:] = False  # an owner's forward output is already at home: nothing comes back
         borrower = np.where(helper, rank - dq, rank - dkv)  # the rank of each run that would borrow from ``rank``
         hit = (helper | owner) & (start <= borrower) & (borrower < stop)
         theirs = []
