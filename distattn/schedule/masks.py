@@ -71,16 +71,6 @@ def pair_work(spec: MaskSpec, world_size: int, chunk: int, layout=None) -> tuple
     return _pair_work_cached(spec, world_size, chunk, layout)
 
 
-def _segment_work(lo: np.ndarray, hi: np.ndarray, a: int, b: int) -> int:
-    """Visible pairs between query rows with bounds ``lo, hi`` (nondecreasing) and the keys at ``[a, b)``."""
-    if not len(lo) or hi[-1] < a or lo[0] >= b:
-        return 0  # every row's interval ends before the keys or starts after them
-    if lo[-1] <= a and hi[0] >= b - 1:
-        return len(lo) * (b - a)  # every row sees every key
-    seen = np.minimum(hi, b - 1) - np.maximum(lo, a) + 1
-    return int(np.clip(seen, 0, None).sum())
-
-
 @functools.lru_cache(maxsize=64)
 def _pair_work_cached(spec: MaskSpec, p: int, n: int, layout) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(x) for x in row) for row in _pairs(spec, p, n, layout)[0])
