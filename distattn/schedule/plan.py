@@ -536,30 +536,27 @@ def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
     """
     import numpy as np
 
-    lists = [[work[r][r]] if (r, r) in needed else [] for r in range(p)]  # per rank: task work, largest first
     tasks: list[list[Task]] = [[] for _ in range(p)]
     off = sorted((pair for pair in needed if pair[0] != pair[1]), key=lambda ij: (-work[ij[0]][ij[1]], ij))
-    width = 1 + len(off)
-
-    def profile(rows) -> np.ndarray:
-        mat = np.zeros((p, width))
-        for r, row in enumerate(rows):
-            mat[r, :len(row)] = sorted(row, reverse=True)
-        return mat
-
-    mat = profile(lists)
+    # mat[r]: rank r's task work, largest first, zero-padded; as wide as the longest list plus one (a rank holds a
+    # few tasks, so this is P x a few, not P x the pairs). Works are integers, so every length is an exact sum.
+    lens = [1 if (r, r) in needed else 0 for r in range(p)]
+    mat = np.zeros((p, 2))
+    mat[:, 0] = [work[r][r] if lens[r] else 0 for r in range(p)]
     for i, j in off:
         w = work[i][j]
+        if max(lens[i], lens[j]) == mat.shape[1]:
+            mat = np.pad(mat, ((0, 0), (0, mat.shape[1])))
         best = None
         for rank in (i, j):  # the owner first: on a tie it keeps the pair
-            row = np.sort(np.append(mat[rank][mat[rank] > 0], w))[::-1]
-            trial = mat.copy()
-            trial[rank, :] = 0.0
-            trial[rank, :len(row)] = row
-            length = trial.max(axis=0).sum()
+            row = np.zeros(mat.shape[1])
+            row[:lens[rank] + 1] = np.sort(np.append(mat[rank, :lens[rank]], w))[::-1]
+            length = np.maximum(np.delete(mat, rank, axis=0).max(axis=0), row).sum()
             if best is None or length < best[0]:
-                best = (length, rank, trial)
-        _, rank, mat = best
+                best = (length, rank, row)
+        _, rank, row = best
+        mat[rank] = row
+        lens[rank] += 1
         tasks[rank].append(Task(rank, i, j))
     per_rank = [[Task(r, r, r)] if (r, r) in needed else [] for r in range(p)]
     for r in range(p):
