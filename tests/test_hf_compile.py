@@ -72,8 +72,8 @@ def _full_gradients(rows):
 def _cases(rank, world_size):
     torch.set_num_threads(1)
     out = {}
-    for mode in hf_compile.MODES:  # masked: one layer (the mask is checked once per forward, not per layer)
-        layers = 1 if mode == "masked" else 2
+    for mode in hf_compile.MODES:  # packed: two layers (two attention calls on one batch's documents in one graph);
+        layers = 2 if mode == "packed" else 1  # dense and masked: one (no documents; the mask is checked per forward)
         rows = hf_compile.compile_run(mode, "aot_eager", layers=layers)
         out[("aot_eager", mode)] = (_full_gradients(rows), _reference(mode, layers))
     rows = hf_compile.compile_run("packed", "inductor", dynamic=True, layers=1)
