@@ -442,3 +442,46 @@ def test_two_dimensional_simulation():
     assert "2d U=4 x zigzag R=2" in format_table([r])
     with pytest.raises(ValueError, match="ulysses=3 must be a positive int dividing world_size=8"):
         simulate(8, True, "zigzag", shapes, ulysses=3)
+
+
+# -- the masked balanced plan's assignment ------------------------------------------------------------
+
+
+def _balance_reference(p, work, needed):
+    """``_balance_by_work`` as its docstring says, computed the plain way: for each off-diagonal pair (largest first,
+    then by pair), the owner (query rank first, on a tie) whose task lists, each sorted largest first, give the
+    shortest plan, the length summed over steps of the step's largest task, recomputed from every list."""
+    lists = [[work[r][r]] if (r, r) in needed else [] for r in range(p)]
+    chosen = [[] for _ in range(p)]
+
+    def length(ls):
+        cols = [sorted(x, reverse=True) for x in ls]
+        return sum(max(c[t] for c in cols if t < len(c)) for t in range(max(map(len, cols))))
+
+    for i, j in sorted((ij for ij in needed if ij[0] != ij[1]), key=lambda ij: (-work[ij[0]][ij[1]], ij)):
+        trials = []
+        for rank in (i, j):
+            ls = [x + [work[i][j]] if r == rank else x for r, x in enumerate(lists)]
+            trials.append((length(ls), rank, ls))
+        _, rank, lists = min(trials, key=lambda t: t[0])  # min keeps the first (the query rank) on a tie
+        chosen[rank].append(Task(rank, i, j))
+    out = [[Task(r, r, r)] if (r, r) in needed else [] for r in range(p)]
+    for r in range(p):
+        out[r] += sorted(chosen[r], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.q_chunk, t.kv_chunk))
+    return out
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 13])
+def test_balance_by_work_is_the_plain_greedy(p):
+    """The masked balanced plan's helper assignment keeps the largest task of every step instead of recomputing
+    every rank's lists: the same tasks as the plain computation, on random work with ties, missing diagonals and
+    empty pairs."""
+    import random
+
+    from distattn.schedule.plan import _balance_by_work
+
+    rng = random.Random(p)
+    for _ in range(20):
+        work = [[rng.choice([0, 0, 1, 2, 3, rng.randrange(1, 1000)]) for _ in range(p)] for _ in range(p)]
+        needed = {(i, j) for i in range(p) for j in range(p) if work[i][j] > 0}
+        assert _balance_by_work(p, work, needed) == _balance_reference(p, work, needed), work

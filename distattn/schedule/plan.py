@@ -534,29 +534,26 @@ def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
     A pair goes to the helper only if that is strictly shorter (an owner step moves only k/v, a helper step q
     and a partial back). Deterministic: every rank builds the same plan from the same work matrix.
     """
-    import numpy as np
-
     tasks: list[list[Task]] = [[] for _ in range(p)]
     off = sorted((pair for pair in needed if pair[0] != pair[1]), key=lambda ij: (-work[ij[0]][ij[1]], ij))
-    # mat[r]: rank r's task work, largest first, zero-padded; as wide as the longest list plus one (a rank holds a
-    # few tasks, so this is P x a few, not P x the pairs). Works are integers, so every length is an exact sum.
-    lens = [1 if (r, r) in needed else 0 for r in range(p)]
-    mat = np.zeros((p, 2))
-    mat[:, 0] = [work[r][r] if lens[r] else 0 for r in range(p)]
+    # rows[r]: rank r's task work, largest first. A plan's length is the sum over columns (the t-th largest task of
+    # every rank) of the column's largest entry (``top``). Adding a task to a row never lowers any of its entries
+    # (an insertion into a sorted list), so a candidate row's length is the sum of max(its entry, top): O(longest
+    # list), not O(P x pairs). Plain Python: a rank holds a few tasks. Works are integers, so every length is an
+    # exact sum and ties break alike on every rank.
+    rows = [[work[r][r]] if (r, r) in needed else [] for r in range(p)]
+    top = [max((work[r][r] for r in range(p) if rows[r]), default=0)]
     for i, j in off:
         w = work[i][j]
-        if max(lens[i], lens[j]) == mat.shape[1]:
-            mat = np.pad(mat, ((0, 0), (0, mat.shape[1])))
         best = None
         for rank in (i, j):  # the owner first: on a tie it keeps the pair
-            row = np.zeros(mat.shape[1])
-            row[:lens[rank] + 1] = np.sort(np.append(mat[rank, :lens[rank]], w))[::-1]
-            length = np.maximum(np.delete(mat, rank, axis=0).max(axis=0), row).sum()
+            row = sorted(rows[rank] + [w], reverse=True)
+            length = sum(max(x, t) for x, t in zip(row, top)) + sum(top[len(row):]) + sum(row[len(top):])
             if best is None or length < best[0]:
                 best = (length, rank, row)
         _, rank, row = best
-        mat[rank] = row
-        lens[rank] += 1
+        top = [max(x, t) for x, t in zip(row, top)] + top[len(row):] + row[len(top):]
+        rows[rank] = row
         tasks[rank].append(Task(rank, i, j))
     per_rank = [[Task(r, r, r)] if (r, r) in needed else [] for r in range(p)]
     for r in range(p):
