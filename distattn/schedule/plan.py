@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -538,8 +539,8 @@ def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
     off = sorted((pair for pair in needed if pair[0] != pair[1]), key=lambda ij: (-work[ij[0]][ij[1]], ij))
     # rows[r]: rank r's task work, largest first. A plan's length is the sum over columns (the t-th largest task of
     # every rank) of the column's largest entry (``top``). Adding a task to a row never lowers any of its entries
-    # (an insertion into a sorted list), so a candidate row's length is the sum of max(its entry, top): O(longest
-    # list), not O(P x pairs). Plain Python: a rank holds a few tasks. Works are integers, so every length is an
+    # (an insertion into a sorted list), so with a candidate row the steps are max(its entry, top): O(its list),
+    # not O(P x pairs). Plain Python: a rank holds a few tasks. Works are integers, so every length is an
     # exact sum and ties break alike on every rank.
     rows = [[work[r][r]] if (r, r) in needed else [] for r in range(p)]
     top = [max((work[r][r] for r in range(p) if rows[r]), default=0)]
@@ -548,11 +549,10 @@ def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
         best = None
         for rank in (i, j):  # the owner first: on a tie it keeps the pair
             row = sorted(rows[rank] + [w], reverse=True)
-            length = sum(max(x, t) for x, t in zip(row, top)) + sum(top[len(row):]) + sum(row[len(top):])
-            if best is None or length < best[0]:
-                best = (length, rank, row)
-        _, rank, row = best
-        top = [max(x, t) for x, t in zip(row, top)] + top[len(row):] + row[len(top):]
+            steps = [max(x, t) for x, t in itertools.zip_longest(row, top, fillvalue=0)]
+            if best is None or sum(steps) < best[0]:
+                best = (sum(steps), rank, row, steps)
+        _, rank, row, top = best
         rows[rank] = row
         tasks[rank].append(Task(rank, i, j))
     per_rank = [[Task(r, r, r)] if (r, r) in needed else [] for r in range(p)]
