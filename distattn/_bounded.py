@@ -1,0 +1,116 @@
+"""Bounded waits and the error they raise: the shared helpers of every module that talks across ranks.
+
+Every wait distattn makes is bounded (``timeout`` seconds, the ``DISTATTN_TIMEOUT`` default, 300 s): on gloo
+``Work.wait(timeout=...)``; on NCCL host-side polling of ``Work.is_completed()`` (a hung transfer never returns from a
+device-side wait). A wait that fails raises ``DistAttnError``, naming what it waited for and why (a timeout, or a peer
+that closed its connections).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistAttnError", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "REBUILD_TIMEOUT_ENV", "DEFAULT_REBUILD_TIMEOUT_S",
+           "default_timeout", "rebuild_timeout", "bounded_wait", "all_gather_text", "reason"]
+
+TIMEOUT_ENV = "DISTATTN_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+REBUILD_TIMEOUT_ENV = "DISTATTN_REBUILD_TIMEOUT"
+DEFAULT_REBUILD_TIMEOUT_S = 10.0
+
+
+class DistAttnError(RuntimeError):
+    """A distributed attention call failed on this rank because of another rank (a timeout, or a peer that
+    failed and aborted the library's communicators). The next call rebuilds the communicators.
+
+    ``timed_out``: no message came within the timeout (rather than a closed connection)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def default_timeout() -> float:
+    """``DISTATTN_TIMEOUT`` (seconds, > 0), else 300 s: the bound of every wait inside a call."""
+    return _seconds_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def rebuild_timeout() -> float:
+    """``DISTATTN_REBUILD_TIMEOUT`` (seconds, > 0), else 10 s: how long a rank waits for its peers to arrive at the
+    rebuild of the library's groups after a failure before it reports them gone or stalled."""
+    return _seconds_env(REBUILD_TIMEOUT_ENV, DEFAULT_REBUILD_TIMEOUT_S)
+
+
+def _seconds_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds (default {default:g})")
+    return value
+
+
+def bounded_wait(works, timeout: float, what: str, *, poll: bool = False) -> None:
+    """Wait for ``works`` at most ``timeout`` seconds each; ``DistAttnError`` naming ``what`` otherwise.
+
+    gloo: ``Work.wait(timeout=...)``. NCCL: the host polls ``is_completed()`` (a hung transfer never returns
+    from a device-side wait, so the bound has to be on the host), then orders the current stream after it.
+    """
+    error = None
+    try:
+        for work in works:
+            if poll:
+                deadline = time.monotonic() + timeout
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"timed out after {timeout:g} s")
+                    time.sleep(50e-6)
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    if error is not None:
+        # No frame of the raised error may keep a request (and so the group and its sockets) alive: the
+        # caller's list is emptied too.
+        works.clear()
+        work = None  # noqa: F841
+        raise DistAttnError(f"{what}: {reason(error, timeout)}", timed_out=_timed_out(error)) from None
+
+
+def all_gather_text(group, text: str, device: torch.device, timeout: float, what: str) -> list[str]:
+    """Every rank's ``text``, in group-rank order: the UTF-8 lengths first, then the zero-padded bytes (no
+    pickle); each wait bounded by ``timeout`` (``DistAttnError`` naming ``what``).
+
+    ``device``: where the collective's tensors live (the current CUDA device on NCCL, CPU otherwise)."""
+    poll = "nccl" in str(dist.get_backend(group))
+    n = dist.get_world_size(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    bounded_wait([dist.all_gather(lengths, mine, group=group, async_op=True)], timeout, what, poll=poll)
+    longest = max(int(m.item()) for m in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    bounded_wait([dist.all_gather(bufs, padded.to(device), group=group, async_op=True)], timeout, what, poll=poll)
+    return [bytes(b[:int(m.item())].tolist()).decode() for b, m in zip(bufs, lengths)]
+
+
+def _timed_out(error: Exception) -> bool:
+    return isinstance(error, TimeoutError) or "timed out" in str(error).lower()
+
+
+def reason(error: Exception, timeout: float) -> str:
+    text = str(error)
+    if _timed_out(error):
+        return f"no message within the timeout ({timeout:g} s; set timeout= or {TIMEOUT_ENV})"
+    return (f"a peer failed and aborted the library's communicators, or died (gloo: "
+            f"{text.strip().splitlines()[-1][:160]})")
