@@ -87,22 +87,30 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
 
 def check_global_documents(documents, n: int, world: int) -> None:
     """The local-``cu_seqlens`` mistake: ring-flash-attention's varlen functions take each rank's LOCAL
-    ``cu_seqlens`` (ending at the rank's own ``n`` tokens); distattn takes the whole stream's. Passed here, local
-    ones describe a stream that ends inside rank 0's shard, so every other rank's tokens become padding and the
-    result is silently wrong. A stream that short is legitimate only when padding it to a multiple of ``2P`` reaches
-    ``P*n`` (``shard_batch`` pads to a multiple of ``P``, ``2P`` for zigzag: such streams never raise).
+    ``cu_seqlens``, which end at the rank's own ``n`` tokens; distattn takes the whole stream's, the same tensor on
+    every rank.
+
+    The rule (README, ``dist_flash_attn_varlen_func``): with ``P > 1`` ranks, ``cu_seqlens`` ending exactly at
+    ``n`` is refused; a stream ending anywhere else before ``P*n`` is a short stream, padded at its tail (the tail
+    is a document of its own that nothing sees), even one ending inside rank 0's shard. What can be told apart:
+    the agreement before any transfer already refuses ``cu_seqlens`` that differ between ranks (local ones of
+    ranks holding different documents), so what reaches here is the same tensor everywhere, and local ones are
+    then ranks whose shards look alike: they end exactly at ``n`` (a rank's local documents cover its tokens).
+    A whole stream ending exactly at ``n`` is legitimate only when ``shard_batch``'s padding explains it (to a
+    multiple of ``P``, ``2P`` for zigzag: a stream of ``n`` tokens padded to ``P*n``); those never raise.
 
     Raise, not warn: a warning on every rank at every step is easy to miss while the model trains on wrong
-    attention, and the rare legitimate call (a stream of at most ``n`` tokens padded far beyond what the layout
+    attention, and the rare legitimate call (a stream of exactly ``n`` tokens padded far beyond what the layout
     needs) has an equivalent spelling that passes: the padding as an explicit last document (``P*n`` appended to
     ``cu_seqlens``). Decided from ``cu_seqlens``, ``n`` and ``P`` alone, inside the call's agreement, so a rank that
     raises makes every rank raise."""
     end = documents[-1]
-    if world > 1 and end <= n and -(-end // (2 * world)) * (2 * world) < world * n:
-        raise ValueError(f"cu_seqlens ends at {end}, inside rank 0's shard ({n} tokens per rank), but the {world} "
-                         f"ranks hold a stream of {world * n} tokens: ranks 1..{world - 1} would hold only padding. "
-                         f"These look like per-rank LOCAL cu_seqlens (ring-flash-attention's convention); "
-                         f"dist_flash_attn_varlen_func wants the cu_seqlens of the WHOLE stream, the same tensor on "
-                         f"every rank (ring-flash-attention's calls translate with distattn.compat.ring_flash_attn). "
-                         f"If the stream really is this short, append {world * n} to cu_seqlens (the padding as an "
-                         f"explicit last document)")
+    if world > 1 and end == n and -(-end // (2 * world)) * (2 * world) < world * n:
+        raise ValueError(f"cu_seqlens ends at {end}, exactly at the end of rank 0's shard ({n} tokens per rank), but "
+                         f"the {world} ranks hold a stream of {world * n} tokens: ranks 1..{world - 1} would hold only "
+                         f"padding. These look like per-rank LOCAL cu_seqlens (ring-flash-attention's convention: each "
+                         f"ends at its rank's own {n} tokens); dist_flash_attn_varlen_func wants the cu_seqlens of the "
+                         f"WHOLE stream, the same tensor on every rank (ring-flash-attention's calls translate with "
+                         f"distattn.compat.ring_flash_attn). If the stream really ends at token {n}, append "
+                         f"{world * n} to cu_seqlens (the padding as an explicit last document); a stream ending "
+                         f"anywhere else is padded at its tail without it")

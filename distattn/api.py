@@ -312,8 +312,9 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
     stream of ``T`` tokens, and rank ``r`` of ``P`` holds tokens ``[r*n, (r+1)*n)`` of it (``T = P*n``). Documents
     may have any length (1 included) and straddle any number of rank boundaries. A query sees only keys of its
     own document (causal and window on positions within the stream, which are the document's positions
-    shifted). If the documents fill fewer than ``P*n`` tokens (pad the stream's tail to a multiple of ``P``),
-    the tail is one extra document of its own: no real token sees it; ignore its outputs (labels -100).
+    shifted). If the documents fill fewer than ``P*n`` tokens (pad the stream's tail to a multiple of ``P``; one
+    short document inside rank 0's shard is fine), the tail is one extra document of its own: no real token sees
+    it; ignore its outputs (labels -100).
 
     The plan is built from ``cu_seqlens`` on every rank alike, without communication: (query chunk, kv chunk)
     pairs that share no visible (query, key) pair are never computed nor communicated, and the balanced
@@ -325,7 +326,9 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
         k, v: ``(n, h_kv, d)``; ``h_q % h_kv == 0``.
         cu_seqlens: ``(documents + 1,)`` int32/int64 cumulative lengths over the WHOLE stream (the same tensor on
             every rank), starting at 0, ending at ``<= P*n``. Per-rank LOCAL ``cu_seqlens`` (ring-flash-attention's
-            convention: a stream ending inside rank 0's shard while ``P > 1``) raise a ``ValueError`` with the fix.
+            convention) end exactly at ``n``: with ``P > 1`` that end raises a ``ValueError`` with the fix (append
+            ``P*n`` if the stream really ends there), unless padding ``n`` tokens to a multiple of ``2P`` reaches
+            ``P*n`` (``shard_batch``'s padding); any other end short of ``P*n`` is padded at its tail.
         max_seqlen: the longest document (as flash-attn; checked, not otherwise needed).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs:
             as in :func:`flash_attn_func`.

@@ -185,3 +185,56 @@ def test_bad_cu_seqlens_same_error_on_every_rank():
     assert "must be non-decreasing" in msgs[0][1]
     assert "is more than the stream holds (8 = 2 ranks x 4 tokens)" in msgs[0][2]
     assert "must be int32 or int64" in msgs[0][3]
+
+
+# -- short streams and the local-cu_seqlens guard -------------------------------------------------------------
+# cu_seqlens ending exactly at n with P > 1 is what per-rank LOCAL cu_seqlens look like (they end at the rank's own
+# tokens, and ranks passing different ones are refused by the agreement); any other end short of P*n is a short
+# stream padded at its tail, inside rank 0's shard included. (end, n, P) -> refused?
+GUARD_TABLE = [
+    (5, 9, 2, False),  # one short document inside rank 0's shard: padded
+    (8, 9, 2, False),
+    (9, 9, 2, True),  # exactly n: local cu_seqlens
+    (9, 9, 3, True),
+    (10, 9, 2, False),  # past rank 0's shard
+    (9, 9, 1, False),  # one rank: local and global are the same
+    (1, 1, 2, False),  # shard_batch's padding of a 1-token stream to a multiple of 2P explains it
+    (2, 2, 2, False),  # 2 tokens padded to 2P = 4 = P*n
+    (4, 4, 2, True),  # 4 tokens would be padded to 4, not 8
+]
+
+
+@pytest.mark.parametrize("end,n,world,refused", GUARD_TABLE)
+def test_local_cu_seqlens_rule(end, n, world, refused):
+    from distattn._validate import check_global_documents
+
+    if not refused:
+        check_global_documents([0, end], n, world)
+        return
+    with pytest.raises(ValueError, match=rf"cu_seqlens ends at {end}, exactly at the end of rank 0's shard .*LOCAL "
+                                         rf"cu_seqlens.*append {world * n} to cu_seqlens"):
+        check_global_documents([0, end], n, world)
+
+
+def _short_worker(rank, world, n):
+    for i, lengths in enumerate(([5], [n - 1], [2, 3])):  # every stream ends inside rank 0's shard
+        _check(rank, world, CASES[0], lengths, n, seed=100 + i)
+    _check(rank, world, CASES[3], [5], n, seed=110)  # with a window
+    x = torch.zeros(n, 2, 8)
+    try:  # what each rank's own shard looks like, on every rank: refused everywhere
+        distattn.dist_flash_attn_varlen_func(x, x, x, torch.tensor([0, 3, n], dtype=torch.int32), world * n,
+                                             causal=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_short_document_with_tail_padding_matches_reference_and_local_cu_seqlens_raise(world):
+    """One short document (then padding) inside rank 0's shard trains like any short stream: out and grads equal
+    the reference of the whole padded stream (the tail a document of its own); local cu_seqlens still raise."""
+    n = 9
+    msgs = run_distributed(_short_worker, world, n, timeout=TIMEOUT_S)
+    assert len(set(msgs)) == 1 and msgs[0] is not None, msgs
+    assert msgs[0].startswith(f"cu_seqlens ends at {n}, exactly at the end of rank 0's shard ({n} tokens per rank)")
+    assert "LOCAL cu_seqlens" in msgs[0] and f"append {world * n} to cu_seqlens" in msgs[0]

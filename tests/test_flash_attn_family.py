@@ -223,7 +223,8 @@ def test_packed_family_across_ranks_and_local_cu_seqlens_guard(world, n, guard):
     assert msgs[0] == msgs[1]  # every rank raised the same errors, and no call hung
     local, mixed, bad_pack, *good = msgs[0]
     assert good == [None, None, None]  # the next calls work: global cu_seqlens, a short stream, a tiny legal one
-    assert local.startswith("ValueError: cu_seqlens ends at 11, inside rank 0's shard (11 tokens per rank)")
+    assert local.startswith("ValueError: cu_seqlens ends at 11, exactly at the end of rank 0's shard (11 tokens per "
+                            "rank)")
     for msg in (local, mixed):
         assert "LOCAL cu_seqlens" in msg and "the cu_seqlens of the WHOLE stream" in msg
         assert "append 22 to cu_seqlens" in msg
