@@ -20,8 +20,9 @@ nothing else unpickled. It lives beside train.py rather than in the installed ``
 checkpoint format and its safe reader are the training job's (the package never imports ``launch/``), and a
 checkpoint exists only where train.py, a checkout's script, ran.
 
-Errors (a missing, damaged or unsafe checkpoint, an ``OUT_DIR`` that is not empty) are one line,
-``export_hf.py: error: ...``, and exit status 2.
+Errors (a missing, damaged or unsafe checkpoint, a progress train.py never writes, shards that match the manifest
+but cannot be read, an unreadable file, an ``OUT_DIR`` that is not empty) are one line, ``export_hf.py: error:
+...``, and exit status 2.
 """
 
 from __future__ import annotations
@@ -85,12 +86,18 @@ def write_folder(tensors: dict[str, torch.Tensor], files: dict[str, bytes], out:
         for name, data in files.items():
             (stage / name).parent.mkdir(parents=True, exist_ok=True)
             (stage / name).write_bytes(data)
-        config = AutoConfig.from_pretrained(stage, local_files_only=True)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _assign(model, tensors)
-        if "generation_config.json" in files:  # the source model's own, not one derived from its config
-            model.generation_config = GenerationConfig.from_pretrained(stage, local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(stage, local_files_only=True)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            _assign(model, tensors)
+            if "generation_config.json" in files:  # the source model's own, not one derived from its config
+                model.generation_config = GenerationConfig.from_pretrained(stage, local_files_only=True)
+        except (ValueError, RuntimeError, KeyError, TypeError, OSError) as exc:  # a corrupt config, tensors of
+            # other shapes than it says: transformers' errors, in one line
+            text = str(exc).strip().splitlines()
+            raise ExportError(f"the config files ({', '.join(sorted(files))}) do not build a model of these tensors "
+                              f"({type(exc).__name__}: {text[0] if text else ''})") from exc
         with _quiet_progress():
             model.save_pretrained(stage)
         if out.is_dir():
@@ -177,9 +184,21 @@ def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
                if fqn.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
     if not tensors:
         raise ExportError(f"checkpoint {path} holds no model tensors ({MODEL_PREFIX}*): not a train.py checkpoint")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=reader, planner=SafePlanner())
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from train_ckpt import _unwrap, unreadable
+
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=reader, planner=SafePlanner())
+    # a truncated or corrupt shard that matches its manifest (EOFError, a zip or pickle error...); DCP may gather
+    # the error into a CheckpointException, a BaseException
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        inner = _unwrap(exc)
+        why = inner if isinstance(inner, UsageError) else f"{unreadable(exc)}; export an older checkpoint (pass its " \
+                                                         f"step_N directory)"
+        raise ExportError(f"checkpoint {path}: {why}") from exc
     return {fqn[len(MODEL_PREFIX):]: t for fqn, t in tensors.items()}
 
 
@@ -301,8 +320,13 @@ def main(argv=None) -> int:
     try:
         export(Path(args.ckpt), Path(args.out), args.model, args.tokenizer,
                log=lambda line: print(line, file=sys.stderr, flush=True))
-    except (UsageError, DamagedCheckpointError, OSError) as exc:
+    except (UsageError, DamagedCheckpointError) as exc:
         print(f"export_hf.py: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_ARGS
+    except OSError as exc:  # an unreadable file of the checkpoint, an unwritable destination
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"export_hf.py: error: {where}{exc.strerror or exc} (check the files' permissions and the disk)",
+              file=sys.stderr, flush=True)
         return EXIT_BAD_ARGS
     return 0
 

@@ -158,8 +158,11 @@ import train_log  # noqa: E402
 import train_memory  # noqa: E402
 import train_model  # noqa: E402
 import train_offload  # noqa: E402
+import train_report  # noqa: E402
+import train_resume  # noqa: E402
 import train_tune  # noqa: E402
 from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError  # noqa: E402
+from train_report import packing_stats  # noqa: E402,F401 - re-exported for the tests
 
 assert EXIT_BAD_ARGS == 2, "_stopped_while_preparing exits with it"
 
@@ -244,57 +247,6 @@ def setup_model(cfg: RunConfig, config, group, device):
     return model, mode
 
 
-def describe(cfg: RunConfig, config, dataset, tokenizer_name: str, mode: str) -> str:
-    """The job in one line (rank 0 logs it before the first step)."""
-    a = cfg.args
-    return (f"model {a.model}: {train_model.count_params(config) / 1e6:.1f}M params, {config.num_hidden_layers} "
-            f"layers, heads {config.num_attention_heads}/{config.num_key_value_heads} kv, vocab {config.vocab_size} "
-            f"({tokenizer_name}) | world {cfg.env.world_size} = sp {cfg.sp_size}"
-            f"{f' (ulysses {cfg.ulysses} x ring {cfg.sp_size // cfg.ulysses})' if cfg.ulysses > 1 else ''} x dp "
-            f"{cfg.dp_size}, seq "
-            f"{a.seq_len} ({a.seq_len // cfg.sp_size} per rank), batch {a.batch_size}/replica | {cfg.device_type} "
-            f"{cfg.dist_backend}, attention {cfg.attn_backend}/{a.schedule}{' +remat' if a.remat else ''}"
-            f"{f' +tile-mlp {a.tile_mlp}' if a.tile_mlp else ''}{f' +tile-loss {a.tile_loss}' if a.tile_loss else ''}"
-            f"{' +offload-ckpt' if a.offload_checkpoints else ''}, params "
-            f"{mode}, {str(cfg.dtype).removeprefix('torch.')} | data {cfg.data_path.name}"
-            f"{f' +{len(cfg.data_paths) - 1} more' if len(cfg.data_paths) > 1 else ''} "
-            f"({len(dataset.tokens) / 1e6:.2f}M tokens, {len(dataset)} samples/epoch"
-            f"{', ' + str(dataset.num_documents) + ' documents packed' if a.pack else ''})")
-
-
-def maybe_resume(cfg: RunConfig, state) -> set[Path]:
-    """``--resume``: load the newest intact checkpoint into ``state``; returns the damaged ones it skipped.
-
-    Also removes the directories of saves that never finished (``--resume`` or ``--save-every``).
-    """
-    import train_ckpt
-
-    ckpt_dir = Path(cfg.args.ckpt_dir)
-    if cfg.args.resume or cfg.args.save_every:
-        train_ckpt.remove_incomplete(ckpt_dir, log)
-    if not cfg.args.resume:
-        return set()
-    path, damaged = train_ckpt.find_and_load(state, ckpt_dir, log)
-    if path is None:
-        why = ("the directory does not exist" if not ckpt_dir.is_dir() else
-               f"{len(damaged)} damaged, none intact" if damaged else "it holds no finished checkpoint")
-        if cfg.args.resume == "must":
-            raise UsageError(f"--resume must: nothing to resume in --ckpt-dir {ckpt_dir} ({why})")
-        log(f"warning: --resume: no checkpoint to resume in --ckpt-dir {ckpt_dir} ({why}); starting from step 0")
-        return damaged
-    p = state.progress
-    log(f"resumed from {path} (step {p['step']}, {p['samples']} samples consumed)")
-    moved = train_export.world_change(cfg, p)  # another world size: what changed, where the data continues
-    if moved:
-        log(moved)
-    data = " ".join(map(str, cfg.data_paths))
-    for key, now in (("seq_len", cfg.args.seq_len), ("seed", cfg.args.seed), ("data", data)):
-        if p.get(key) != now:
-            log(f"warning: the checkpoint was trained with {key}={p.get(key)!r}, this run uses {now!r}: the "
-                f"samples will not be the ones the original run would have read")
-    return damaged
-
-
 def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
                measure: dict | None = None) -> tuple[torch.Tensor, float]:
     """One optimizer step on this rank's shard of ``batch`` ``(b, seq)``; returns ``(loss, grad_norm)``.
@@ -348,16 +300,6 @@ def _placed_documents(cfg, inputs) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def gather_stats(loss: torch.Tensor, device_type: str, device) -> tuple[float, list[int]]:
-    """Job-wide loss (mean over data-parallel replicas) and every rank's peak memory, in one collective."""
-    mine = torch.tensor([float(loss), float(train_log.peak_memory_bytes(device_type))], dtype=torch.float64,
-                        device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    # Ranks of one sp group report the same loss and every dp replica has as many tokens: the plain mean is right.
-    return sum(float(t[0]) for t in every) / len(every), [int(t[1]) for t in every]
-
-
 def crash_now(cfg: RunConfig, step: int) -> bool:
     """``--crash-at-step``: simulate a crash, on torchrun's first attempt only (restarts then succeed)."""
     return cfg.args.crash_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -390,13 +332,13 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
         train_ckpt.lock(Path(cfg.args.ckpt_dir), log)
     group = sequence_group(cfg)
     model, mode = setup_model(cfg, config, group, device)
-    log(describe(cfg, config, dataset, tokenizer_name, mode))
+    log(train_report.describe(cfg, config, dataset, tokenizer_name, mode))
     optimizer = torch.optim.AdamW(train_model.param_groups(model, cfg.args.weight_decay), lr=cfg.args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     progress = {"step": 0, "samples": 0, "loss": float("nan"), "seq_len": cfg.args.seq_len, "seed": cfg.args.seed,
                 "data": " ".join(map(str, cfg.data_paths)), **train_export.layout(cfg)}
     state = train_ckpt.TrainState(model, optimizer, progress)
-    damaged = maybe_resume(cfg, state)
+    damaged = train_resume.maybe_resume(cfg, state, log)
     log(train_memory.describe(cfg, config))
     train_tune.autotune_attention(cfg, config, device, log)
     return Job(cfg=cfg, device=device, group=group, model=model, mode=mode, optimizer=optimizer, state=state,
@@ -418,40 +360,16 @@ def run_step(job: Job, dataset, step: int) -> dict:
     batch = tuple(t.to(job.device) for t in batch) if cfg.args.pack else batch.to(job.device)
     measured = {} if step == job.first_step + 1 else None  # what the first step's forward saves, once
     loss, grad_norm = train_step(job.model, job.optimizer, batch, cfg, job.group, job.mode, measured)
-    loss_value, peak = gather_stats(loss, cfg.device_type, job.device)  # a collective: every rank is done
+    loss_value, peak = train_report.gather_stats(loss, cfg.device_type, job.device)  # a collective: every rank is done
     dt = time.perf_counter() - t0
     progress.update(step=step, samples=progress["samples"] + cfg.args.batch_size * cfg.dp_size, loss=loss_value)
     record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
               "tokens_per_s": cfg.tokens_per_step / dt, "samples": progress["samples"], "peak_mem_bytes": peak}
     if cfg.args.pack:
-        record.update(packing_stats(batch[1], cfg.sp_size, cfg.args.schedule, cfg.ulysses))
+        record.update(train_report.packing_stats(batch[1], cfg.sp_size, cfg.args.schedule, cfg.ulysses))
     if measured:
         record.update(measured, predicted_activation_bytes=job.predicted_activations)
     return record
-
-
-def packing_stats(positions: torch.Tensor, sp: int, schedule: str = "balanced", ulysses: int = 1) -> dict:
-    """What document masking saves on this step's stream, read off the plan the executor runs: the run's
-    schedule (already resolved from "auto") over its ring of ``sp / ulysses`` ranks, each holding ``ulysses``
-    ranks' tokens. ``pairs_skipped``: chunk pairs of that schedule's causal plan that no document reaches.
-
-    Every token of a packed stream is real (documents are cut, never padded), so tokens/s counts real tokens.
-    """
-    from distattn.schedule import MaskSpec, Shapes, make_plan, pair_work, simulate
-
-    starts = (positions == 0).nonzero().flatten().tolist()
-    total = positions.numel()
-    spec = MaskSpec(causal=True, cu_seqlens=tuple(starts) + (total,))
-    visible = sum(map(sum, pair_work(spec, sp, total // sp)))
-    ring = sp // ulysses
-    plan = make_plan(ring, True, schedule, mask=spec, chunk=total // ring)
-    # pairs the layout could need without documents: causal contiguous P(P+1)/2; zigzag and a placement, every pair
-    dense = ring * ring if schedule == "placed" else len(
-        make_plan(ring, True, schedule, mask=MaskSpec(causal=True), chunk=total // ring).pairs())
-    idle = simulate(ring, True, schedule, Shapes(seq_per_rank=total // ring, heads_q=1, heads_kv=1, head_dim=1),
-                    mask=spec).compute_idle_fraction  # the plan's predicted compute idle (work only, no shapes)
-    return {"documents": len(starts), "attention_work_vs_causal": visible / (total * (total + 1) / 2),
-            "pairs_skipped": dense - len(plan.pairs()), "predicted_compute_idle": idle}
 
 
 def train(job: Job, dataset) -> dict:
@@ -494,46 +412,11 @@ def train(job: Job, dataset) -> dict:
     finally:
         bar.close()
         jlog.close()
-    summary = {"steps": progress["step"], "final_loss": progress["loss"],
-               "tokens_per_s": timed_tokens / timed_s if timed_s else None, "world_size": cfg.env.world_size,
-               "seq_len": args.seq_len, "sp_size": cfg.sp_size, "ulysses": cfg.ulysses, "schedule": args.schedule,
-               "model": args.model, "device": cfg.device_type,
-               "params": job.mode, "peak_mem_bytes": peak, "pack": bool(args.pack),
-               "predicted_peak_bytes": job.predicted_peak, "predicted_activation_bytes": job.predicted_activations,
-               "saved_activation_bytes": saved_bytes}
-    if evals:  # the last held-out evaluation (the last step's)
-        summary.update(eval_loss=evals[-1]["eval_loss"], eval_ppl=evals[-1]["eval_ppl"], eval_step=evals[-1]["step"])
+    summary = train_report.summary(job, progress, timed_tokens / timed_s if timed_s else None, peak, saved_bytes, evals,
+                                   packed)
     if args.sample_tokens and progress["step"] == args.steps:
         summary["sample"] = train_eval.sample(job, dataset, log)
-    if args.pack and packed:  # real tokens only (no padding exists), and what document masking skipped
-        summary.update(real_tokens_per_s=summary["tokens_per_s"],
-                       documents_per_step=sum(r["documents"] for r in packed) / len(packed),
-                       attention_work_vs_causal=sum(r["attention_work_vs_causal"] for r in packed) / len(packed),
-                       pair_work_skipped=1 - sum(r["attention_work_vs_causal"] for r in packed) / len(packed),
-                       pairs_skipped_per_step=sum(r["pairs_skipped"] for r in packed) / len(packed),
-                       predicted_compute_idle_per_step=sum(r["predicted_compute_idle"] for r in packed) / len(packed))
     return summary
-
-
-def check_checkpoint_dir(cfg: RunConfig, config) -> None:
-    """Before any step: ``--ckpt-dir`` is writable with room for a checkpoint; ``--resume must`` has one."""
-    import train_ckpt  # torch.distributed.checkpoint: ~1 s of imports that a bad argument should not wait for
-
-    ckpt_dir = Path(cfg.args.ckpt_dir)
-    args = cfg.args
-    if not args.save_every and args.ckpt_dir != train_config.DEFAULT_CKPT_DIR and cfg.env.rank == 0:
-        # A warning, not an error: the run itself is valid (and --resume alone reads the directory), but a
-        # --ckpt-dir given without --save-every usually means the user expects checkpoints that never come.
-        read = "is read (--resume) but" if args.resume else "is given but"
-        log(f"warning: --ckpt-dir {ckpt_dir} {read} this run saves no checkpoint there: add --save-every N "
-            f"(a checkpoint every N steps and at the last step)")
-    if args.save_every:
-        saves = args.steps // args.save_every + (args.steps % args.save_every > 0)  # the last step saves too
-        copies = train_ckpt.new_copies(ckpt_dir, args.keep, saves)
-        train_ckpt.preflight(ckpt_dir, train_model.count_params(config), cfg.env.rank, copies)
-    if cfg.args.resume == "must" and not train_ckpt.complete_checkpoints(ckpt_dir):
-        why = "the directory does not exist" if not ckpt_dir.is_dir() else "it holds no finished checkpoint"
-        raise UsageError(f"--resume must: nothing to resume in --ckpt-dir {ckpt_dir} ({why})")
 
 
 def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.DocumentStream, object, str]:
@@ -553,7 +436,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.Do
     if dataset.eval_set is not None:
         train_data.check_vocab(dataset.eval_set, config.vocab_size, "--eval-data")
         train_eval.eval_sample_count(cfg, dataset.eval_set)  # enough held-out windows for every replica
-    check_checkpoint_dir(cfg, config)
+    train_resume.check_checkpoint_dir(cfg, config, log)
     train_log.check_json_log(cfg.args.log_json)  # its folder created; rank 0 opens it after the first step
     train_export.preflight(cfg, config)  # --export-hf: a new or empty, writable directory with room
     train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload

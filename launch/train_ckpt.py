@@ -4,10 +4,13 @@ Layout: ``<ckpt-dir>/step_00000040/`` per save, holding
 
 * a ``torch.distributed.checkpoint`` (DCP) checkpoint of the model (FSDP2 shards, DDP or a plain module
   alike, through ``get_state_dict``) and the optimizer: ``__<rank>_0.distcp`` shards and ``.metadata``;
-* ``progress.json``: the job's position (step, samples consumed, last loss, seq_len, seed, data) as JSON;
+* ``progress.json``: the job's position (step, samples consumed, last loss, seq_len, seed, data, the layout and
+  where its stretch of batches began) as JSON, every field checked when read (``train_ckpt_files.check_progress``,
+  and against the resuming run by ``train_resume``);
 * ``manifest.json``: the sha256 digest and size of every other file, written by rank 0 after every rank's
   shards, the ``.metadata`` and the progress file are on disk. A directory without it is an interrupted save
-  and is removed; one whose files do not match it is damaged and skipped.
+  (removed if DCP had not written its ``.metadata`` yet, else kept and never resumed from); one whose files do
+  not match it is damaged and skipped.
 
 and ``<ckpt-dir>/.lock``, the running job's lock (never deleted; empty when no job holds it).
 
@@ -42,8 +45,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import train_lock
 from train_ckpt_files import (  # noqa: F401 - the checkpoint's files: re-exported as train_ckpt's own
-    MANIFEST, MANIFEST_FORMAT, METADATA, METADATA_CLASSES, PROGRESS, DamagedCheckpointError, SafePlanner,
-    SafeReader, UnsafeCheckpointError, check_files, read_manifest, read_progress, verify, write_manifest)
+    MANIFEST, MANIFEST_FORMAT, METADATA, METADATA_CLASSES, PROGRESS, DamagedCheckpointError, InvalidProgressError,
+    SafePlanner, SafeReader, UnsafeCheckpointError, check_files, read_manifest, read_progress, verify,
+    write_manifest)
 from train_config import JobFailed, UsageError
 
 PREFIX = "step_"
@@ -201,14 +205,18 @@ def lock(ckpt_dir: Path, log) -> None:
         raise UsageError(error)
 
 
-def remove_incomplete(ckpt_dir: Path, log) -> None:
-    """Rank 0 deletes ``step_N`` directories of saves that never finished; warns about manifest-less ones.
+def remove_incomplete(ckpt_dir: Path, log) -> list[Path]:
+    """Rank 0 deletes ``step_N`` directories of saves that never finished; returns the interrupted saves kept.
 
-    DCP writes ``.metadata`` after every shard, and the manifest comes after it: a directory with neither
-    is an interrupted save. One with ``.metadata`` but no manifest was written by a train.py older than the
-    manifests (or killed between the two writes): it is kept, never resumed from, and rotated away by
-    ``--keep`` like any older checkpoint.
+    DCP writes ``.metadata`` after every shard, and the manifest comes after it: a directory with neither is a
+    save interrupted while the shards were written, and is removed. One with ``.metadata`` but no manifest is a
+    save interrupted between the two writes (or one of the first train.py, before manifests): its files cannot
+    be verified, so it is never resumed from; it is kept (its shards may be all there is of that step), returned
+    for the caller to say which checkpoint is used instead (``train_resume``), and rotated away by ``--keep`` like
+    any older checkpoint (a new save of its step replaces it). The other ranks return ``[]``.
     """
+    kept: list[Path] = []
+
     def remove():
         for _, path in step_dirs(ckpt_dir):
             if path.is_symlink():  # never resumed from (verify refuses it); never deleted through
@@ -217,8 +225,7 @@ def remove_incomplete(ckpt_dir: Path, log) -> None:
             if (path / MANIFEST).is_file():
                 continue
             if (path / METADATA).is_file():
-                log(f"warning: ignoring {path}: it has no {MANIFEST} (saved by an older train.py?), so it "
-                    f"cannot be verified and is never resumed from")
+                kept.append(path)
                 continue
             log(f"removing {path}: an unfinished save (no .metadata, no {MANIFEST})")
             shutil.rmtree(path)
@@ -227,6 +234,7 @@ def remove_incomplete(ckpt_dir: Path, log) -> None:
         _rank0_do(remove)
     except OSError as exc:
         raise UsageError(f"cannot remove an unfinished save in --ckpt-dir {ckpt_dir} ({exc})") from exc
+    return kept
 
 
 class SaveError(JobFailed):
@@ -298,6 +306,21 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def _misfit(exc: BaseException) -> bool:
+    """DCP's refusal of a checkpoint for another model: a tensor of another size, or a key one side lacks."""
+    text = str(exc).lower()
+    return isinstance(exc, KeyError) or isinstance(exc, (ValueError, RuntimeError)) and (
+        "size mismatch" in text or "missing key" in text or "unexpected key" in text)
+
+
+def unreadable(exc: BaseException) -> str:
+    """Why a verified checkpoint's tensors could not be read, in one line (``export_hf`` says it too)."""
+    inner = _unwrap(exc)
+    what = "EOFError: a shard ends before its data, truncated" if isinstance(inner, EOFError) else _first_line(exc)
+    return (f"its shards cannot be read ({what}), yet they match its {MANIFEST}: the manifest was written over "
+            f"damaged shards, or the checkpoint is crafted or foreign")
+
+
 def _first_line(exc: BaseException) -> str:
     exc = _unwrap(exc)
     text = str(exc).strip().splitlines()
@@ -322,23 +345,32 @@ def _verify_everywhere(path: Path) -> str | None:
     return _agree(damaged)
 
 
-def find_and_load(state: TrainState, ckpt_dir: Path, log) -> tuple[Path | None, set[Path]]:
+def find_and_load(state: TrainState, ckpt_dir: Path, log, check=None) -> tuple[Path | None, set[Path]]:
     """Load the newest intact checkpoint into ``state``; returns ``(its path or None, damaged ones)``.
 
-    Newer checkpoints that fail verification are skipped with a warning naming what failed. Raises
-    ``UsageError`` on every rank if a verified checkpoint cannot be loaded into this model (another model
-    shape) or holds something the safe loaders refuse.
+    Newer checkpoints that fail verification are skipped with a warning naming what failed. ``check(path,
+    progress)``: what is wrong with a verified checkpoint's progress for this run (a message, or ``None``), asked
+    before its tensors are loaded. Raises ``UsageError`` on every rank if a verified checkpoint holds a progress
+    train.py never writes or that ``check`` refuses, cannot be loaded into this model (another model shape) or
+    holds something the safe loaders refuse.
     """
     box = [complete_checkpoints(ckpt_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)  # one listing for all ranks
     damaged: set[Path] = set()
     for _, path in reversed(box[0]):
-        problem = _verify_everywhere(path)
+        problem = _verify_everywhere(path)  # agreed: every rank takes the same branch
         if problem is None:
+            invalid = progress = None
             try:
                 progress = read_progress(path)
+                invalid = check(path, progress) if check else None
             except DamagedCheckpointError as exc:
                 problem = str(exc)
+            except InvalidProgressError as exc:
+                invalid = str(exc)
+            problem, invalid = _agree(problem), _agree(invalid)
+            if invalid:
+                raise InvalidProgressError(invalid)
         if problem is not None:
             log(f"warning: skipping damaged checkpoint {path}: {problem}")
             damaged.add(path)
@@ -366,9 +398,11 @@ def _load(state: TrainState, path: Path) -> None:
         inner = _unwrap(exc)
         if isinstance(inner, UnsafeCheckpointError):
             error = f"checkpoint {path}: {inner}"
-        else:
+        elif _misfit(inner):
             error = (f"checkpoint {path} does not fit this model ({_first_line(exc)}); resume with the --model "
                      f"it was trained with, or pass another --ckpt-dir")
+        else:
+            error = f"checkpoint {path}: {unreadable(exc)}; remove it or pass another --ckpt-dir"
     error = _agree(error)
     if error:
         raise UsageError(error)

@@ -15,9 +15,13 @@ A checkpoint ``step_N/`` is trusted only as far as its own files go:
   optimizer's non-tensor entries go through ``torch.load(weights_only=True)`` (:class:`SafePlanner`), tensors
   always did, and the progress is JSON.
 
+The progress is checked for what train.py writes (:func:`check_progress`): every field of the right type and
+range, ``samples`` consistent with ``step`` and the batches read per step, ``step`` the manifest's.
+
 Refusals: :class:`DamagedCheckpointError` (files differ from the manifest, a link: the checkpoint is skipped and
-an older one tried) and :class:`UnsafeCheckpointError` (a ``.metadata`` that asks for a foreign class or names
-a file outside the checkpoint or its manifest: the job stops).
+an older one tried), :class:`UnsafeCheckpointError` (a ``.metadata`` that asks for a foreign class or names
+a file outside the checkpoint or its manifest: the job stops) and :class:`InvalidProgressError` (files that match
+the manifest but a progress train.py never writes: the job stops).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import io
 import json
 import os
 import pickle
+import re
 import stat
 from pathlib import Path
 
@@ -71,6 +76,11 @@ METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset({
 class UnsafeCheckpointError(UsageError):
     """A checkpoint holds something the safe loaders refuse (a class outside the allow-list, a file outside
     the checkpoint or its manifest)."""
+
+
+class InvalidProgressError(UsageError):
+    """A checkpoint whose ``progress.json`` matches its manifest but holds values train.py never writes (a
+    crafted or foreign file): not damage in transit, so no older checkpoint is tried in its place."""
 
 
 class DamagedCheckpointError(Exception):
@@ -160,10 +170,15 @@ def write_manifest(path: Path, step: int) -> int:
 
 def read_manifest(path: Path) -> dict[str, dict]:
     """The manifest's ``{relative path: {"sha256", "bytes"}}``; ``DamagedCheckpointError`` if unusable."""
+    return _manifest(path)["files"]
+
+
+def _manifest(path: Path) -> dict:
+    """The whole manifest (format, step, files), checked; ``DamagedCheckpointError`` if unusable."""
     try:
         manifest = json.loads(read_inside(path, MANIFEST).decode("utf-8"))
         files = manifest["files"]
-        ok = manifest["format"] == MANIFEST_FORMAT and all(
+        ok = manifest["format"] == MANIFEST_FORMAT and _is_int(manifest.get("step")) and all(
             isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
             for v in files.values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -173,7 +188,7 @@ def read_manifest(path: Path) -> dict[str, dict]:
     for name in (METADATA, PROGRESS):
         if name not in files:
             raise DamagedCheckpointError(f"{MANIFEST} does not list {name}")
-    return files
+    return manifest
 
 
 def check_files(path: Path, files: dict[str, dict]) -> list[str]:
@@ -202,10 +217,12 @@ def _matches(data: bytes, files: dict[str, dict], name: str) -> None:
         raise DamagedCheckpointError(f"{name}: sha256 differs from the manifest")
 
 
-def read_progress(path: Path, files: dict[str, dict] | None = None) -> dict:
-    """``progress.json`` of a checkpoint, its bytes checked against the manifest (``files``: read if not given)
-    and parsed as the job's position."""
-    files = read_manifest(path) if files is None else files
+def read_progress(path: Path) -> dict:
+    """``progress.json`` of a checkpoint, its bytes checked against the manifest and parsed as the job's position
+    (:func:`check_progress`). Raises ``DamagedCheckpointError`` (unreadable, differs from the manifest) or
+    ``InvalidProgressError`` (matches it, but holds values train.py never writes)."""
+    manifest = _manifest(path)
+    files = manifest["files"]
     try:
         data = read_inside(path, PROGRESS)
     except OSError as exc:
@@ -215,10 +232,85 @@ def read_progress(path: Path, files: dict[str, dict] | None = None) -> dict:
         progress = json.loads(data.decode("utf-8"))
     except ValueError as exc:
         raise DamagedCheckpointError(f"{PROGRESS} unreadable ({exc})") from exc
-    if not (isinstance(progress, dict) and isinstance(progress.get("step"), int)
-            and isinstance(progress.get("samples"), int)):
-        raise DamagedCheckpointError(f"{PROGRESS} does not hold integer 'step' and 'samples'")
+    problem = check_progress(progress, manifest["step"])
+    if problem:
+        raise InvalidProgressError(f"checkpoint {path}: its {PROGRESS} {problem}; its files match its {MANIFEST}, so "
+                                   f"it was saved like this, not damaged on disk (a crafted or foreign file?): remove "
+                                   f"{path.name} or pass another checkpoint")
     return progress
+
+
+# What train.py writes in progress.json: name -> what it must be. The layout (train_export.LAYOUT) came later
+# and the start of the layout's stretch (LAYOUT_FROM) later still: both all or none, older checkpoints lack them.
+LAYOUT = ("world_size", "sp_size", "ulysses", "dp_size", "batch_size")  # train_export.LAYOUT (a test: equal)
+LAYOUT_FROM = ("layout_from_step", "layout_from_samples")  # where the batches of this layout began
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_progress(progress, manifest_step: int) -> str | None:
+    """What is wrong with a parsed ``progress.json`` (``None``: nothing), whatever the run resuming it.
+
+    ``step`` >= 1 and the manifest's; ``samples`` >= ``step`` (every step reads at least one sample); ``loss`` a
+    number; ``seq_len`` >= 1, ``seed`` an integer, ``data`` a string; the layout positive integers with
+    ``world_size = sp_size * dp_size`` and ``ulysses`` dividing ``sp_size``; with ``LAYOUT_FROM``, ``samples``
+    exactly ``layout_from_samples + (step - layout_from_step) * batch_size * dp_size``.
+    """
+    if not isinstance(progress, dict):
+        return f"holds a JSON {type(progress).__name__}, not an object"
+    for name, ok, want in (("step", _is_int, "an integer"), ("samples", _is_int, "an integer"),
+                           ("loss", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+                           ("seq_len", _is_int, "an integer"), ("seed", _is_int, "an integer"),
+                           ("data", lambda v: isinstance(v, str), "a string")):
+        if name not in progress:
+            return f"has no {name!r}"
+        if not ok(progress[name]):
+            return f"holds {name} {_show(progress[name])}, not {want}"
+    step, samples = progress["step"], progress["samples"]
+    if step < 1:
+        return f"holds step {step}; train.py saves after step 1 at the earliest"
+    if step != manifest_step:
+        return f"holds step {step}, but its {MANIFEST} says step {manifest_step}"
+    if samples < step:
+        return f"holds {samples} samples consumed at step {step}; every step reads at least one sample"
+    if progress["seq_len"] < 1:
+        return f"holds seq_len {progress['seq_len']}, not a length"
+    return _check_layout(progress)
+
+
+def _check_layout(progress: dict) -> str | None:
+    """The layout fields (if any) of ``progress`` and, with them, ``samples`` against the batches read."""
+    for group in (LAYOUT, LAYOUT_FROM):
+        there = [k for k in group if k in progress]
+        if there and len(there) < len(group):
+            return f"holds {', '.join(there)} without {', '.join(k for k in group if k not in there)}"
+    if LAYOUT[0] not in progress:
+        return "holds layout_from_* without the layout" if LAYOUT_FROM[0] in progress else None
+    for k in LAYOUT + LAYOUT_FROM:
+        if k in progress and not (_is_int(progress[k]) and progress[k] >= (1 if k in LAYOUT else 0)):
+            return f"holds {k} {_show(progress[k])}, not a {'positive' if k in LAYOUT else 'non-negative'} integer"
+    world, sp, ulysses, dp, batch = (progress[k] for k in LAYOUT)
+    if world != sp * dp or sp % ulysses:
+        return f"holds world_size {world}, sp_size {sp}, dp_size {dp}, ulysses {ulysses}: not one layout"
+    if LAYOUT_FROM[0] not in progress:
+        return None
+    step, samples = progress["step"], progress["samples"]
+    since, since_samples = progress["layout_from_step"], progress["layout_from_samples"]
+    if not (since < step and since <= since_samples and (since > 0 or since_samples == 0)):
+        return (f"holds layout_from_step {since}, layout_from_samples {since_samples}: not a point before step "
+                f"{step} (at least one sample a step before it, none at step 0)")
+    want = since_samples + (step - since) * batch * dp
+    if samples != want:
+        return (f"holds {samples} samples consumed at step {step}, but {step - since} steps of {batch * dp} "
+                f"samples (batch {batch} x dp {dp}) since step {since} ({since_samples} then) make {want}")
+    return None
 
 
 def storage_files(metadata: Metadata, files: dict[str, dict]) -> set[str]:
@@ -340,8 +432,13 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(f"its entry {read_item.dest_index.fqn} is not plain data: refusing to "
-                                        f"unpickle it ({str(exc).splitlines()[0]})") from exc
+            # torch's own message advises weights_only=False, which would run the payload: say what it asked for
+            asked = re.search(r"Unsupported (?:global: GLOBAL|operand) (\S+)", str(exc))
+            what = f"its pickle asks for {asked.group(1)}; " if asked else ""
+            raise UnsafeCheckpointError(f"its entry {read_item.dest_index.fqn} is not plain data ({what}a train.py "
+                                        f"checkpoint holds only numbers, strings and containers there): refusing to "
+                                        f"unpickle it (a crafted or foreign file?); it is never loaded, and this "
+                                        f"checkpoint cannot be used") from exc
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 

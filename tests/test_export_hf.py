@@ -281,3 +281,33 @@ def test_export_folder_keeps_the_source_models_generation_config(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert torch.equal(loaded.lm_head.weight, tensors["model.embed_tokens.weight"])
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_cli_read_errors_are_one_line(runs, tmp_path, capsys, monkeypatch):
+    """Files that match their manifest but cannot be used: a truncated shard (was a raw EOFError traceback), a
+    progress train.py never writes; and a file the system refuses to read. Each: one line, exit status 2."""
+    truncated = tmp_path / "step_00000002"
+    shutil.copytree(train_ckpt.step_dir(runs["two"][0], 2), truncated)
+    shard = truncated / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 10])
+    train_ckpt.write_manifest(truncated, 2)
+    assert _cli_error(capsys, truncated, tmp_path / "o").splitlines() == [
+        f"export_hf.py: error: checkpoint {truncated}: its shards cannot be read (EOFError: a shard ends before its "
+        f"data, truncated), yet they match its manifest.json: the manifest was written over damaged shards, or the "
+        f"checkpoint is crafted or foreign; export an older checkpoint (pass its step_N directory)"]
+    crafted = tmp_path / "crafted" / "step_00000002"
+    shutil.copytree(train_ckpt.step_dir(runs["two"][0], 2), crafted)
+    progress = json.loads((crafted / "progress.json").read_text())
+    (crafted / "progress.json").write_text(json.dumps({**progress, "seq_len": "256"}))
+    train_ckpt.write_manifest(crafted, 2)
+    assert (f"export_hf.py: error: checkpoint {crafted}: its progress.json holds seq_len '256', not an integer"
+            in _cli_error(capsys, crafted.parent, tmp_path / "o"))
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path / "hf" / "config.json"))
+
+    monkeypatch.setattr(export_hf, "checkpoint_files", unreadable)  # root reads any file: the refusal, simulated
+    assert _cli_error(capsys, runs["two"][0], tmp_path / "o").splitlines()[-1] == (
+        f"export_hf.py: error: {train_ckpt.step_dir(runs['two'][0], 2) / 'hf' / 'config.json'}: Permission denied "
+        f"(check the files' permissions and the disk)")
+    assert not (tmp_path / "o").exists()

@@ -122,9 +122,12 @@ def test_crafted_bytes_entry_is_refused_and_not_run(tmp_path):
     buf = io.BytesIO()
     torch.save(_Payload(marker), buf)
     buf.seek(0)
-    with pytest.raises(train_ckpt.UnsafeCheckpointError, match="param_groups.0.lr is not plain data"):
+    with pytest.raises(train_ckpt.UnsafeCheckpointError, match="param_groups.0.lr is not plain data") as refused:
         planner.load_bytes(item, buf)
     assert not marker.exists()
+    # what the pickle asked for, and never torch's advice to load it with weights_only=False (which runs it)
+    assert re.search(r"its pickle asks for \S+; a train.py checkpoint holds only numbers", str(refused.value))
+    assert "weights_only" not in str(refused.value) and "trust" not in str(refused.value)
     buf = io.BytesIO()
     torch.save({"lr": 1e-3, "betas": (0.9, 0.95), "params": ["a.weight"], "foreach": None}, buf)
     buf.seek(0)
@@ -143,7 +146,7 @@ def test_crafted_progress_is_refused_and_not_run(saved, tmp_path):
         train_ckpt.read_progress(path)
     (path / "progress.json").write_text(json.dumps({"step": "4"}))
     train_ckpt.write_manifest(path, 4)
-    with pytest.raises(train_ckpt.DamagedCheckpointError, match="integer 'step' and 'samples'"):
+    with pytest.raises(train_ckpt.InvalidProgressError, match="its progress.json holds step '4', not an integer"):
         train_ckpt.read_progress(path)
     assert not marker.exists()
 
@@ -342,7 +345,7 @@ def test_damaged_newest_is_skipped_and_resume_is_bit_identical(saved, tmp_path):
     partial = ckpt / "step_00000006"  # a save killed before DCP's .metadata: removed
     partial.mkdir()
     shutil.copy(shard, partial / "__0_0.distcp")
-    legacy = ckpt / "step_00000001"  # .metadata but no manifest (an older train.py): kept, never resumed
+    legacy = ckpt / "step_00000001"  # .metadata but no manifest (killed between the two): kept, never resumed
     shutil.copytree(ckpt / "step_00000002", legacy)
     (legacy / "manifest.json").unlink()
     log = tmp_path / "steps.jsonl"
@@ -355,7 +358,10 @@ def test_damaged_newest_is_skipped_and_resume_is_bit_identical(saved, tmp_path):
     got, want = _losses(log), saved[1]
     assert sorted(got) == [3]
     assert got[3] == pytest.approx(want[3], rel=LOSS_RTOL_RESUMED)
-    assert f"removing {partial}: an unfinished save" in err and f"warning: ignoring {legacy}: it has no" in err
+    assert f"removing {partial}: an unfinished save" in err
+    assert (f"warning: {legacy} is an interrupted save: DCP wrote its shards and .metadata, but the job stopped before "
+            f"the manifest.json train.py writes last, so it cannot be verified and is never resumed from; resumed from "
+            f"{ckpt / 'step_00000002'} instead") in err
     names = sorted(p.name for p in ckpt.glob("step_*"))
     # --keep 2 counts intact checkpoints only: steps 2 and 3 (the damaged 4 and the unverifiable 1 are not)
     assert names == ["step_00000001", "step_00000002", "step_00000003", "step_00000004"], names
