@@ -20,6 +20,7 @@ are -100, so the loss and every gradient are those of the unpadded batch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -45,7 +46,8 @@ def sequence_multiple(group=None, schedule: str = "balanced") -> int:
 
 
 # -- sharding a collated batch -------------------------------------------------------------------------------------
-def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int = 0) -> dict:
+def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int = 0,
+                 token_mask: bool = False) -> dict:
     """This rank's share of a collated Hugging Face causal-LM batch, of any total length (padded here).
 
     Three kinds of batch, the same on every rank of ``group``:
@@ -63,17 +65,18 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
         group: the sequence-parallel group (as for ``use_distattn``).
         schedule: the model's schedule (``use_distattn(model, group, schedule)``).
         pad_id: token id of the padding (any id: no real token sees it).
+        token_mask: also return ``"token_mask"``: 1 for this rank's tokens of the batch, 0 for the padding added here
+            (a padded batch's pad tokens are already gone), i.e. the tokens one process counts under the batch's
+            ``attention_mask`` (the MoE load-balancing loss counts those, ``load_balancing_loss``).
 
     Returns:
-        ``{"input_ids", "position_ids", "shift_labels"}``, this rank's ``(rows, n)`` tensors: call the model with
-        the first two and give ``shift_labels`` to ``causal_lm_loss``.
+        ``{"input_ids", "position_ids", "shift_labels"}`` (and ``"token_mask"``), this rank's ``(rows, n)`` tensors:
+        call the model with the first two and give ``shift_labels`` to ``causal_lm_loss``.
 
     Raises:
         ValueError: no ``input_ids``/``labels``, labels already shifted (``shift_labels``), or position ids that
             restart on a batch of more than one row.
     """
-    from distattn.integrations.hf import shard_batch
-
     ids, labels = batch.get("input_ids"), batch.get("labels")
     if ids is None or labels is None:
         raise ValueError(f"a sequence-parallel batch needs input_ids and labels (got keys {sorted(batch)}): use a "
@@ -85,22 +88,36 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
     if ids.dim() != 2 or labels.shape != ids.shape:
         raise ValueError(f"input_ids and labels must both be (batch, seq), got {tuple(ids.shape)} and "
                          f"{tuple(labels.shape)}")
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    padded = mask is not None and not bool(mask.bool().all())
+    flattened = not padded and positions is not None and _restarts(positions)
+    if flattened and (ids.shape[0] != 1 or positions.shape != ids.shape):
+        raise ValueError(f"position_ids that restart at 0 mean a flattened batch, which must be one row (1, T) "
+                         f"like input_ids; got position_ids {tuple(positions.shape)}, input_ids "
+                         f"{tuple(ids.shape)}: collate with DataCollatorWithFlattening")
+    rows = functools.partial(_shard_rows, labels=labels, mask=mask if padded else None,
+                             positions=positions if flattened else None, group=group, schedule=schedule)
+    out = rows(ids, pad_id=pad_id)
+    out = {key: out[key] for key in ("input_ids", "position_ids", "shift_labels")}
+    if token_mask:  # the same path on ones, padded with 0: the tokens land where the batch's do
+        out["token_mask"] = rows(torch.ones_like(ids), pad_id=0)["input_ids"]
+    return out
+
+
+def _shard_rows(ids, *, labels, mask, positions, group, schedule: str, pad_id: int) -> dict:
+    """``shard_batch`` on a dense (padded to the layout's multiple), padded (``mask``) or flattened
+    (``positions``) batch."""
+    from distattn.integrations.hf import shard_batch
+
     multiple = sequence_multiple(group, schedule)
     shard = dict(group=group, schedule=schedule, pad_id=pad_id)
-    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
-    if mask is not None and not bool(mask.bool().all()):
-        out = shard_batch(ids, labels, attention_mask=mask, **shard)
-    elif positions is not None and _restarts(positions):
-        if ids.shape[0] != 1 or positions.shape != ids.shape:
-            raise ValueError(f"position_ids that restart at 0 mean a flattened batch, which must be one row (1, T) "
-                             f"like input_ids; got position_ids {tuple(positions.shape)}, input_ids "
-                             f"{tuple(ids.shape)}: collate with DataCollatorWithFlattening")
+    if mask is not None:
+        return shard_batch(ids, labels, attention_mask=mask, **shard)
+    if positions is not None:
         ids, labels, positions = _pad_flattened(ids, labels, positions, multiple, pad_id)
-        out = shard_batch(ids, labels, position_ids=positions, **shard)
-    else:
-        tail = -ids.shape[1] % multiple
-        out = shard_batch(F.pad(ids, (0, tail), value=pad_id), F.pad(labels, (0, tail), value=IGNORE_INDEX), **shard)
-    return {key: out[key] for key in ("input_ids", "position_ids", "shift_labels")}
+        return shard_batch(ids, labels, position_ids=positions, **shard)
+    tail = -ids.shape[1] % multiple
+    return shard_batch(F.pad(ids, (0, tail), value=pad_id), F.pad(labels, (0, tail), value=IGNORE_INDEX), **shard)
 
 
 def _restarts(positions: torch.Tensor) -> bool:

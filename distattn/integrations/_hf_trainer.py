@@ -10,7 +10,9 @@ another ``Trainer`` subclass: ``class MyTrainer(SequenceParallelMixin, SFTTraine
    be the same on every rank of a group (``check_same_batches``: one all-reduce of a digest) before they are
    sharded (``shard_inputs``: dense, padded, or flattened ``position_ids``; any length);
 3. **the loss** is the step's token mean over all ranks, micro-batches and replicas, as one process computes it
-   (``get_batch_samples`` counts the step's targets; ``compute_loss`` sums the cross-entropy over the group);
+   (``get_batch_samples`` counts the step's targets; ``compute_loss`` sums the cross-entropy over the group), plus
+   an MoE model's router load-balancing loss (``output_router_logits=True``) over each micro-batch's whole sequence,
+   as one process adds it (``_hf_router``: the shards' expert counts and router-probability sums are all-reduced);
 4. **the gradient**: DDP (what ``Trainer`` wraps the model in under ``torchrun``) sums over the group and averages
    over the replicas (``distattn.register_ddp_gradient_hook``, registered on the wrapped model before its first
    backward);
@@ -33,6 +35,8 @@ from transformers import Trainer, TrainerCallback
 from distattn.gradients import register_ddp_gradient_hook
 from distattn.integrations._hf_data import (IGNORE_INDEX, ReplicaSampler, bounded_all_reduce, check_same_batches,
                                             replica_of_ranks, shard_inputs)
+from distattn.integrations._hf_router import (balancing_loss, balancing_sums, model_aux_mismatch, outputs_router_logits,
+                                              refuse_other_losses, router_loss_terms)
 from distattn.integrations._hf_tiling import global_mean
 from distattn.sharding import _world
 
@@ -169,7 +173,9 @@ class SequenceParallelMixin:
         group = self.sequence_parallel_group
         check_same_batches(batches, group, device=self._comm_device(),
                            what=f"optimizer step {self.state.global_step + 1}")
-        sharded = [shard_inputs(b, group, schedule=self.schedule, pad_id=self.pad_id) for b in batches]
+        mask = outputs_router_logits(self.model)  # the load-balancing loss counts the batch's tokens, not padding
+        sharded = [shard_inputs(b, group, schedule=self.schedule, pad_id=self.pad_id, token_mask=mask)
+                   for b in batches]
         for batch, shard in zip(batches, sharded):
             shard[_TOKENS_KEY] = self._input_tokens(batch)
         if not sharded:
@@ -230,30 +236,67 @@ class SequenceParallelMixin:
         """The step's token-mean loss: every rank of a group returns its replica's share, the same value; the
         backward of each rank gives its own tokens' part (``distattn.gradients`` sums them)."""
         if "shift_labels" not in inputs:  # a batch that did not come through get_batch_samples
-            inputs = shard_inputs(inputs, self.sequence_parallel_group, schedule=self.schedule, pad_id=self.pad_id)
+            inputs = shard_inputs(inputs, self.sequence_parallel_group, schedule=self.schedule, pad_id=self.pad_id,
+                                  token_mask=outputs_router_logits(self.model))
         outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
         labels = inputs["shift_labels"].to(outputs.logits.device)
         local_sum = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(),
                                     ignore_index=IGNORE_INDEX, reduction="sum")
+        across = (num_items_in_batch is not None and self.args.average_tokens_across_devices
+                  and self.args.world_size > 1)
+        router = self._router_loss(model, outputs, inputs.get("token_mask"), across)
         if num_items_in_batch is None:
-            loss = global_mean(local_sum, labels, self.sequence_parallel_group)  # this micro-batch's mean
+            loss = global_mean(local_sum, labels, self.sequence_parallel_group) + router  # this micro-batch's mean
         else:
-            loss = self._step_mean(local_sum, num_items_in_batch)
+            loss = self._step_mean(local_sum, num_items_in_batch, router)
         return (loss, outputs) if return_outputs else loss
 
-    def _step_mean(self, local_sum: torch.Tensor, count) -> torch.Tensor:
-        """``replicas * (the group's sum) / count``, differentiated as ``replicas * local_sum / count``.
+    def _step_mean(self, local_sum: torch.Tensor, count, router=0.0) -> torch.Tensor:
+        """``replicas * ((the group's sum) / count + router)``, differentiated as ``replicas * (local_sum / count +
+        router)``.
 
         With ``average_tokens_across_devices`` the count covers all replicas and DDP (with distattn's hook) divides
         the gradient by the replicas, so the factor ``D`` gives one process's ``sum / count``; ``Trainer`` averages
-        the logged value over all ranks, which is the same ``sum / count``."""
+        the logged value over all ranks, which is the same ``sum / count``. ``router``: ``_router_loss``'s term."""
         total = local_sum.detach().double().reshape(1)
         if self.sequence_parallel_size > 1:
             bounded_all_reduce(total, self.sequence_parallel_group, "summing the step's loss")
         replicas = len(set(self._replica)) if self.args.average_tokens_across_devices else 1
         count = torch.as_tensor(count, dtype=torch.float64, device=local_sum.device).clamp(min=1.0)
         value = (total[0] / count).float() + (local_sum - local_sum.detach()) / count.float()
-        return value * replicas
+        return (value + router) * replicas
+
+    def _router_loss(self, model, outputs, token_mask, across_replicas: bool):
+        """``coef * aux``, the model's load-balancing loss over the micro-batch's whole sequence (``_hf_router``), as
+        the model adds it to its loss on one process; 0 for a model that returns no ``aux_loss``.
+
+        ``across_replicas`` (``average_tokens_across_devices``): the sums cover every replica's tokens, as one
+        process sees the replicas' batches together, and the value is ``coef * aux / D`` (``_step_mean`` multiplies
+        by ``D``; ``Trainer`` averages over the ranks); else this group's tokens, each replica its own ``aux``.
+        The gradient is this rank's share either way. The model's own ``aux_loss`` (of this rank's rows) is held to
+        the same formula on them: a model that computes another loss is refused on every rank."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        refuse_other_losses(unwrapped, outputs)
+        if getattr(outputs, "aux_loss", None) is None:
+            return 0.0
+        terms, logits = router_loss_terms(unwrapped), getattr(outputs, "router_logits", None)
+        if not logits:
+            raise ValueError(f"{type(unwrapped).__name__} returns an aux_loss but no router_logits, so distattn "
+                             f"cannot form it over the whole sequence; build it with output_router_logits=False")
+        counts, probs, rows = balancing_sums(logits, terms.top_k, token_mask)
+        own = model_aux_mismatch(outputs.aux_loss, logits, terms.top_k, token_mask, (counts, probs, rows))
+        totals = torch.cat([counts.detach(), probs.detach(), rows.reshape(1), own.reshape(1)]).double()
+        if across_replicas:
+            bounded_all_reduce(totals, None, "summing the router's load-balancing statistics")
+        elif self.sequence_parallel_size > 1:
+            bounded_all_reduce(totals, self.sequence_parallel_group, "summing the router's load-balancing statistics")
+        if float(totals[-1]):
+            raise ValueError(f"{type(unwrapped).__name__}'s aux_loss is not transformers' load-balancing loss of its "
+                             f"router_logits with top_k={terms.top_k} (on {int(totals[-1])} ranks), so distattn "
+                             f"cannot form it over the whole sequence; build it with output_router_logits=False")
+        aux, share = balancing_loss(counts, probs, rows, totals[:-1])
+        replicas = len(set(self._replica)) if across_replicas else 1
+        return terms.coef * ((aux / replicas).float() + (share - share.detach()))
 
 
 class _SamplerEpoch(TrainerCallback):

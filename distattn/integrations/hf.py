@@ -67,6 +67,9 @@ over 4096-token tiles, keeping only its input for backward; ``tile_loss(model, t
 ``(batch, n, vocab)`` logits (``tiled_causal_lm_loss(hidden, head, labels)`` for your own loop). Both compose with
 either checkpointing.
 
+MoE models (``output_router_logits=True``): ``load_balancing_loss(outputs.router_logits, top_k, token_mask, group)``
+is the router's load-balancing loss over the whole sequence (``_hf_router``; ``SequenceParallelTrainer`` adds it).
+
 Not supported (each raises ``ValueError`` at the first forward): padding masks and prepared 4-D masks, attention
 dropout in training, and generation with a KV cache (``use_distattn`` sets ``config.use_cache = False``).
 """
@@ -89,6 +92,7 @@ from distattn.integrations._hf_packing import (NO_PADDING_FIX, cu_seq_lens_docum
 from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, tiled_causal_lm_loss
 from distattn.integrations._hf_checkpointing import enable_remat_checkpointing, offload_checkpoints
 from distattn.integrations._hf_data import ReplicaSampler, check_same_batches, shard_inputs
+from distattn.integrations._hf_router import load_balancing_loss
 from distattn.schedule import SCHEDULES
 from distattn.packing import (Packed, cu_seqlens_from_position_ids, pack_padded, pack_sequences,
                               shift_labels_by_document)
@@ -100,7 +104,8 @@ from distattn.topology import split as _split_group
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "offload_checkpoints",
            "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "tiled_causal_lm_loss", "tile_loss", "tile_mlp",
-           "shard_inputs", "check_same_batches", "ReplicaSampler", "SequenceParallelTrainer", "SequenceParallelMixin"]
+           "shard_inputs", "check_same_batches", "ReplicaSampler", "SequenceParallelTrainer", "SequenceParallelMixin",
+           "load_balancing_loss"]
 _TRAINER = ("SequenceParallelTrainer", "SequenceParallelMixin")  # import transformers.Trainer only when asked for
 
 
