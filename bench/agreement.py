@@ -30,7 +30,8 @@ import torch.distributed as dist  # noqa: E402
 
 import distattn  # noqa: E402
 from distattn import agreement  # noqa: E402
-from distattn.comm import communicator, default_timeout  # noqa: E402
+from distattn.comm import default_timeout  # noqa: E402
+from distattn.communicators import open_call  # noqa: E402
 
 
 def _parse(argv=None):
@@ -64,14 +65,13 @@ def _check_only(q, k, v, iters: int) -> float:
     from distattn.attention import DistAttnConfig
 
     cfg = DistAttnConfig(causal=True, scale=q.shape[-1] ** -0.5, backend="torch")
-    comm = communicator(None, default_timeout())
     cpu = torch.device("cpu")
     times = []
     for _ in range(iters):
         dist.barrier()
         start = time.perf_counter()
-        fields = agreement.call_fields("forward", comm.next_call(), {"q": q, "k": k, "v": v},
-                                       cfg.fingerprint_fields())
+        comm, seq = open_call(None, default_timeout())
+        fields = agreement.call_fields("forward", seq, {"q": q, "k": k, "v": v}, cfg.fingerprint_fields())
         agreement.agree(comm, fields, cpu, default_timeout(), "bench")
         agreement.confirm(comm, cpu, default_timeout(), "bench")
         times.append(_slowest(time.perf_counter() - start))

@@ -29,6 +29,7 @@ from distattn.api_packed import (
 )
 from distattn.checkpoint import remat_checkpoint
 from distattn.comm import DistAttnError
+from distattn.communicators import set_step
 from distattn.gradients import reduce_gradients, register_ddp_gradient_hook, set_fsdp_gradient_divide_factor
 from distattn.sharding import gather_sequence, shard_sequence
 from distattn.topology import make_2d_groups
@@ -36,7 +37,7 @@ from distattn.tune import autotune
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func",
            "shard_sequence", "gather_sequence", "make_2d_groups", "choose_schedule", "remat_checkpoint", "DistAttnError",
-           "autotune", "reduce_gradients", "register_ddp_gradient_hook", "set_fsdp_gradient_divide_factor",
+           "set_step", "autotune", "reduce_gradients", "register_ddp_gradient_hook", "set_fsdp_gradient_divide_factor",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_varlen_kvpacked_func", "dist_flash_attn_qkvpacked_func", "dist_flash_attn_kvpacked_func",
            "dist_flash_attn_varlen_qkvpacked_func", "dist_flash_attn_varlen_kvpacked_func"]

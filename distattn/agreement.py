@@ -9,7 +9,8 @@ are equal on every rank exactly when all ranks hashed the same description. Only
 rank sees, do the ranks all-gather their descriptions, so every rank raises the same ``ValueError`` listing
 each rank's value of every field that differs.
 
-What is checked is one dict: the call's shapes, dtypes, device type, phase and sequence number, plus
+What is checked is one dict: the call's shapes, dtypes, device type, phase and position (``distattn.communicators``:
+the call's place in the process's calls on the group, across failures and rebuilds, within the declared step), plus
 ``DistAttnConfig.fingerprint_fields()`` (the options and any mask metadata the config carries). A new field
 is covered by adding it there.
 
@@ -29,7 +30,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from distattn.comm import Communicator, all_gather_text, bounded_wait
+from distattn._bounded import DistAttnError, all_gather_text, bounded_wait
+from distattn.communicators import Communicator, describe
 
 __all__ = ["CHECK_ENV", "enabled", "call_fields", "rejected_fields", "rejection", "agree", "confirm"]
 
@@ -81,8 +83,12 @@ def _hash63(text: str) -> int:
 def agree(comm: Communicator, fields: dict, device: torch.device, timeout: float, where: str) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks of ``comm`` passed equal ``fields``.
 
+    The call's position is checked too (``fields["call"]`` is replaced by it): ranks at different positions raise
+    ``DistAttnError`` (see ``out_of_step``).
+
     ``device``: where the collective's tensors live (the call's device on NCCL, CPU otherwise).
     """
+    fields = {**fields, "call": describe(comm.position)}
     text = json.dumps(fields, default=str)
     h = _hash63(text)
     both = torch.tensor([h, -h], dtype=torch.int64, device=device)
@@ -94,11 +100,21 @@ def agree(comm: Communicator, fields: dict, device: torch.device, timeout: float
     everyone = [json.loads(t) for t in _all_gather_text(comm, text, device, timeout, where)]
     rejected = rejection(everyone)
     if any(fields.get("call") != everyone[0].get("call") for fields in everyone):
-        # Ranks out of step (one skipped a call): every rank sees this; all continue from the highest number
-        # (and an owned communicator is rebuilt at the next call), so the next call agrees again.
-        comm.seq = max(fields["call"] for fields in everyone)
+        # Ranks at different calls: pairing them would pair different batches. Every rank fails this call and
+        # aborts, which raises the given-up mark to its position: the ranks behind fail, at once, the calls their
+        # peers already gave up, and the next calls agree again.
         comm.abort()
+        raise out_of_step(everyone)
     raise rejected if rejected is not None else ValueError(describe_mismatch(everyone))
+
+
+def out_of_step(per_rank: list[dict]) -> DistAttnError:
+    """The error of ranks at different positions (identical on every rank)."""
+    where = ", ".join(f"rank {r}: {fields.get('call')}" for r, fields in enumerate(per_rank))
+    return DistAttnError(f"distattn: the ranks of the group are at different calls ({where}): a rank came back from a "
+                         f"failure behind its peers, or the ranks' programs made different calls. Every rank fails this "
+                         f"call; the ranks behind then fail the calls their peers gave up, at once, so that the next "
+                         f"calls pair the same batches again (distattn.set_step realigns ranks at every step)")
 
 
 def confirm(comm: Communicator, device: torch.device, timeout: float, where: str) -> None:

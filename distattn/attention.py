@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from distattn import agreement, kernels
-from distattn.comm import DEFAULT_TIMEOUT_S, DistAttnError, PeerExchange, communicator
+from distattn.comm import DEFAULT_TIMEOUT_S, DistAttnError, PeerExchange
+from distattn.communicators import describe, open_call
 from distattn.schedule import PARTIALS, SCHEDULES, MaskSpec, Plan, Task, Transfer, local_bounds, make_plan
 from distattn.topology import topology
 
@@ -130,8 +131,8 @@ class _Executor:
 
     def _connect(self, device) -> None:
         """This call's exchange on the library's communicator for the group (built on first use)."""
-        self.lib = communicator(self.cfg.group, self.cfg.timeout)
-        self.seq = self.lib.next_call()
+        self.lib, self.seq = open_call(self.cfg.group, self.cfg.timeout)  # seq: the call's tag number
+        self.call = describe(self.lib.position)  # "call k" (of step s): for messages
         self.comm = PeerExchange(self.lib.fetch, device, timeout=self.cfg.timeout,
                                  call=self.seq, return_group=self.lib.ret)
 
@@ -140,12 +141,12 @@ class _Executor:
 
         A communicator that the peers abandoned while this rank was away (stalled, or late to this call) fails the
         check at once ("connection closed"): the call was given up by the others, so it raises here, once, saying
-        so (pairing it with the peers' next call would pair different batches); the next call joins the peers'
-        rebuild (``distattn.comm``: the epoch protocol).
+        so (pairing it with the peers' next call would pair different batches); the next calls fail at once the
+        calls the peers gave up meanwhile, then join their rebuild (``distattn.communicators``: positions and epochs).
         """
         if not agreement.enabled():
             return
-        where = f"{self.phase} call {self.seq}, before step 0"
+        where = f"{self.phase} {self.call}, before step 0"
         fields = agreement.call_fields(self.phase, self.seq, self.checked, self.cfg.fingerprint_fields())
         try:
             agreement.agree(self.lib, fields, self._collective_device(), self.cfg.timeout, where)
@@ -156,8 +157,8 @@ class _Executor:
                 raise
             raise DistAttnError(f"distattn: rank {self.rank}, {where}: the other ranks abandoned the library's "
                                 f"communicators (epoch {self.lib.epoch}) after a failure or a timeout, e.g. while this "
-                                f"rank was stalled; this call fails here, once, and the next call joins their "
-                                f"rebuild") from None
+                                f"rank was stalled; this call fails here, and so will, at once, the later calls they "
+                                f"gave up meanwhile; then this rank joins their rebuild, in step") from None
 
     def _collective_device(self) -> torch.device:
         return self.device if self.lib.nccl else torch.device("cpu")
@@ -255,7 +256,7 @@ class _Executor:
             self._run(*handlers, **named)
             if agreement.enabled():
                 agreement.confirm(self.lib, self._collective_device(), self.cfg.timeout,
-                                  f"{self.phase} call {self.seq}, after the last step")
+                                  f"{self.phase} {self.call}, after the last step")
         except BaseException as exc:
             self._abort()
             if not isinstance(exc, DistAttnError):
@@ -279,7 +280,7 @@ class _Executor:
         fetched = {0: fetch(0)} if self.cfg.overlap else {}
         returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
         for t in range(steps):
-            self.step, self.comm.where = t, f"{phase} call {self.seq}, step {t} of {steps}"
+            self.step, self.comm.where = t, f"{phase} {self.call}, step {t} of {steps}"
             if not self.cfg.overlap:
                 fetched[t] = fetch(t)
             elif t + 1 < steps:  # prefetch: the next step's inputs travel while this step computes
@@ -365,9 +366,8 @@ def reject_call(group, phase: str, error: Exception, timeout: float, device: tor
 
 
 def _reject_flat(group, phase: str, error: Exception, timeout: float, device):
-    lib = communicator(group, timeout)
-    seq = lib.next_call()
-    where = f"{phase} call {seq}, before step 0 (this rank's input failed validation)"
+    lib, seq = open_call(group, timeout)
+    where = f"{phase} {describe(lib.position)}, before step 0 (this rank's input failed validation)"
     own = agreement.rejected_fields(phase, seq, error)
     collective = device if (device is not None and lib.nccl) else torch.device("cpu")
     try:

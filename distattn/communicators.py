@@ -20,6 +20,19 @@ equally often, is called by all ranks or by none). A rank that does not arrive w
 fails without touching the groups; the next call tries the same epoch again. A rank that was away (stalled) while
 its peers abandoned its call finds the mark when its call fails, raises once saying so, and joins the rebuild at its
 next call.
+
+Every call has a *position* (issue 35): ``(step, k)``, the k-th call this process made on the group since the step
+the user declared last (``distattn.set_step``; without one, the k-th call of the process). Every call takes its
+position first, before anything can fail, so a call that fails takes one too, and positions never restart with an
+epoch. When every call either succeeds on every rank or fails on every rank, the same position is the same point of
+the same program on every rank: the same batch. The agreement covers the position, so two ranks at different points
+(a stalled rank whose peers went on to later batches meanwhile) fail together instead of pairing different batches.
+And they come back in step: a rank that fails a call aborts its groups and raises the job's *given-up mark* (the
+latest position a rank gave up, in the store) to that call's position; a rank whose communicator must be rebuilt
+first reads the mark, and a call at or below it fails at once, without any communication ("behind": the peers gave
+that call up while this rank was away). A loop that skips (or retries) a failed batch therefore skips the same
+batches on every rank. The rendezvous of an epoch compares positions too: the ranks build the new groups only when
+all arrive at the same position, and a rank that finds a peer ahead leaves and fails its call as behind.
 """
 
 from __future__ import annotations
@@ -34,7 +47,65 @@ import torch.distributed as dist
 from distattn._bounded import REBUILD_TIMEOUT_ENV, DistAttnError, rebuild_timeout
 from distattn._compat import keeps_order, new_group_in_order
 
-__all__ = ["Communicator", "communicator"]
+__all__ = ["Communicator", "communicator", "open_call", "set_step", "current_step"]
+
+TAG_CALLS_PER_STEP = 1 << 16
+"""Tag numbers of the calls of one declared step: a step's k-th call is tagged ``step * 2^16 + k`` (a batch makes a
+few hundred calls), so consecutive calls never share a tag."""
+
+_STEP: list = [None]  # the step the user declared last (``set_step``), for every group
+
+
+def set_step(step: int) -> None:
+    """Declare the step (batch) the calls that follow belong to: the same on every rank, never decreasing.
+
+    Optional. Every call's position is ``(step, k)``, its rank in the step; the ranks' positions are checked equal
+    before any transfer, and after a failure a rank that comes back behind its peers fails the calls they gave up
+    (``distattn.communicators``). Without a declared step the position is the process's call count, which keeps the
+    ranks aligned as long as they all make the same calls; a declared step also realigns ranks whose programs made
+    different numbers of calls in an earlier step (one rank skipped a call). A loop that skips failed batches
+    declares the batch's index (counting the skipped ones); the same index again for a retried batch is fine.
+    """
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"distattn.set_step: step must be an int (the batch's index), not {type(step).__name__}")
+    if step < 0 or (_STEP[0] is not None and step < _STEP[0]):
+        last = "" if _STEP[0] is None else f" (the last declared step was {_STEP[0]})"
+        raise ValueError(f"distattn.set_step: step {step} must be >= 0 and never decrease{last}: count the batches "
+                         f"across epochs, as a global step does")
+    _STEP[0] = step
+
+
+def current_step() -> int | None:
+    """The step declared last with ``set_step`` (``None``: none)."""
+    return _STEP[0]
+
+
+class _Calls:
+    """This process's calls on one user group, across the epochs of its communicators: the communicator of the
+    current epoch, and the position ``(step, k)`` of the latest call (step -1: none declared)."""
+
+    def __init__(self):
+        self.comm: Communicator | None = None
+        self.step, self.k = -1, 0
+
+    def take(self) -> tuple[int, int]:
+        """The position of a new call."""
+        step = -1 if _STEP[0] is None else _STEP[0]
+        if step != self.step:
+            self.step, self.k = step, 0
+        self.k += 1
+        return self.step, self.k
+
+
+def _tag_number(position: tuple[int, int]) -> int:
+    step, k = position
+    return k if step < 0 else step * TAG_CALLS_PER_STEP + k
+
+
+def describe(position: tuple[int, int]) -> str:
+    """``"call 7"``, or ``"call 3 of step 12"`` once steps are declared."""
+    step, k = position
+    return f"call {k}" if step < 0 else f"call {k} of step {step}"
 
 
 class Communicator:
@@ -42,8 +113,8 @@ class Communicator:
 
     ``fetch`` carries the fetch rounds and the agreement check, ``ret`` the return rounds: on NCCL two groups
     (two communicators, each on a high-priority stream where the API offers it, so returns never queue behind
-    fetches); elsewhere one group serves both. ``seq`` numbers the calls made on this communicator (message
-    tags and the agreement fingerprint carry it).
+    fetches); elsewhere one group serves both. ``position`` is the latest call's ``(step, k)`` and ``seq`` its tag
+    number (message tags carry it): both belong to the process's calls on the user's group and go on across epochs.
 
     ``dist.new_group`` is a collective: every member must reach it equally often, which is why it is called by
     the first distattn call (or the first after an abort), and only after every rank has arrived at the same
@@ -54,14 +125,15 @@ class Communicator:
     the library's groups, when the user's group is collected (``communicator``).
     """
 
-    def __init__(self, group, timeout: float, *, epoch: int = 0, join_timeout: float | None = None):
+    def __init__(self, group, timeout: float, calls: _Calls, *, epoch: int = 0, join_timeout: float | None = None):
+        self.calls = calls
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         backend = str(dist.get_backend(group))
         self.nccl = "nccl" in backend
         self.epoch = epoch
-        self.name = "default" if group is None else str(getattr(group, "group_name", "") or ranks)
+        self.name = _group_name(group, ranks)
         # Own groups only for a group spanning the whole job: dist.new_group names a group after a counter that
         # every process of the job advances (so all must call it), or, with use_local_synchronization, after a
         # hash that includes how many groups the calling process has, which differs between the members of a
@@ -71,13 +143,13 @@ class Communicator:
         # keep an unsorted order, see distattn._compat, has the user's group serve as for a subgroup).
         self.owned = len(ranks) == dist.get_world_size() and keeps_order(ranks)
         self.fetch = self.ret = None
-        self.seq = 0
         self.aborted = False
         self.timeout = timeout
         if not self.owned:
             self.fetch = self.ret = group
             return
-        _Rendezvous(self.name, epoch, self.rank, self.world_size).join(timeout if join_timeout is None else join_timeout)
+        _Rendezvous(self.name, epoch, self.rank, self.world_size).join(timeout if join_timeout is None else join_timeout,
+                                                                       self.position)
         if self.nccl:
             kw = dict(ranks=ranks, timeout=_group_timeout(timeout, True), backend=backend)
             options = _nccl_options() if backend == "nccl" else None  # a mixed backend takes no NCCL options
@@ -95,10 +167,19 @@ class Communicator:
                 g.set_timeout(_group_timeout(timeout, self.nccl))
             self.timeout = timeout
 
-    def next_call(self) -> int:
-        """The sequence number of a new call on this communicator."""
-        self.seq += 1
-        return self.seq
+    @property
+    def position(self) -> tuple[int, int]:
+        """The latest call's ``(step, k)`` (see the module doc)."""
+        return self.calls.step, self.calls.k
+
+    @property
+    def seq(self) -> int:
+        """The latest call's tag number: its k without declared steps, ``step * 2^16 + k`` with them."""
+        return _tag_number(self.position)
+
+    @seq.setter
+    def seq(self, value: int) -> None:  # as after ``value`` calls (tests of tags past 2^31)
+        self.calls.k = value - (0 if self.calls.step < 0 else self.calls.step * TAG_CALLS_PER_STEP)
 
     def abandoned_by_peers(self) -> bool:
         """Whether a rank of the group has abandoned this epoch (aborted its groups after a failure)."""
@@ -111,6 +192,8 @@ class Communicator:
         if self.aborted:
             return
         self.aborted = True
+        # this call failed here: the peers behind fail it too
+        _quietly(_GivenUp(self.name).raise_to, self.position, f"group rank {self.rank} failed it and aborted")
         if not self.owned:
             return  # the user's group: never aborted (its peers fail at their own timeout)
         _quietly(_Rendezvous(self.name, self.epoch, self.rank, self.world_size).abandon, self.seq)
@@ -135,29 +218,42 @@ class Communicator:
 class _Rendezvous:
     """One epoch's meeting point in the job's store, before ``dist.new_group`` (see the module doc).
 
-    The key ``distattn/<group>/e<epoch>/arrived`` holds the sorted ranks that are waiting, or ``go`` once all have
-    arrived. Every change is a compare-and-set, so arriving, giving up and the switch to ``go`` are atomic: a rank
-    that gives up either leaves the set before ``go`` (and no rank calls ``new_group``) or finds ``go`` and goes on
-    with the others. ``abandoned`` marks the epoch given up after a failure (value: the failed call's number)."""
+    The key ``distattn/<group>/e<epoch>/arrived`` holds the ranks that are waiting, each with the position of its
+    call (``rank=step:k``), or ``go`` once all have arrived at the same position. Every change is a compare-and-set,
+    so arriving, giving up and the switch to ``go`` are atomic: a rank that gives up either leaves the set before
+    ``go`` (and no rank calls ``new_group``) or finds ``go`` and goes on with the others. A rank that finds a peer
+    waiting at a later position, or the given-up mark at or past its own, leaves: its call is behind (``Behind``).
+    ``abandoned`` marks the epoch given up after a failure (value: the failed call's number)."""
 
     POLL_S = 0.005
+    MARK_POLL_S = 0.05  # how often a waiting rank reads the given-up mark (a peer gave up while it waited)
 
     def __init__(self, name: str, epoch: int, rank: int, world_size: int):
         self.prefix = f"distattn/{name}/e{epoch}"
+        self.name = name
         self.rank, self.world_size, self.epoch = rank, world_size, epoch
         self.store = _job_store()
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float, position: tuple[int, int]) -> None:
         key = f"{self.prefix}/arrived"
-        state = self._update(key, lambda ranks: ranks | {self.rank})
-        deadline = time.monotonic() + timeout
+        given_up = _GivenUp(self.name, self.store)
+        state = self._update(key, lambda waiting: waiting if _ahead(waiting, position) else {**waiting,
+                                                                                            self.rank: position})
+        deadline, next_mark = time.monotonic() + timeout, 0.0
         while state != "go":
-            if time.monotonic() > deadline:
-                present = _ranks(state)
-                state = self._update(key, lambda ranks: ranks - {self.rank})
+            waiting = _waiting(state)
+            ahead = _ahead(waiting, position)
+            late = Behind(self.rank, position, max(ahead.values()), given_up.read()[1]) if ahead else None
+            if late is None and time.monotonic() > next_mark:
+                next_mark = time.monotonic() + self.MARK_POLL_S
+                late = given_up.check(self.rank, position)
+            if late is not None or time.monotonic() > deadline:
+                state = self._update(key, lambda w: {r: p for r, p in w.items() if r != self.rank})
                 if state == "go":  # everyone arrived while this rank was giving up: go on with them
                     break
-                missing = sorted(set(range(self.world_size)) - present)
+                if late is not None:
+                    raise late
+                missing = sorted(set(range(self.world_size)) - set(waiting))
                 what = "build" if self.epoch == 0 else f"rebuild (epoch {self.epoch}, after a failed call)"
                 raise DistAttnError(f"distattn: rank {self.rank}: group rank(s) {missing} did not arrive at the {what} "
                                     f"of the library's communicators within {timeout:g} s: they are gone (dead) or "
@@ -170,8 +266,9 @@ class _Rendezvous:
     def _update(self, key: str, change) -> str:
         current = self.store.get(key).decode() if self.store.check([key]) else ""
         while current != "go":
-            ranks = change(_ranks(current))
-            new = "go" if len(ranks) == self.world_size else ",".join(map(str, sorted(ranks)))
+            waiting = change(_waiting(current))
+            done = len(waiting) == self.world_size and len(set(waiting.values())) == 1
+            new = "go" if done else ",".join(f"{r}={p[0]}:{p[1]}" for r, p in sorted(waiting.items()))
             got = self.store.compare_set(key, current, new).decode()
             if got == new:
                 return new
@@ -185,8 +282,81 @@ class _Rendezvous:
         return self.store.check([f"{self.prefix}/abandoned"])
 
 
-def _ranks(state: str) -> set[int]:
-    return {int(r) for r in state.split(",") if r} if state not in ("", "go") else set()
+def _waiting(state: str) -> dict[int, tuple[int, int]]:
+    """The ranks waiting at a rendezvous and their positions (``rank=step:k,...``)."""
+    if state in ("", "go"):
+        return {}
+    out = {}
+    for entry in state.split(","):
+        rank, _, pos = entry.partition("=")
+        step, _, k = pos.partition(":")
+        out[int(rank)] = (int(step), int(k))
+    return out
+
+
+def _ahead(waiting: dict, position: tuple[int, int]) -> dict:
+    return {r: p for r, p in waiting.items() if p > position}
+
+
+class _GivenUp:
+    """The given-up mark of a group (``distattn/<group>/given-up`` in the job's store): the latest position at which
+    some rank failed a call (aborted, or found a peer missing at a rebuild), with why (``step:k|why``). It only grows
+    (compare-and-set)."""
+
+    def __init__(self, name: str, store=None):
+        self.key = f"distattn/{name}/given-up"
+        self.store = _job_store() if store is None else store
+
+    def read(self) -> tuple[tuple[int, int], str]:
+        if not self.store.check([self.key]):
+            return (-2, 0), ""  # below every position
+        return _parse_mark(self.store.get(self.key).decode())
+
+    def check(self, rank: int, position: tuple[int, int]) -> DistAttnError | None:
+        """The error of a call at ``position`` that a peer already gave up (``None``: none did)."""
+        mark, why = self.read()
+        if mark > position:
+            return Behind(rank, position, mark, why)
+        if mark == position:  # a peer at this very call gave it up (e.g. a rank missing at the rebuild)
+            return DistAttnError(f"distattn: rank {rank}: another rank of the group gave {describe(position)} up, so it "
+                                 f"fails here too: {why}", timed_out="did not arrive" in why)
+        return None
+
+    def raise_to(self, position: tuple[int, int], why: str) -> None:
+        current = self.store.get(self.key).decode() if self.store.check([self.key]) else ""
+        new = f"{position[0]}:{position[1]}|{why}"
+        while not current or _parse_mark(current)[0] < position:
+            got = self.store.compare_set(self.key, current, new).decode()
+            if got == new:
+                return
+            current = got
+
+
+def _parse_mark(value: str) -> tuple[tuple[int, int], str]:
+    pos, _, why = value.partition("|")
+    step, _, k = pos.partition(":")
+    return (int(step), int(k)), why
+
+
+class Behind(DistAttnError):
+    """This rank's call is at or below a position its peers already gave up (it was away: stalled, or slower to
+    recover): it fails at once, with no communication, so that every rank fails the same calls."""
+
+    def __init__(self, rank: int, position: tuple[int, int], given_up: tuple[int, int], why: str = ""):
+        super().__init__(f"distattn: rank {rank}: {describe(position)} was already given up by the other ranks of the "
+                         f"group (they failed calls up to {describe(given_up)} while this rank was away: stalled, or "
+                         f"slower to recover from a failure); it fails here too, at once, so that every rank fails the "
+                         f"same calls and the next batches pair up again (a loop that skips or retries failed batches "
+                         f"is back in step after the calls up to {describe(given_up)})"
+                         + (f". The latest they gave up: {why}" if why else ""))
+        self.position, self.given_up = position, given_up
+
+
+def _group_name(group, ranks=None) -> str:
+    """The name every rank gives the group's keys in the job's store."""
+    if group is None:
+        return "default"
+    return str(getattr(group, "group_name", "") or (ranks if ranks is not None else dist.get_process_group_ranks(group)))
 
 
 def _job_store():
@@ -221,40 +391,66 @@ def _nccl_options():
         return None
 
 
-_DEFAULT: list[Communicator] = []  # the default group's communicator, if built
-_BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # user group -> [its communicator]
+_DEFAULT = _Calls()  # the default group's calls and communicator
+_BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # user group -> its _Calls
+
+
+def _calls_of(group) -> _Calls:
+    if group is None:
+        return _DEFAULT
+    calls = _BY_GROUP.get(group)
+    if calls is None:
+        calls = _BY_GROUP[group] = _Calls()
+        weakref.finalize(group, _free_calls, calls)  # the user's group collected: free the library's too
+    return calls
+
+
+def open_call(group, timeout: float) -> tuple[Communicator, int]:
+    """Start a call on ``group``: its position is taken first (so a call that fails below has one too), then the
+    library's communicator for the group is returned, (re)built if the last one was aborted; with the call's tag
+    number. A rebuild first reads the given-up mark: a call the peers already gave up fails at once (``Behind``);
+    a rebuild that fails raises the mark to this call (the peers behind fail it too)."""
+    calls = _calls_of(group)
+    position = calls.take()
+    if calls.comm is None or calls.comm.aborted:
+        _rebuild(group, calls, timeout, position)
+    calls.comm.set_timeout(timeout)
+    return calls.comm, calls.comm.seq
 
 
 def communicator(group, timeout: float) -> Communicator:
-    """The library's communicator for ``group``: cached while ``group`` lives (its groups are freed when the user's
-    group is collected, so a new group per call leaves nothing behind); (re)built after an abort, at the next
-    epoch (a collective, see the module doc)."""
-    holder = _DEFAULT if group is None else _BY_GROUP.get(group)
-    comm = holder[0] if holder else None
-    if comm is None or comm.aborted:
-        epoch = 0 if comm is None else comm.epoch + 1
-        join = timeout if comm is None else min(timeout, rebuild_timeout())
-        try:
-            fresh = Communicator(group, timeout, epoch=epoch, join_timeout=join)
-        except DistAttnError:
+    """The library's communicator for ``group`` without starting a call: cached while ``group`` lives (its groups are
+    freed when the user's group is collected, so a new group per call leaves nothing behind); built at the latest
+    call's position if there is none yet (a collective: every rank must ask)."""
+    calls = _calls_of(group)
+    if calls.comm is None or calls.comm.aborted:
+        _rebuild(group, calls, timeout, (calls.step, calls.k))
+    calls.comm.set_timeout(timeout)
+    return calls.comm
+
+
+def _rebuild(group, calls: _Calls, timeout: float, position: tuple[int, int]) -> None:
+    """The communicator of the next epoch (the first: epoch 0), met at ``position`` (see the module doc)."""
+    old = calls.comm
+    epoch = 0 if old is None else old.epoch + 1
+    join = timeout if old is None else min(timeout, rebuild_timeout())
+    given_up = _GivenUp(_group_name(group))
+    rank = dist.get_rank(group)
+    late = given_up.check(rank, position)
+    if late is not None:
+        raise late
+    try:
+        calls.comm = Communicator(group, timeout, calls, epoch=epoch, join_timeout=join)
+    except BaseException as exc:
+        # the peers that arrive later fail this call too (a no-op when a peer gave it up first)
+        _quietly(given_up.raise_to, position, str(exc).removeprefix("distattn: "))
+        if isinstance(exc, (DistAttnError, KeyboardInterrupt, SystemExit)):
             raise
-        except Exception as exc:  # noqa: BLE001 - a peer that never arrives: a bounded, named failure
-            raise DistAttnError(f"distattn: rank {dist.get_rank(group)} could not build the library's "
-                                f"communicators within {timeout:g} s (every rank of the group must make the "
-                                f"same distattn call): {exc}") from exc
-        if comm is not None and not fresh.owned:
-            fresh.seq = comm.seq  # the same group again: tags keep growing, no stale message can match
-        if holder is None:
-            holder = []
-            _BY_GROUP[group] = holder
-            weakref.finalize(group, _free_holder, holder)  # the user's group collected: free the library's too
-        holder[:] = [fresh]
-        comm = fresh
-    comm.set_timeout(timeout)
-    return comm
+        raise DistAttnError(f"distattn: rank {rank} could not build the library's communicators within {timeout:g} s "
+                            f"(every rank of the group must make the same distattn call): {exc}") from exc
 
 
-def _free_holder(holder: list) -> None:
-    for comm in holder:
-        _quietly(comm.free)
-    holder.clear()
+def _free_calls(calls: _Calls) -> None:
+    if calls.comm is not None:
+        _quietly(calls.comm.free)
+    calls.comm = None

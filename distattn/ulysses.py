@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from distattn import agreement, kernels
 from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward, reject_call
-from distattn.comm import COUNTERS, DistAttnError, bounded_wait, communicator
+from distattn.comm import COUNTERS, DistAttnError, bounded_wait
+from distattn.communicators import describe, open_call
 from distattn.schedule import pieces_of, ulysses_heads
 from distattn.topology import Topology, topology
 
@@ -48,8 +49,8 @@ class _Row:
         self.topo, self.cfg, self.phase = topo, cfg, phase
         like = next(iter(checked.values()))
         self.device = like.device
-        self.lib = communicator(topo.ulysses_group, cfg.timeout)
-        self.seq = self.lib.next_call()
+        self.lib, self.seq = open_call(topo.ulysses_group, cfg.timeout)
+        self.call = describe(self.lib.position)
         self.stage = like.is_cuda and not self.lib.nccl  # gloo moves CUDA tensors through host memory
         self.S = pieces_of(cfg.schedule)  # pieces of a ring shard: 2 zigzag, 1 contiguous or placed
         b, n, h_q, _ = checked["q"].shape
@@ -59,7 +60,7 @@ class _Row:
             fields["ulysses"] = topo.U
             try:
                 agreement.agree(self.lib, fields, self.device if self.lib.nccl else torch.device("cpu"),
-                                cfg.timeout, f"{phase} call {self.seq} (Ulysses all-to-all), before the exchange")
+                                cfg.timeout, f"{phase} {self.call} (Ulysses all-to-all), before the exchange")
             except DistAttnError:
                 self.lib.abort()  # the peers then fail at once too; the next call rebuilds
                 raise
@@ -74,7 +75,7 @@ class _Row:
         recv = torch.empty_like(send)
         s, r = (send.cpu(), torch.empty(recv.shape, dtype=recv.dtype)) if self.stage else (send, recv)
         work = dist.all_to_all_single(r, s, group=self.lib.fetch, async_op=True)
-        bounded_wait([work], self.cfg.timeout, f"distattn: rank {self.topo.index}, {self.phase} call {self.seq}: "
+        bounded_wait([work], self.cfg.timeout, f"distattn: rank {self.topo.index}, {self.phase} {self.call}: "
                                                f"the Ulysses all-to-all of {what}", poll=self.lib.nccl)
         if self.stage:
             recv.copy_(r)

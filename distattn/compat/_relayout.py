@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from distattn import agreement
 from distattn.comm import COUNTERS, DistAttnError, all_gather_text, bounded_wait, communicator
+from distattn.communicators import describe, open_call
 
 __all__ = ["TokenLayout", "relayout", "relayout_many", "agree_on_move", "gather_call_texts"]
 
@@ -156,18 +157,19 @@ def agree_on_move(tensors, src: TokenLayout, dst: TokenLayout, group, timeout: f
     rank otherwise. Pairs with ``distattn.api.validated_everywhere``'s rejection of a rank's bad input."""
     if src == dst or src.world == 1 or not agreement.enabled():
         return
-    _agree(communicator(group, timeout), tensors, {"compat": what, "from": src.describe(), "to": dst.describe()},
-           timeout, what, "before moving tokens")
+    _agree(group, tensors, {"compat": what, "from": src.describe(), "to": dst.describe()}, timeout, what,
+           "before moving tokens")
 
 
-def _agree(lib, tensors, extra: dict, timeout: float, what: str, when: str) -> None:
-    """One agreement collective on the call's fields (``tensors``' shapes and dtypes, ``extra``); on a mismatch
-    the library's groups are aborted and every rank raises the same error."""
-    seq = lib.next_call()
+def _agree(group, tensors, extra: dict, timeout: float, what: str, when: str) -> None:
+    """One call on ``group``: an agreement collective on its fields (``tensors``' shapes and dtypes, ``extra``); on a
+    mismatch the library's groups are aborted and every rank raises the same error."""
+    lib, seq = open_call(group, timeout)
     fields = agreement.call_fields("forward", seq, tensors, extra)
     device = next(iter(tensors.values())).device
     try:
-        agreement.agree(lib, fields, device if lib.nccl else torch.device("cpu"), timeout, f"{what} call {seq}, {when}")
+        agreement.agree(lib, fields, device if lib.nccl else torch.device("cpu"), timeout,
+                        f"{what} {describe(lib.position)}, {when}")
     except DistAttnError:
         lib.abort()
         raise
@@ -202,7 +204,8 @@ def gather_call_texts(tensors, text: str, group, timeout: float, what: str) -> l
     if lib.world_size == 1:
         return [text]
     if agreement.enabled():
-        _agree(lib, tensors, {"compat": what}, timeout, what, "before gathering the ranks' local cu_seqlens")
+        _agree(group, tensors, {"compat": what}, timeout, what, "before gathering the ranks' local cu_seqlens")
+        lib = communicator(group, timeout)  # the call's (rebuilt if the agreement failed: it raised then)
     device = next(iter(tensors.values())).device
     try:
         return all_gather_text(lib.fetch, text, device if lib.nccl else torch.device("cpu"), timeout,
