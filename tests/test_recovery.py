@@ -10,8 +10,11 @@ No barrier and no shared seed re-synchronise the ranks here: each rank's loop go
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,17 +33,20 @@ DEATH_BATCHES = 4  # one good batch, the death, and two more attempts that must 
 RETRIES = 12  # the retry loop's attempts per batch (each failed attempt takes at most the timeouts above)
 
 
-# -- the README's loop ("Recovering from a failed call"), with the batch's check in place of the optimizer ---------
-def train(batches, step, *, retry: bool, log: list, declare: bool = True) -> None:
-    for index, batch in enumerate(batches):
-        if declare:
-            distattn.set_step(index)  # the batch's index, the same on every rank
-        for _attempt in range(RETRIES if retry else 1):
-            try:
-                step(batch)
-                break
-            except distattn.DistAttnError as err:  # every rank raises, within seconds; the next call recovers
-                log.append((batch, "error", str(err)))
+# -- the README's loop ("The loop to write"), taken from README.md as written ------------------------------------
+def _readme_train():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "def train(" in b)
+    source = block[block.index("def train("):]
+    source = source[:source.index("\n\n")]  # the function alone
+    scope = {"distattn": distattn, "dist": torch.distributed}
+    exec(compile(source, "README.md:train", "exec"), scope)  # noqa: S102 - the project's own README
+    return scope["train"]
+
+
+def test_the_readme_loop_is_found():
+    train = _readme_train()
+    assert "retries" in inspect.signature(train).parameters
 
 
 # -- one batch: forward and backward of causal attention on this rank's shard -----------------------------------
@@ -98,13 +104,19 @@ def _loop_worker(rank, world, retry, fault, faults_at, batches=BATCHES, declare=
         try:
             out = distattn.dist_flash_attn_func(q, k, v, causal=True, timeout=CALL_TIMEOUT_S)
             (out * w).sum().backward()
+        except distattn.DistAttnError as err:
+            log.append((b, "error", str(err)))
+            raise  # to the README's loop
         finally:
             log.append((b, "took", time.monotonic() - begin))
         got = [out.detach(), q.grad, k.grad, v.grad]
         err = max((g - shard(r)).abs().max().item() for g, r in zip(got, _reference(world, b)))
         log.append((b, "ok", err))
 
-    train(range(batches), step, retry=retry, log=log, declare=declare)
+    if not declare:  # the same loop on a job that declares no steps: positions are the processes' call counts
+        distattn.set_step = lambda index: None
+    done = _readme_train()(range(batches), step, retries=RETRIES if retry else 1)
+    assert done == sorted(b for b, kind, _ in log if kind == "ok"), (done, log)
     return log
 
 
