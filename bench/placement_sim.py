@@ -21,7 +21,7 @@ from distattn.schedule import SCHEDULES, MaskSpec, Shapes, simulate
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.cost import Cluster, predict
 from distattn.schedule.placement import _divisors, _place_cached
-from distattn.schedule.plan import _make_masked_plan
+from distattn.schedule.masked import make_masked_plan
 from distattn.schedule.sim import _bytes_per_rank, step_costs
 
 _MIB = 1 << 20
@@ -72,7 +72,7 @@ def group_rows(worlds, dists, n):
             bar = min(max(simulate(p, True, s, shapes, mask=spec).bytes_sent) for s in ("ring", "balanced", "zigzag"))
             chosen = _place_cached(spec, p, n).group
             for k in _divisors(p):
-                plan = _make_masked_plan(p, "placed", spec, n, _place_cached.__wrapped__(spec, p, n, k))
+                plan = make_masked_plan(p, "placed", spec, n, _place_cached.__wrapped__(spec, p, n, k))
                 rt = plan.run_table
                 work = float((rt.stop - rt.start) @ rt.cost)
                 makespan = float(step_costs(plan).sum())

@@ -27,16 +27,16 @@ import sys
 import time
 from pathlib import Path
 
-import distattn.schedule.masks as masks
-import distattn.schedule.placement as placement
-import distattn.schedule.plan as plan_mod
 from distattn.schedule import MaskSpec, make_plan
 from distattn.schedule.cli import document_lengths
 
 
 def _clear_caches() -> None:
-    """Forget every cached plan, placement and work matrix: the next build is a new batch's."""
-    for module in (masks, placement, plan_mod):
+    """Forget every cached plan, placement and work matrix: the next build is a new batch's (every module of the
+    schedule package, whichever the tree holds: a tree measured side by side may have other ones)."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("distattn.schedule.") or module is None:
+            continue
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()

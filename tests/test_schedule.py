@@ -478,7 +478,7 @@ def test_balance_by_work_is_the_plain_greedy(p):
     empty pairs."""
     import random
 
-    from distattn.schedule.plan import _balance_by_work
+    from distattn.schedule.masked import _balance_by_work
 
     rng = random.Random(p)
     for _ in range(20):

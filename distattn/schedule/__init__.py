@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from distattn.schedule.layouts import LAYOUTS, Layout, layout_of, local_bounds, pieces_of
 from distattn.schedule.masks import MaskSpec, pair_work
+from distattn.schedule.pairs import PlanTooLarge
 from distattn.schedule.placement import place
 from distattn.schedule.plan import (  # noqa: F401  (private names: tests rebuild uncached plans)
     PHASES,
@@ -70,7 +71,7 @@ from distattn.schedule.sim import (
 )
 
 __all__ = ["SCHEDULES", "PARTIALS", "PHASES", "Task", "Transfer", "Plan", "make_plan", "MaskSpec", "pair_work",
-           "Layout", "LAYOUTS", "layout_of", "local_bounds", "pieces_of", "place", "Shapes", "payload_bytes",
+           "PlanTooLarge", "Layout", "LAYOUTS", "layout_of", "local_bounds", "pieces_of", "place", "Shapes", "payload_bytes",
            "a2a_bytes", "ulysses_heads",
            "ring_plan", "SimReport", "simulate", "format_table"]
 

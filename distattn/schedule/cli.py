@@ -27,22 +27,31 @@ import sys
 import numpy as np
 
 from distattn.schedule import SCHEDULES, MaskSpec, Shapes, format_table, simulate
+from distattn.schedule.pairs import PlanTooLarge, out_of_memory
 
 
 def document_lengths(spec: str, total: int, seed: int = 0) -> tuple[int, ...]:
-    """Cumulative lengths of documents drawn by ``spec`` (``uniform:N`` or ``longtail:M``) filling ``total`` tokens."""
+    """Cumulative lengths of documents drawn by ``spec`` (``uniform:N`` or ``longtail:M``) filling ``total`` tokens.
+
+    Drawn in batches (a stream of 4G tokens holds a million documents): the generator gives the same lengths one at a
+    time or as an array, so the documents are those of a draw per document."""
     kind, _, value = spec.partition(":")
     if kind not in ("uniform", "longtail") or not value.isdigit() or int(value) < 1:
         raise ValueError(f"--docs {spec!r}: use uniform:N (lengths 1..N) or longtail:M (log-normal, median M)")
     rng = np.random.default_rng(seed)
-    cu = [0]
-    while cu[-1] < total:
+    size = int(value)
+    ends, reached = [np.zeros(1, dtype=np.int64)], 0
+    while reached < total:
+        batch = max(16, (total - reached) // size + 16)  # about the documents left (mean length: N / 2 or more)
         if kind == "uniform":
-            length = int(rng.integers(1, int(value) + 1))
+            lengths = rng.integers(1, size + 1, size=batch)
         else:
-            length = max(1, int(rng.lognormal(np.log(int(value)), 1.5)))
-        cu.append(min(total, cu[-1] + length))
-    return tuple(cu)
+            lengths = np.maximum(1, rng.lognormal(np.log(size), 1.5, size=batch).astype(np.int64))
+        cum = reached + np.cumsum(lengths)
+        cut = int(np.searchsorted(cum, total, side="left")) + 1  # the first document to reach the end is the last
+        ends.append(np.minimum(cum[:cut], total))
+        reached = int(ends[-1][-1])
+    return tuple(np.concatenate(ends).tolist())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,8 +119,12 @@ def explain_main(argv=None) -> None:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["explain"]:
-        return explain_main(argv[1:])
+        return _clear_limits(lambda: explain_main(argv[1:]), argv[1:])
     args = build_parser().parse_args(argv)
+    return _clear_limits(lambda: _table(args), argv)
+
+
+def _table(args) -> None:
     shapes = _shapes(args)
     causal = not args.non_causal
     reports = []
@@ -119,3 +132,17 @@ def main(argv=None) -> None:
         reports += [simulate(p, causal, s, shapes, mask=_mask(args, p)) for s in SCHEDULES]
     print(f"<!-- {shapes} docs={args.docs} window={args.window} seed={args.seed} -->")
     print(format_table(reports))
+
+
+def _clear_limits(run, argv) -> None:
+    """Run the command; a plan past a memory bound (``PlanTooLarge``) or a process out of memory (``MemoryError``,
+    e.g. under ``ulimit -v``) ends in one line on stderr that names the size and what to do, exit status 1."""
+    try:
+        run()
+    except MemoryError as exc:
+        if not isinstance(exc, PlanTooLarge):
+            args = build_parser().parse_known_args(argv)[0]
+            docs = f" of {args.docs} documents" if args.docs else ""
+            exc = out_of_memory(f"simulating {max(args.world)} ranks x {args.seq_per_rank} tokens{docs}", exc)
+        print(f"python -m distattn.schedule: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -156,42 +156,44 @@ def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int, limit
     """Documents, longest first, to the least loaded group with room for them whole; a document no group has room
     for is cut, its first part to the group with the most room. Returns ``pieces`` (``[start, stop, group, doc]``
     rows, global positions); ``None`` as soon as a group's load (row work) exceeds ``limit``
-    (loads only grow: the caller's tolerance is already lost). A heap of ``(load, group)``: groups without room are
-    set aside for the current document only."""
+    (loads only grow: the caller's tolerance is already lost).
+
+    Two heaps, O((documents + pieces) log groups): ``ready``, ``(load, group)`` of the groups with room for the
+    current document, and ``waiting``, ``(-room, group)`` of the others with any room. The documents only get
+    shorter, so a ready group stays ready until it takes a document (then it waits, its room smaller), and before
+    each document the waiting groups with room enough join the ready ones; a cut takes the top of ``waiting``."""
     order = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
     whole = rows.prefix(np.arange(len(lengths)), lengths).tolist()
     length_l, start_l = lengths.tolist(), starts.tolist()
     free, load = [cap] * groups, [0] * groups
-    heap = [(0, g) for g in range(groups)]
+    ready, waiting = [], [(-cap, g) for g in range(groups)]
     pieces = []
     for d in order:
         length, off = length_l[d], 0
-        aside = []
-        while heap and free[heap[0][1]] < length:
-            aside.append(heapq.heappop(heap))
-        if heap:  # the least loaded group with room for the whole document
-            _, g = heapq.heappop(heap)
+        while waiting and -waiting[0][0] >= length:
+            g = heapq.heappop(waiting)[1]
+            heapq.heappush(ready, (load[g], g))
+        if ready:  # the least loaded group with room for the whole document
+            _, g = heapq.heappop(ready)
             load[g] += whole[d]
             if load[g] > limit:
                 return None
             free[g] -= length
             pieces.append((start_l[d], start_l[d] + length, g, d))
+            if free[g]:  # a full group leaves the heaps for good
+                heapq.heappush(waiting, (-free[g], g))
+            continue
+        while off < length:  # cut: the most room first (a tie: the first such group)
+            g = heapq.heappop(waiting)[1]
+            take = min(free[g], length - off)
+            load[g] += rows.prefix_one(length, off + take) - rows.prefix_one(length, off)
+            if load[g] > limit:
+                return None
+            free[g] -= take
+            pieces.append((start_l[d] + off, start_l[d] + off + take, g, d))
+            off += take
             if free[g]:
-                heapq.heappush(heap, (load[g], g))
-        else:  # cut: the most room first
-            while off < length:
-                g = max(range(groups), key=free.__getitem__)  # the most room; a tie: the first such group
-                take = min(free[g], length - off)
-                load[g] += rows.prefix_one(length, off + take) - rows.prefix_one(length, off)
-                if load[g] > limit:
-                    return None
-                free[g] -= take
-                pieces.append((start_l[d] + off, start_l[d] + off + take, g, d))
-                off += take
-            aside = [(load[g], g) for _, g in aside]
-        for item in aside:
-            if free[item[1]]:  # a full group leaves the heap for good
-                heapq.heappush(heap, item)
+                heapq.heappush(waiting, (-free[g], g))
     return np.asarray(pieces, dtype=np.int64)
 
 
@@ -326,18 +328,23 @@ def group_order(p: int, k: int, work, needed) -> list[list[int]]:
     of the group: each rank sends its k/v to one rank; the pairs of one group hold like work), the diagonal first,
     then the rotations whose largest pair is heaviest; then the pairs of documents cut across groups, rotated by the
     rank's offset in its group (rank ``g0 + x`` first fetches the other group's rank at offset ``x``: the ``k`` ranks
-    that share a cut document fetch from ``k`` different ranks in a step, not all from one)."""
-    rotations = {}  # per group: its ring's rotations, the heaviest first (the groups' large steps coincide)
-    for g0 in range(0, p, k):
-        size = [max(work[r][g0 + (r - g0 - t) % k] for r in range(g0, g0 + k)) for t in range(k)]
-        rotations[g0] = [0] + sorted(range(1, k), key=lambda t: (-size[t], t))
+    that share a cut document fetch from ``k`` different ranks in a step, not all from one). O(pairs): a rotation's
+    size is its largest pair with work (``work[i][j]`` for the pairs in ``needed``, 0 for every other)."""
     kv_ranks = [[] for _ in range(p)]  # per query rank, the kv ranks of its pairs
+    size = [0] * p  # size[g0 + t]: the largest pair of group g0's rotation t (a pair (r, j) is in rotation (r - j) % k)
     for i, j in sorted(needed):
         kv_ranks[i].append(j)
+        if i // k == j // k:
+            t = i // k * k + (i - j) % k
+            size[t] = max(size[t], work[i][j])
+    place_of = [0] * p  # place_of[g0 + t]: where rotation t runs in group g0's order (the heaviest first)
+    for g0 in range(0, p, k):
+        for at, t in enumerate([0] + sorted(range(1, k), key=lambda t: (-size[g0 + t], t))):
+            place_of[g0 + t] = at
     out = []
     for r in range(p):
         g0 = r // k * k
-        inside = [g0 + (r - g0 - t) % k for t in rotations[g0]]
+        inside = sorted((j for j in kv_ranks[r] if j // k == r // k), key=lambda j: place_of[g0 + (r - j) % k])
         cross = sorted((j for j in kv_ranks[r] if j // k != r // k), key=lambda j: ((j - r) % k, j))
-        out.append([j for j in inside if (r, j) in needed] + cross)
+        out.append(inside + cross)
     return out

@@ -4,21 +4,20 @@ A plan is stored as *runs* (:class:`RunTable`): in one step, the ranks ``[start,
 ``(r + dq, r + dkv)`` at the same cost. The dense plans are one or two runs per step (ring: owners, wrapped or not;
 balanced: helpers and owners), built as arrays, so a plan of P = 16384 ranks is ~3 x 10^4 runs, not the ~10^8 tasks
 it describes. The executors read single tasks and transfers (:meth:`Plan.task`, :meth:`Plan.fetches`), the simulator
-and the cost model read the runs as arrays. Masked plans are built task by task and stored as runs of neighbouring
-equal tasks. Pure Python + numpy.
+and the cost model read the runs as arrays. Masked plans (``distattn.schedule.masked``) are built from the sparse pairs
+with work and stored as runs of neighbouring equal tasks. Pure Python + numpy.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
-from distattn.schedule.layouts import Layout, layout_of
-from distattn.schedule.masks import MaskSpec, key_spans, pair_work
+from distattn.schedule.layouts import Layout
+from distattn.schedule.masks import MaskSpec
+from distattn.schedule.pairs import PlanTooLarge, SpanView, WorkView, out_of_memory
 
 SCHEDULES = ("ring", "balanced", "zigzag", "placed")
 PHASES = ("forward", "backward")
@@ -149,16 +148,17 @@ class Plan:
     causal: bool
     schedule: str
     run_table: RunTable
-    work: tuple[tuple[int, ...], ...] | _DenseZigzagWork | None = None
+    work: WorkView | _DenseZigzagWork | None = None
     """Visible (query, key) pairs of every (q chunk, kv chunk) pair, ``work[i][j]``, for plans built from a mask
-    and for zigzag (else None)."""
+    (``distattn.schedule.pairs.WorkView``: the pairs with work, 0 for every other) and for zigzag (else None)."""
     chunk: int | None = None
     """Tokens per chunk the work was computed for (mask and zigzag plans only)."""
     layout: Layout | None = None
     """Which positions each rank holds (``None``: contiguous, rank r holds ``[r*n, (r+1)*n)``)."""
-    spans: tuple[np.ndarray, np.ndarray] | None = None
-    """Masked plans: ``distattn.schedule.masks.key_spans`` of the plan's mask and layout; dense causal zigzag: the same
-    in closed form (``_DenseZigzagSpans``); ``None``: whole shards."""
+    spans: tuple[SpanView, SpanView] | tuple[_DenseZigzagSpans, _DenseZigzagSpans] | None = None
+    """``spans[0][i, j], spans[1][i, j]``: masked plans, ``distattn.schedule.masks.key_spans`` of the plan's mask and
+    layout, read from the sparse pairs (``SpanView``); dense causal zigzag: the same in closed form
+    (``_DenseZigzagSpans``); ``None``: whole shards."""
 
     def key_span(self, q_chunk: int, kv_chunk: int) -> tuple[int, int] | None:
         """``(a, b)``: the local rows ``[a, b)`` of ``kv_chunk``'s k/v that ``q_chunk``'s queries see, the slice an
@@ -409,10 +409,26 @@ def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", 
     Returns:
         An immutable :class:`Plan`; dense causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P,
         "zigzag" P (every step half a pair of work on every rank when causal).
+
+    Raises:
+        PlanTooLarge: (a ``MemoryError``) the plan would pass a bound of memory or time
+            (``distattn.schedule.pairs``) or ran out of memory; the message names the size and what to do.
     """
     _validate(world_size, causal, schedule)
+    try:
+        return _make_plan(world_size, causal, schedule, mask, chunk)
+    except MemoryError as exc:
+        if isinstance(exc, PlanTooLarge):
+            raise
+        docs = "" if mask is None or mask.cu_seqlens is None else f" of {len(mask.cu_seqlens) - 1} documents"
+        raise out_of_memory(f"the {schedule!r} plan of {world_size} ranks x {chunk} tokens{docs}", exc) from exc
+
+
+def _make_plan(world_size: int, causal: bool, schedule: str, mask: MaskSpec | None, chunk: int | None) -> Plan:
+    from distattn.schedule.masked import make_masked_plan, make_placed_plan  # they build on Plan: imported here
+
     if schedule == "placed":
-        return _make_placed_plan(world_size, causal, mask, chunk)
+        return make_placed_plan(world_size, causal, mask, chunk)
     if schedule == "zigzag":
         chunk = 2 if chunk is None else chunk
         mask = mask if mask is not None else MaskSpec(causal=causal)
@@ -424,23 +440,7 @@ def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", 
         Layout("zigzag", world_size).check(chunk)
         if mask.dense:  # every shard pair has work: the ring order over all P * P pairs, work in closed form
             return _make_zigzag_plan(world_size, mask.causal, chunk)
-    return _make_masked_plan(world_size, schedule, mask, chunk)
-
-
-def _make_placed_plan(p: int, causal: bool, mask: MaskSpec | None, chunk: int | None) -> Plan:
-    from distattn.schedule.placement import place
-
-    """The placement depends on the documents only (``cu_seqlens`` and ``chunk``), never on causal or the window, so
-    shards made from the documents (``distattn.sharding.placement``) always match the call's plan; a window is
-    computed exactly and balanced as causal documents are."""
-    mask = mask if mask is not None else MaskSpec(causal=causal)
-    if mask.cu_seqlens is None:  # no documents: contiguous shards and the balanced plan (dense: the optimum)
-        plan = make_plan(p, mask.causal, "balanced", mask=mask, chunk=chunk)
-        return dataclasses.replace(plan, schedule="placed")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
-    layout = place(MaskSpec(causal=True, cu_seqlens=mask.cu_seqlens), p, chunk)
-    return _make_masked_plan(p, "placed", mask, chunk, layout)
+    return make_masked_plan(world_size, schedule, mask, chunk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -468,94 +468,3 @@ def _make_zigzag_plan(p: int, causal: bool, n: int) -> Plan:
                               np.where(runs.dkv < 0, n // 2, -1))  # a run at dkv < 0: kv rank before query rank
     return Plan(world_size=p, causal=causal, schedule="zigzag", run_table=runs, work=work, chunk=n, layout=layout,
                 spans=spans)
-
-
-def _as_runs(steps: list[list[Task]], work, n: int, spans) -> RunTable:
-    """Tasks step by step (any order within a step) as runs: neighbouring ranks with the same offsets, work and
-    borrowed kv rows share one run."""
-    a, b = spans
-    rows: list[list] = []  # step, start, stop, dq, dkv, cost, keys
-    for s, tasks in enumerate(steps):
-        for t in sorted(tasks, key=lambda t: t.rank):
-            keys = int(b[t.q_chunk, t.kv_chunk] - a[t.q_chunk, t.kv_chunk]) if t.rank == t.q_chunk != t.kv_chunk else -1
-            row = [s, t.rank, t.rank + 1, t.q_chunk - t.rank, t.kv_chunk - t.rank, work[t.q_chunk][t.kv_chunk] / n ** 2,
-                   keys]
-            if rows and rows[-1][0] == s and rows[-1][2] == t.rank and rows[-1][3:] == row[3:]:
-                rows[-1][2] = t.rank + 1
-            else:
-                rows.append(row)
-    cols = list(zip(*rows)) if rows else [()] * 7
-    return RunTable.build(len(steps), *cols)
-
-
-@functools.lru_cache(maxsize=64)
-def _make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layout | None = None) -> Plan:
-    layout = layout if layout is not None else layout_of(schedule, p)
-    work = pair_work(mask, p, n, None if layout.contiguous else layout)
-    spans = key_spans(mask, p, n, None if layout.contiguous else layout)
-    rows, cols = np.nonzero(np.asarray(work) > 0)
-    needed = set(zip(rows.tolist(), cols.tolist()))
-    if schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
-        from distattn.schedule.placement import group_order
-
-        per_rank = [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
-    else:  # ring: every pair computed by its query owner, in ring order, empty pairs dropped
-        dist = np.split((rows - cols) % p, np.searchsorted(rows, np.arange(1, p)))  # per rank (rows are sorted)
-        ring = [[Task(r, r, (r - t) % p) for t in sorted(ts.tolist())] for r, ts in enumerate(dist)]
-        per_rank = ring
-    if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
-        balanced = _balance_by_work(p, work, needed)
-        per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
-    steps = [[tasks[t] for tasks in per_rank if t < len(tasks)] for t in range(max(map(len, per_rank), default=0))]
-    got = sorted((t.q_chunk, t.kv_chunk) for tasks in steps for t in tasks)
-    assert got == sorted(needed), f"masked plan P={p}: pairs {got} != needed {sorted(needed)}"
-    return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(steps, work, n, spans),
-                work=work, chunk=n, layout=None if layout.contiguous else layout, spans=spans)
-
-
-def _owners(ring: list[list[Task]], work) -> list[list[Task]]:
-    """Owner tasks only: the local pair first, then the rest largest first (aligns the ranks' large tasks)."""
-    return [[ts[0]] + sorted(ts[1:], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.kv_chunk)) if ts else []
-            for ts in ring]
-
-
-def _length(per_rank: list[list[Task]], work) -> int:
-    """The simulator's length of a plan given as per-rank task lists: sum over steps of the largest task."""
-    steps = max(map(len, per_rank), default=0)
-    return sum(max(work[ts[t].q_chunk][ts[t].kv_chunk] for ts in per_rank if t < len(ts)) for t in range(steps))
-
-
-def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
-    """Diagonals first; then each off-diagonal pair, largest first, to the owner that keeps the plan shortest.
-
-    A pair ``(i, j)`` can be computed by query owner ``i`` (fetching kv ``j``) or by kv owner ``j`` as a helper
-    (fetching q ``i``, returning a partial): DistFlashAttn's load balancing, generalized from "idle ranks help"
-    to "whichever owner makes the plan shorter" so that it works for any mask. Each rank runs its tasks
-    largest first, and the plan's length is the simulator's: the sum over steps of the step's largest task.
-    A pair goes to the helper only if that is strictly shorter (an owner step moves only k/v, a helper step q
-    and a partial back). Deterministic: every rank builds the same plan from the same work matrix.
-    """
-    tasks: list[list[Task]] = [[] for _ in range(p)]
-    off = sorted((pair for pair in needed if pair[0] != pair[1]), key=lambda ij: (-work[ij[0]][ij[1]], ij))
-    # rows[r]: rank r's task work, largest first. A plan's length is the sum over columns (the t-th largest task of
-    # every rank) of the column's largest entry (``top``). Adding a task to a row never lowers any of its entries
-    # (an insertion into a sorted list), so with a candidate row the steps are max(its entry, top): O(its list),
-    # not O(P x pairs). Plain Python: a rank holds a few tasks. Works are integers, so every length is an
-    # exact sum and ties break alike on every rank.
-    rows = [[work[r][r]] if (r, r) in needed else [] for r in range(p)]
-    top = [max((work[r][r] for r in range(p) if rows[r]), default=0)]
-    for i, j in off:
-        w = work[i][j]
-        best = None
-        for rank in (i, j):  # the owner first: on a tie it keeps the pair
-            row = sorted(rows[rank] + [w], reverse=True)
-            steps = [max(x, t) for x, t in itertools.zip_longest(row, top, fillvalue=0)]
-            if best is None or sum(steps) < best[0]:
-                best = (sum(steps), rank, row, steps)
-        _, rank, row, top = best
-        rows[rank] = row
-        tasks[rank].append(Task(rank, i, j))
-    per_rank = [[Task(r, r, r)] if (r, r) in needed else [] for r in range(p)]
-    for r in range(p):
-        per_rank[r] += sorted(tasks[r], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.q_chunk, t.kv_chunk))
-    return per_rank

@@ -1,0 +1,143 @@
+"""The plans of a mask (packed documents, windows): ring, balanced, zigzag and placed, built from the pairs with work.
+
+The pairs come sparse (``distattn.schedule.pairs.pair_table``: only those with work, O(P + documents) of them for
+documents of bounded length), and every step below walks the pairs or the ranks' task lists, never a ``P x P``
+matrix, so a plan of 16384 ranks costs what its pairs cost. The plans are stored as runs of neighbouring equal tasks
+(``distattn.schedule.plan.RunTable``). Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import numpy as np
+
+from distattn.schedule.layouts import Layout, layout_of
+from distattn.schedule.masks import MaskSpec
+from distattn.schedule.pairs import SpanView, WorkView, pair_table
+from distattn.schedule.plan import Plan, RunTable, Task, make_plan
+
+__all__ = ["make_masked_plan", "make_placed_plan"]
+
+
+def make_placed_plan(p: int, causal: bool, mask: MaskSpec | None, chunk: int | None) -> Plan:
+    """The placement depends on the documents only (``cu_seqlens`` and ``chunk``), never on causal or the window, so
+    shards made from the documents (``distattn.sharding.placement``) always match the call's plan; a window is
+    computed exactly and balanced as causal documents are."""
+    from distattn.schedule.placement import place
+
+    mask = mask if mask is not None else MaskSpec(causal=causal)
+    if mask.cu_seqlens is None:  # no documents: contiguous shards and the balanced plan (dense: the optimum)
+        plan = make_plan(p, mask.causal, "balanced", mask=mask, chunk=chunk)
+        return dataclasses.replace(plan, schedule="placed")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
+    layout = place(MaskSpec(causal=True, cu_seqlens=mask.cu_seqlens), p, chunk)
+    return make_masked_plan(p, "placed", mask, chunk, layout)
+
+
+def _as_runs(per_rank: list[list[Task]], table, n: int) -> RunTable:
+    """Every rank's tasks, the ``t``-th at step ``t``, as runs: neighbouring ranks of a step with the same offsets,
+    work and borrowed kv rows share one run. Arrays throughout (a plan of 16384 ranks holds ~10^5 tasks); asserts
+    that the tasks are the table's pairs, each once."""
+    tasks = [task for ts in per_rank for task in ts]
+    step = np.concatenate([np.arange(len(ts), dtype=np.int64) for ts in per_rank]) if tasks else np.zeros(0, np.int64)
+    rank, q, kv = (np.fromiter((getattr(t, f) for t in tasks), dtype=np.int64, count=len(tasks))
+                   for f in ("rank", "q_chunk", "kv_chunk"))
+    p = table.world_size
+    pair_keys = table.q * p + table.kv  # ascending: the table is sorted by query rank, then kv rank
+    at = np.searchsorted(pair_keys, q * p + kv)
+    assert np.array_equal(np.sort(q * p + kv), pair_keys), f"masked plan P={p}: the tasks are not the pairs with work"
+    cost = table.work[at] / n ** 2
+    keys = np.where((rank == q) & (q != kv), table.b[at] - table.a[at], -1)  # owner tasks borrow their span
+    order = np.lexsort((rank, step))
+    step, rank, dq, dkv, cost, keys = (x[order] for x in (step, rank, q - rank, kv - rank, cost, keys))
+    same = [step, dq, dkv, cost, keys]
+    new = np.ones(len(step), dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1] + 1) | np.any([x[1:] != x[:-1] for x in same], axis=0)
+    first = np.flatnonzero(new)
+    stop = rank[np.append(first[1:], len(rank)) - 1] + 1
+    return RunTable.build(max(map(len, per_rank), default=0), step[first], rank[first], stop, dq[first], dkv[first],
+                          cost[first], keys[first])
+
+
+@functools.lru_cache(maxsize=64)
+def make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layout | None = None) -> Plan:
+    """The plan of ``schedule`` for ``mask`` over ``p`` ranks of ``n`` tokens (``layout``: the placement of a
+    "placed" plan; else the schedule's own). Cached."""
+    layout = layout if layout is not None else layout_of(schedule, p)
+    table = pair_table(mask, p, n, None if layout.contiguous else layout)
+    work = WorkView(table)
+    rows, cols = table.q, table.kv  # the pairs with work, by query rank then kv rank
+    needed = set(zip(rows.tolist(), cols.tolist()))
+    if schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
+        from distattn.schedule.placement import group_order
+
+        per_rank = [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
+    else:  # ring: every pair computed by its query owner, in ring order, empty pairs dropped
+        dist = np.split((rows - cols) % p, table.offsets[1:-1])  # per query rank
+        ring = [[Task(r, r, (r - t) % p) for t in sorted(ts.tolist())] for r, ts in enumerate(dist)]
+        per_rank = ring
+    if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
+        balanced = _balance_by_work(p, work, needed)
+        per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
+    return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(per_rank, table, n),
+                work=work, chunk=n, layout=None if layout.contiguous else layout,
+                spans=(SpanView(table, False), SpanView(table, True)))
+
+
+def _owners(ring: list[list[Task]], work) -> list[list[Task]]:
+    """Owner tasks only: the local pair first, then the rest largest first (aligns the ranks' large tasks)."""
+    return [[ts[0]] + sorted(ts[1:], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.kv_chunk)) if ts else []
+            for ts in ring]
+
+
+def _length(per_rank: list[list[Task]], work) -> int:
+    """The simulator's length of a plan given as per-rank task lists: sum over steps of the largest task."""
+    top: list[int] = []  # the largest task of every step so far
+    for ts in per_rank:
+        for t, task in enumerate(ts):
+            w = work[task.q_chunk][task.kv_chunk]
+            if t == len(top):
+                top.append(w)
+            elif w > top[t]:
+                top[t] = w
+    return sum(top)
+
+
+def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
+    """Diagonals first; then each off-diagonal pair, largest first, to the owner that keeps the plan shortest.
+
+    A pair ``(i, j)`` can be computed by query owner ``i`` (fetching kv ``j``) or by kv owner ``j`` as a helper
+    (fetching q ``i``, returning a partial): DistFlashAttn's load balancing, generalized from "idle ranks help"
+    to "whichever owner makes the plan shorter" so that it works for any mask. Each rank runs its tasks
+    largest first, and the plan's length is the simulator's: the sum over steps of the step's largest task.
+    A pair goes to the helper only if that is strictly shorter (an owner step moves only k/v, a helper step q
+    and a partial back). Deterministic: every rank builds the same plan from the same work matrix.
+    """
+    tasks: list[list[Task]] = [[] for _ in range(p)]
+    off = sorted((pair for pair in needed if pair[0] != pair[1]), key=lambda ij: (-work[ij[0]][ij[1]], ij))
+    # rows[r]: rank r's task work, largest first. A plan's length is the sum over columns (the t-th largest task of
+    # every rank) of the column's largest entry (``top``). Adding a task to a row never lowers any of its entries
+    # (an insertion into a sorted list), so with a candidate row the steps are max(its entry, top): O(its list),
+    # not O(P x pairs). Plain Python: a rank holds a few tasks. Works are integers, so every length is an
+    # exact sum and ties break alike on every rank.
+    rows = [[work[r][r]] if (r, r) in needed else [] for r in range(p)]
+    top = [max((work[r][r] for r in range(p) if rows[r]), default=0)]
+    for i, j in off:
+        w = work[i][j]
+        best = None
+        for rank in (i, j):  # the owner first: on a tie it keeps the pair
+            row = sorted(rows[rank] + [w], reverse=True)
+            steps = [max(x, t) for x, t in itertools.zip_longest(row, top, fillvalue=0)]
+            if best is None or sum(steps) < best[0]:
+                best = (sum(steps), rank, row, steps)
+        _, rank, row, top = best
+        rows[rank] = row
+        tasks[rank].append(Task(rank, i, j))
+    per_rank = [[Task(r, r, r)] if (r, r) in needed else [] for r in range(p)]
+    for r in range(p):
+        per_rank[r] += sorted(tasks[r], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.q_chunk, t.kv_chunk))
+    return per_rank
