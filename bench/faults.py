@@ -84,6 +84,34 @@ def probe_nan(rank, world):
             "NaN elements": int(full.isnan().sum())}
 
 
+def probe_nan_gradients(rank, world):
+    """A NaN or an inf in one element of q, k or v (an early and a late row), causal, each schedule: do the NaN/inf
+    masks of dq, dk and dv equal the one-device call's? Counts the cases that differ."""
+    import torch
+
+    import distattn
+
+    cases = differ = 0
+    for schedule in ("ring", "balanced", "zigzag"):
+        for which in range(3):
+            for row in (1, world * 8 - 3):
+                for bad in (float("nan"), float("inf")):
+                    full = _data(world, 8, 5)
+                    full[which][0, row, 0, 1] = bad
+                    shard = lambda t: distattn.shard_sequence(t, schedule=schedule)  # noqa: E731
+                    mine = [shard(t).clone().requires_grad_() for t in full]
+                    out = distattn.dist_flash_attn_func(*mine, causal=True, schedule=schedule,
+                                                        timeout=CALL_TIMEOUT_S)
+                    out.sum().backward()
+                    one = [t.clone().requires_grad_() for t in full]
+                    distattn.flash_attn_func(*one, causal=True).sum().backward()
+                    cases += 1
+                    same = all(torch.equal(m.grad.isnan(), shard(o.grad).isnan())
+                               and torch.equal(m.grad.isinf(), shard(o.grad).isinf()) for m, o in zip(mine, one))
+                    differ += not same
+    return {"cases whose dq/dk/dv NaN/inf masks differ from one device": differ, "of": cases}
+
+
 def probe_tags(rank, world):
     """Calls past 2^31 on the default group and on a whole-world subgroup (seq set as after ~2^31 calls)."""
     import torch.distributed as dist
@@ -110,10 +138,16 @@ def probe_tags(rank, world):
 
 
 def probe_stall(rank, world):
-    """The last rank sleeps 12 s; the others keep calling; then all meet (barrier) and make two calls."""
+    """The last rank sleeps 12 s; the others keep calling; then all meet (barrier) and make two calls. Where the
+    library has ``set_step``, the calls declare their step (0; 1 during the stall; 2 and 3 after the barrier)."""
     import torch.distributed as dist
 
+    import distattn
+
+    step = getattr(distattn, "set_step", lambda index: None)
+    step(0)
     _good(world, 0)
+    step(1)
     errors = []
     if rank == world - 1:
         time.sleep(12.0)
@@ -123,9 +157,13 @@ def probe_stall(rank, world):
         while time.monotonic() - start < 14.0:
             errors.append(_timed(lambda: _good_or_raise(world, 1)))
     dist.barrier()
+    after = []
+    for seed in (2, 3):
+        step(seed)
+        after.append(_good(world, seed))
     return {"calls during the stall": len(errors), "ok": sum(e == "ok" for e, _ in errors),
             "slowest error (s)": max((t for e, t in errors if e != "ok"), default=0.0),
-            "next calls' max error": max(_good(world, 2), _good(world, 3))}
+            "next calls' max error": max(after)}
 
 
 def _good_or_raise(world, seed):
@@ -149,8 +187,69 @@ def probe_kill(rank, world):
     return {"errors": [e for e, _ in calls], "seconds": [round(t, 2) for _, t in calls]}
 
 
+def _loop_through_stall(rank, world, phase):
+    """The README's loop (skip a batch that raises DistAttnError; ``set_step`` where the library has it), no barrier,
+    over 12 batches; the last rank sleeps 9 s inside the ``phase`` of batch 1 (in a wait of the exchange)."""
+    import torch
+
+    import distattn
+    from distattn import comm
+
+    wait, armed = comm.PeerExchange.wait, [rank == world - 1]
+
+    def stalling_wait(exchange, slot):
+        if armed[0] and exchange.where.startswith(phase) and getattr(exchange, "_batch", None) == 1:
+            armed[0] = False
+            time.sleep(9.0)
+        return wait(exchange, slot)
+
+    comm.PeerExchange.wait = stalling_wait
+    post = comm.PeerExchange.__init__
+    current = [0]
+
+    def tagged_init(self, *args, **kw):
+        post(self, *args, **kw)
+        self._batch = current[0]
+
+    comm.PeerExchange.__init__ = tagged_init
+    shard = distattn.shard_sequence
+    ok, wrong, errors = [], [], 0
+    for b in range(12):
+        current[0] = b
+        if hasattr(distattn, "set_step"):
+            distattn.set_step(b)
+        q, k, v = _data(world, 8, 100 + b)
+        qs, ks, vs = (shard(t).clone().requires_grad_() for t in (q, k, v))
+        try:
+            out = distattn.dist_flash_attn_func(qs, ks, vs, causal=True, timeout=CALL_TIMEOUT_S)
+            out.sum().backward()
+        except distattn.DistAttnError:
+            errors += 1
+            continue
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = distattn.flash_attn_func(*full, causal=True)
+        ref.sum().backward()
+        err = max((a - shard(r)).abs().max().item() for a, r in zip((out.detach(), qs.grad, ks.grad, vs.grad),
+                                                                   (ref.detach(), *(t.grad for t in full))))
+        (ok if err < EXACT else wrong).append(b)
+    return {"batches exact": ok, "silently wrong": wrong, "errors": errors}
+
+
+def probe_stall_forward_loop(rank, world):
+    """A stall inside a forward under the README's skip loop: are the results after it exact?"""
+    return _loop_through_stall(rank, world, "forward")
+
+
+def probe_stall_backward_loop(rank, world):
+    """The same inside a backward."""
+    return _loop_through_stall(rank, world, "backward")
+
+
 PROBES = {"one rank's bad cu_seqlens": probe_validation, "NaN in a query row": probe_nan,
-          "calls past 2^31": probe_tags, "a rank stalls 12 s": probe_stall, "a rank dies": probe_kill}
+          "NaN/inf in q, k or v: gradients": probe_nan_gradients,
+          "calls past 2^31": probe_tags, "a rank stalls 12 s": probe_stall, "a rank dies": probe_kill,
+          "stall inside a forward, skip loop": probe_stall_forward_loop,
+          "stall inside a backward, skip loop": probe_stall_backward_loop}
 
 
 # -- harness ---------------------------------------------------------------------------------------------------
@@ -199,10 +298,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for faults.md and faults.json")
     parser.add_argument("--label", default="", help="a name for this checkout in the table (e.g. before/after)")
+    parser.add_argument("--only", nargs="*", choices=list(PROBES), help="run these probes only")
     args = parser.parse_args(argv)
     os.environ.setdefault("DISTATTN_REBUILD_TIMEOUT", str(CALL_TIMEOUT_S))
     results = {}
-    for name in PROBES:
+    for name in args.only or PROBES:
         start = time.monotonic()
         results[name] = run_probe(name)
         print(f"{name}: {json.dumps(results[name])} ({time.monotonic() - start:.1f} s)", flush=True)

@@ -419,12 +419,12 @@ def open_call(group, timeout: float) -> tuple[Communicator, int]:
 
 
 def communicator(group, timeout: float) -> Communicator:
-    """The library's communicator for ``group`` without starting a call: cached while ``group`` lives (its groups are
-    freed when the user's group is collected, so a new group per call leaves nothing behind); built at the latest
-    call's position if there is none yet (a collective: every rank must ask)."""
+    """The library's communicator for ``group``: cached while ``group`` lives (its groups are freed when the user's
+    group is collected, so a new group per call leaves nothing behind). Asking for one that must be (re)built is a
+    call of its own (it takes a position: a collective every rank must make); otherwise no call is started."""
     calls = _calls_of(group)
     if calls.comm is None or calls.comm.aborted:
-        _rebuild(group, calls, timeout, (calls.step, calls.k))
+        _rebuild(group, calls, timeout, calls.take())
     calls.comm.set_timeout(timeout)
     return calls.comm
 

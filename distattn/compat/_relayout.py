@@ -200,12 +200,11 @@ def relayout_many(tensors, src: TokenLayout, dst: TokenLayout, group, timeout: f
 def gather_call_texts(tensors, text: str, group, timeout: float, what: str) -> list[str]:
     """Every rank's ``text`` (small JSON, in group-rank order), after the ranks agreed on the call's shapes: how a
     convention that gives each rank only its local view (llama3's local ``cu_seqlens``) becomes the global view."""
-    lib = communicator(group, timeout)
-    if lib.world_size == 1:
+    if dist.get_world_size(group) == 1:
         return [text]
     if agreement.enabled():
         _agree(group, tensors, {"compat": what}, timeout, what, "before gathering the ranks' local cu_seqlens")
-        lib = communicator(group, timeout)  # the call's (rebuilt if the agreement failed: it raised then)
+    lib = communicator(group, timeout)  # the agreement's (it raised if it failed)
     device = next(iter(tensors.values())).device
     try:
         return all_gather_text(lib.fetch, text, device if lib.nccl else torch.device("cpu"), timeout,
