@@ -173,3 +173,27 @@ def test_the_readme_loop_after_a_death_only_errs_within_seconds(world, phase):
         # after the first failure each call waits the rebuild bound for the dead rank and names it gone
         for _, msg in errors[1:]:
             assert "gone (dead)" in msg and f"{world - 1}]" in msg, msg
+
+
+def test_set_step_takes_a_nondecreasing_int():
+    from distattn import communicators
+
+    saved = communicators._STEP[0]
+    try:
+        communicators._STEP[0] = None
+        for bad in (True, 1.0, "3", None):
+            with pytest.raises(TypeError, match="step must be an int"):
+                distattn.set_step(bad)
+        with pytest.raises(ValueError, match="step -1 must be >= 0 and never decrease"):
+            distattn.set_step(-1)
+        distattn.set_step(5)
+        distattn.set_step(5)  # a retried batch declares its index again
+        with pytest.raises(ValueError, match=r"step 4 must be >= 0 and never decrease \(the last declared step was 5\)"):
+            distattn.set_step(4)
+        assert communicators.current_step() == 5
+        calls = communicators._Calls()
+        assert [calls.take() for _ in range(2)] == [(5, 1), (5, 2)]
+        distattn.set_step(6)
+        assert calls.take() == (6, 1) and communicators.describe((6, 1)) == "call 1 of step 6"
+    finally:
+        communicators._STEP[0] = saved
