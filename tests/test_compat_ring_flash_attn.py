@@ -281,9 +281,11 @@ def _hf_adapter(rank, world):
     pos = torch.cat([torch.arange(n) for n in lens])
     cu = torch.tensor(_cu(lens), dtype=torch.int32)
     m.substitute_hf_flash_attn(None, 1)
-    # transformers refuses to switch to flash_attention_2 without the flash-attn package (CPU here); the registered
-    # function is what runs, so the config names it directly
-    model.config._attn_implementation = "flash_attention_2"
+    # transformers refuses the name flash_attention_2 without the flash-attn package (CPU here): the adapter's own
+    # name, through transformers' public switch (tests/test_compat_hf_adapter.py: loading by either name)
+    from distattn.compat.ring_flash_attn.adapters.hf_adapter import HF_IMPLEMENTATION
+
+    model.set_attn_implementation(HF_IMPLEMENTATION)
     m.update_ring_flash_attn_params(cu, None)
     n = (total + pad) // world
     shard = slice(rank * n, (rank + 1) * n)

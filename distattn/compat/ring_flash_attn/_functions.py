@@ -1,76 +1,5 @@
-"""ring-flash-attention's API on distattn: change one import, keep the call.
-
-``from ring_flash_attn import zigzag_ring_flash_attn_func`` -> ``from distattn.compat.ring_flash_attn import
-zigzag_ring_flash_attn_func``. Every function takes ring-flash-attention's (0.1.x) arguments in its positional order
-with its defaults (``causal=False`` everywhere, as there), expects its layout of the shards and returns what it
-returns (``out``; ``(out, lse, None)`` with ``return_attn_probs=True``; ``lse`` fp32 natural log, ``(b, h, n)`` for
-the dense functions and ``(h, n)`` for the varlen ones, in the local token order of the call). Each is a thin
-translation onto ``distattn.dist_flash_attn_func`` / ``dist_flash_attn_varlen_func`` (one plan, one op): no attention
-code of its own.
-
-Layouts, per rank ``r`` of ``P`` (``n`` tokens per rank):
-
-    ring_*            contiguous: tokens [r*n, (r+1)*n)                  -> distattn schedule "balanced", as is
-    zigzag_ring_*     chunks r and 2P-1-r of 2P                          -> distattn schedule "zigzag", as is
-    stripe_*          token i on rank i % P                              -> moved to contiguous and back (*)
-    ring_*_varlen     chunk r of P of EVERY document; local cu_seqlens   -> moved to contiguous and back (*)
-                      (each document's local length; global = P x local)
-    zigzag_*_varlen   chunks r and 2P-1-r of 2P of every document        -> moved to contiguous and back (*)
-    llama3_*_varlen   contiguous; per-rank local cu_seqlens_q, cu_seqlens_k + local_k_slice from
-                      llama3_flash_attn_prepare_cu_seqlens               -> the global cu_seqlens rebuilt (**)
-
-(*) distattn has no plan for these layouts, so the call moves q, k, v to the contiguous layout in ONE all-to-all
-(``distattn.compat._relayout``), runs the balanced schedule there and moves ``out`` back (``lse`` too when
-returned); the backward moves ``dout`` in and ``dq, dk, dv`` back. Cost per call and rank: ``(P-1)/P`` of
-``q + k + v + out`` forward and of ``dout + dq + dk + dv`` backward crosses ranks once (about two ring steps of
-k/v traffic with GQA-free shapes), plus one agreement all-reduce. Shard in the contiguous (or zigzag) layout to
-avoid it.
-(**) llama3's arguments describe only the rank's own neighbourhood; the call gathers every rank's (a few ints, one
-agreement all-reduce and two small all-gathers), rebuilds the global ``cu_seqlens``, and checks that each rank's
-arguments are exactly what ``llama3_flash_attn_prepare_cu_seqlens`` gives for it (a clear error on every rank
-otherwise). ``substitute_hf_flash_attn`` skips all of this: ``update_ring_flash_attn_params`` keeps the global
-``cu_seqlens``.
-
-Arguments, decided one by one:
-    * ``dropout_p > 0``: ``ValueError`` (ring-flash-attention applies dropout per block without saving the RNG
-      state for its backward; distattn computes no attention dropout).
-    * ``alibi_slopes``: ``ValueError`` unless None (ring-flash-attention asserts None too).
-    * ``deterministic``: accepted; distattn's backward is always deterministic.
-    * ``window_size``: computed on GLOBAL positions for every layout (ring-flash-attention passes it to each
-      block's kernel, which is only right for ``(-1, -1)``). ``causal=False`` is accepted by the zigzag and stripe
-      functions too (ring-flash-attention asserts causal there): the result is exact for any layout.
-    * ``heads_k_stride`` (llama3, HF adapter): validated as there (> 0, divides ``h_kv``) and otherwise unused: it
-      bounds llama3's all-gather buffer, and distattn never gathers k/v (they travel chunk by chunk).
-    * ``max_seqlen*``: checked to be at least the longest (local) document, as flash-attn; not otherwise needed.
-distattn's extras, keyword-only after ``group``: ``softcap`` (Gemma-2 soft-capping), ``backend``, ``timeout``;
-GQA/MQA without repeating k/v; the llama3 functions and the HF adapter take documents of any length (the others
-keep ring-flash-attention's divisibility rules, which their layouts need); every wait is bounded.
-``group`` is a flat process group (or None); distattn's two-dimensional groups go through its own API.
-
-Coverage of ring-flash-attention's ``__init__`` (every public name):
-
-    ============================================  ===========================================================
-    ring_flash_attn_func / _qkvpacked / _kvpacked  yes: dist_flash_attn_func, schedule "balanced"
-    ring_flash_attn_varlen_func / _qkvpacked /     yes: moved to contiguous (*), dist_flash_attn_varlen_func
-        _kvpacked
-    zigzag_ring_flash_attn_func / _qkvpacked /     yes: dist_flash_attn_func, schedule "zigzag"
-        _kvpacked
-    zigzag_ring_flash_attn_varlen_func /           yes: moved to contiguous (*), dist_flash_attn_varlen_func
-        _qkvpacked / _kvpacked
-    stripe_flash_attn_func / _qkvpacked /          yes: moved to contiguous (*), dist_flash_attn_func
-        _kvpacked
-    llama3_flash_attn_varlen_func / _qkvpacked /   yes: global cu_seqlens rebuilt (**), dist_flash_attn_varlen_func
-        _kvpacked
-    llama3_flash_attn_prepare_cu_seqlens           yes: same five results (tensors on cu_seqlens' device, ints,
-                                                   a slice)
-    substitute_hf_flash_attn                       yes: registers "flash_attention_2" in transformers'
-                                                   AttentionInterface (``_ring_hf``); transformers' private
-                                                   ``_flash_attention_forward`` is not patched
-    update_ring_flash_attn_params                  yes: keeps the global cu_seqlens for the adapter
-    ============================================  ===========================================================
-
-Not covered: names outside ``__init__`` (``adapters.hf_adapter.use_ring_attn``, the ``*_forward``/``*_backward``
-internals, ``RingComm``), which the projects above do not import.
+"""ring-flash-attention's functions on distattn (the package doc, ``distattn.compat.ring_flash_attn``, has the
+layouts, every argument's treatment and the coverage table).
 
 Legend: ``b`` batch, ``n`` this rank's tokens, ``h``/``h_kv`` heads, ``d`` head dim, ``P`` ranks.
 """
@@ -87,7 +16,6 @@ from distattn.api import (check_causal, check_cu_seqlens, check_softcap, check_t
                           check_window, dist_flash_attn_func, dist_flash_attn_varlen_func, validated_everywhere)
 from distattn.compat._llama3 import global_cu, prepare
 from distattn.compat._relayout import TokenLayout, agree_on_move, gather_call_texts, relayout, relayout_many
-from distattn.compat._ring_hf import check_heads_k_stride, substitute_hf_flash_attn, update_ring_flash_attn_params
 from distattn.topology import is_2d
 
 __all__ = [
@@ -99,7 +27,6 @@ __all__ = [
     "stripe_flash_attn_func", "stripe_flash_attn_qkvpacked_func", "stripe_flash_attn_kvpacked_func",
     "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_qkvpacked_func",
     "llama3_flash_attn_varlen_kvpacked_func", "llama3_flash_attn_prepare_cu_seqlens",
-    "substitute_hf_flash_attn", "update_ring_flash_attn_params",
 ]
 
 
@@ -133,6 +60,17 @@ def _check_tokens(q, k, v, ndim: int, seq_dim: int) -> None:
     if not (q.shape[seq_dim] == k.shape[seq_dim] == v.shape[seq_dim]):
         raise ValueError(f"q, k, v must hold the same tokens of this rank (dim {seq_dim}), got {q.shape[seq_dim]}, "
                          f"{k.shape[seq_dim]}, {v.shape[seq_dim]}")
+
+
+def check_heads_k_stride(heads_k_stride, heads_kv: int | None = None) -> int:
+    """llama3's ``heads_k_stride``: an int > 0 dividing the key/value heads (unused by distattn beyond this: it
+    bounds llama3's all-gather buffer, and distattn never gathers k/v)."""
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, numbers.Integral) or heads_k_stride < 1:
+        raise ValueError(f"heads_k_stride must be an int >= 1, got {heads_k_stride!r}")
+    if heads_kv is not None and heads_kv % heads_k_stride:
+        raise ValueError(f"heads_k_stride ({heads_k_stride}) must divide the key/value heads ({heads_kv}), as in "
+                         f"ring-flash-attention; distattn does not use it (k/v are never all-gathered), so 1 is fine")
+    return int(heads_k_stride)
 
 
 def _check_max(name: str, given, cu: list[int]) -> int:
