@@ -48,9 +48,11 @@ from typing import Iterable
 import torch
 import torch.utils.checkpoint as _tuc
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["SavedStorage", "SavedActivations", "saved_activations", "AllocatorDelta", "allocator_delta"]
+__all__ = ["SavedStorage", "SavedActivations", "saved_activations", "AllocatorDelta", "allocator_delta", "LiveBytes",
+           "live_bytes"]
 
 CHECKPOINT_CACHE = "<checkpoint cache>"
 CHECKPOINT_KWARGS = "<checkpoint kwargs>"
@@ -284,3 +286,102 @@ def warm_cuda_libraries(device=None) -> None:
 def allocator_delta(device=None) -> AllocatorDelta:
     """Context manager: CUDA allocator deltas (allocated / freed / current / peak) around a region."""
     return AllocatorDelta(device)
+
+
+# -- live bytes of a region, any device (the executor's buffers on CPU) ---------------------------------------
+class LiveBytes(TorchDispatchMode):
+    """The peak of the live bytes of the storages allocated inside a region, seen at the dispatch level.
+
+    Every op's outputs are looked at: a storage not seen before is an allocation (factories, copies, casts,
+    ``contiguous()``); an output on the storage of one of the op's inputs (a view, an alias, an in-place op) is none.
+    Frees are found by weak references, swept before each new allocation is counted, so the peak (which only rises
+    at an allocation) is exact. Works on any device, CPU included, where the CUDA allocator's counters
+    (``allocator_delta``) do not exist; allocations inside one op that never leave it (an op's own scratch) are not
+    seen, nor are tensors made without dispatch (``torch.from_numpy``).
+
+    ``opaque(fn)`` wraps a function (a kernel) whose *transient* allocations (freed before it returns) are its own
+    working set: they are kept out of ``peak`` and their largest total is ``opaque_peak``; what the function returns
+    (or otherwise leaves alive) is counted from its allocation on. ``peak_excluding(tensors)``: the peak without the
+    storages of ``tensors`` (a call's outputs) — the log of allocations and frees is replayed.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int, int]] = {}  # address -> (ref, bytes, allocation id)
+        self._log: list[tuple[int, int]] = []  # (allocation id, +bytes) or (allocation id, -bytes), in order
+        self._next = 0
+        self._opaque_depth = 0
+        self._transient: set[int] = set()  # ids allocated inside an opaque function and freed before it returned
+        self._opaque_ids: list[set[int]] = []
+        self.opaque_peak = 0
+        self._opaque_now = 0
+
+    def _sweep(self) -> None:
+        for ptr, (ref, nbytes, aid) in list(self._live.items()):
+            if ref.expired():
+                del self._live[ptr]
+                self._log.append((aid, -nbytes))
+                if self._opaque_ids and aid in self._opaque_ids[-1]:
+                    self._opaque_now -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        # an output on an input's storage (a view, an alias, an in-place op) is no allocation
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                  and t.device.type != "meta"}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or ptr in self._live or ptr in inputs:
+                continue
+            aid, self._next = self._next, self._next + 1
+            self._live[ptr] = (StorageWeakRef(storage), nbytes, aid)
+            self._log.append((aid, nbytes))
+            if self._opaque_ids:
+                self._opaque_ids[-1].add(aid)
+                self._opaque_now += nbytes
+                self.opaque_peak = max(self.opaque_peak, self._opaque_now)
+        return out
+
+    def opaque(self, fn):
+        """``fn`` wrapped: its transient allocations are its working set (``opaque_peak``), not the region's."""
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            self._opaque_ids.append(set())
+            self._opaque_now = 0
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sweep()
+                ids = self._opaque_ids.pop()
+                alive = {aid for _, _, aid in self._live.values()}
+                self._transient |= ids - alive
+        return wrapped
+
+    def __exit__(self, *exc):
+        self._sweep()
+        return super().__exit__(*exc)
+
+    def peak_excluding(self, tensors=()) -> int:
+        """Peak live bytes of the region's allocations, without the storages of ``tensors`` and the transients of
+        the opaque functions."""
+        ptrs = {_storage_ptr(t) for t in tensors}
+        skip = set(self._transient) | {aid for ptr, (_, _, aid) in self._live.items() if ptr in ptrs}
+        now = peak = 0
+        for aid, delta in self._log:
+            if aid not in skip:
+                now += delta
+                peak = max(peak, now)
+        return peak
+
+    @property
+    def peak(self) -> int:
+        return self.peak_excluding(())
+
+
+def live_bytes() -> LiveBytes:
+    """Context manager: the peak of live bytes allocated in the region, any device (see ``LiveBytes``)."""
+    return LiveBytes()

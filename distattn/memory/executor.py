@@ -1,0 +1,288 @@
+"""The attention executor's own buffers, byte for byte: a replay of ``distattn.attention``'s allocations over a plan.
+
+The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond their inputs and outputs:
+
+* forward: the carried state's fp32 ``out`` (its ``lse`` is the output's); backward: ``delta`` (fp32 ``(b, h_q, n)``) and the fp32
+  accumulators ``dq, dk, dv`` of the whole shard (cast to the input dtype once, at the end: the outputs);
+* the receive pool (``_Executor.post``): one set of whole-shard buffers per ``(slot, kind, order in the round)`` the
+  plan ever uses, made at first use and kept to the end of the call; the slots are double-buffered (``t % 2``), so a
+  rank that fetches k/v at one step and queries at another of the same parity holds both kinds, and a helper's
+  partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a buffer of the query shard's size;
+* the partials a task computes (a helper's fp32 state or ``dq``; an owner's fp32 ``dk, dv`` of the borrowed slice,
+  ``partials="input"``: plus their cast copies), alive until their send round is waited for, one step later, and
+  the next step's partial is made before that wait;
+* the per-row key bounds of a task's pair when the plan has a layout (zigzag, placed) or a mask beyond causal
+  (int32 ``(lo, hi)`` per query row, cached for the call);
+* send copies: messages need contiguous memory, so a non-contiguous ``q``/``k``/``v``/``dout`` (HF's transposed
+  ``(b, h, n, d)`` views) that is sent is copied once per call, and a row slice of it per send.
+
+``executor_peak(plan, ...)`` walks the same :class:`~distattn.schedule.Plan` the executor runs (``plan.task``,
+``plan.rank_ops``, ``plan.key_span``) in the executor's order of events (``_Executor._run``: post the next fetch,
+wait this fetch, compute, absorb the previous step's partials, post this step's partials) and gives the peak of the
+live bytes, when it happens and what it is made of. ``tests/test_executor_memory.py`` holds it equal to the bytes the
+real executor allocates on CPU/gloo (``distattn.memory.measure.live_bytes``). Not here: the kernels' own working set
+(Triton: O(b h n) fp32 statistics; the CPU backends' per-tile temporaries), the agreement's and the NaN check's small
+tensors, and NCCL's internal buffers.
+
+Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from distattn.schedule import MaskSpec, Plan, make_plan
+
+__all__ = ["ExecutorPeak", "executor_peak", "attention_buffers", "ATTENTION_SCHEDULES"]
+
+ATTENTION_SCHEDULES = ("balanced", "zigzag", "ring")
+"""The dense causal schedules the planner weighs (``placed`` is for packed documents)."""
+
+
+@dataclass(frozen=True)
+class ExecutorPeak:
+    """The executor's peak live bytes on one rank (the worst rank), beyond its inputs and outputs."""
+
+    total: int
+    parts: dict
+    """Bytes per kind of buffer at the peak."""
+    moment: str
+    rank: int
+
+    @property
+    def dominant(self) -> str:
+        return max(self.parts, key=self.parts.get)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    b: int
+    n: int
+    hq: int
+    hkv: int
+    d: int
+    A: int  # bytes of the input dtype
+    part: int  # bytes of a travelling partial: 4 (fp32) or A ("input")
+
+    def q(self, rows=None, itemsize=None) -> int:
+        return self.b * (self.n if rows is None else rows) * self.hq * self.d * (itemsize or self.A)
+
+    def kv(self, rows=None, itemsize=None) -> int:
+        return self.b * (self.n if rows is None else rows) * self.hkv * self.d * (itemsize or self.A)
+
+    @property
+    def stats(self) -> int:
+        return self.b * self.hq * self.n * 4
+
+
+class _Live:
+    """Allocations and frees in order; the peak, its moment and its parts."""
+
+    def __init__(self):
+        self.live: dict[int, tuple[str, int]] = {}
+        self.now = self.peak = 0
+        self.peak_parts: dict = {}
+        self.moment = "nothing allocated"
+        self._id = 0
+        self.where = ""
+
+    def alloc(self, kind: str, nbytes: int) -> int:
+        self._id += 1
+        self.live[self._id] = (kind, nbytes)
+        self.now += nbytes
+        if self.now > self.peak:
+            self.peak, self.moment = self.now, self.where
+            parts: dict = {}
+            for k, nb in self.live.values():
+                parts[k] = parts.get(k, 0) + nb
+            self.peak_parts = parts
+        return self._id
+
+    def free(self, *ids) -> None:
+        for i in ids:
+            self.now -= self.live.pop(i)[1]
+
+
+def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied: frozenset) -> _Live:
+    """``dist_attn_forward``/``dist_attn_backward`` on ``rank``, allocations only, in the executor's order."""
+    lv, fwd = _Live(), phase == "forward"
+    lv.where = f"{phase}, before step 0"
+    if fwd:
+        lv.alloc("state (fp32 out)", sz.q(itemsize=4))  # its lse becomes the output lse (``kernels.finalize``)
+    else:
+        lv.alloc("delta (fp32)", sz.stats)
+        lv.alloc("accumulators (fp32 dq, dk, dv)", sz.q(itemsize=4) + 2 * sz.kv(itemsize=4))
+    pool: set = set()
+    rounds: dict = {}
+    wire: set = set()  # tensors whose contiguous copy exists (made once per call)
+    bounds: set = set()
+
+    def span(qc, kc):
+        return plan.key_span(qc, kc) or (0, sz.n)
+
+    def rows(tr):
+        if tr.kind == "kv":
+            a, b = span(tr.dst, tr.src)
+        elif tr.kind == "dkv":
+            a, b = span(tr.src, tr.dst)
+        else:
+            return None
+        return b - a
+
+    def whole_copy(name, nbytes):
+        if name in copied and name not in wire:
+            wire.add(name)
+            lv.alloc("send copies (contiguous)", nbytes)
+
+    def fetch_payload(tr) -> list[int]:
+        if tr.kind == "kv":
+            a, b = span(tr.dst, tr.src)
+            if a == 0 and b == sz.n:
+                for name in "kv":
+                    whole_copy(name, sz.kv())
+                return []
+            # a row slice of a (b, n, h, d) tensor is contiguous only with batch 1 and contiguous memory
+            per = [sz.kv(b - a) for name in "kv" if name in copied or sz.b > 1]
+            return [lv.alloc("send copies (row slices)", nb) for nb in per]
+        whole_copy("q", sz.q())
+        if not fwd:
+            whole_copy("dout", sz.q())
+        return []
+
+    def fetch_buffers(tr) -> int:
+        if tr.kind == "kv":
+            return 2 * sz.kv()
+        return sz.q() if fwd else 2 * sz.q() + 2 * sz.stats
+
+    def return_buffers(tr) -> int:
+        if tr.kind == "out":
+            return sz.q(itemsize=sz.part) + sz.stats
+        return sz.q(itemsize=sz.part) if tr.kind == "dq" else 2 * sz.kv(itemsize=sz.part)
+
+    def post(slot, ops, payload, buffers):
+        """Receive buffers new to the pool; the round holds what it sends until it is waited for."""
+        held = payload if isinstance(payload, list) else [h for tr in ops[0] for h in payload(tr)]
+        for i, tr in enumerate(ops[1]):
+            if (slot, tr.kind, i) not in pool:
+                pool.add((slot, tr.kind, i))
+                lv.alloc("receive pool", buffers(tr))
+        rounds[slot] = held
+
+    def wait(slot):
+        lv.free(*rounds.pop(slot))
+
+    def compute(task) -> tuple[list[int], list[int]]:
+        """(allocations the task's result holds, the subset that travels)."""
+        key = None  # the executor's key-bounds cache (``_Executor.mask``): int32 (lo, hi) per query row, kept
+        if plan.layout is not None:  # shards are unions of segments: one per (q, kv, first row) pair
+            borrowed = span(task.q_chunk, task.kv_chunk)[0] if task.rank == task.q_chunk != task.kv_chunk else 0
+            key = (task.q_chunk, task.kv_chunk, borrowed)
+        elif plan.work is not None:  # documents / window on contiguous shards: one per query chunk
+            key = task.q_chunk
+        if key is not None and key not in bounds:
+            bounds.add(key)
+            lv.alloc("key bounds (int32)", 2 * sz.n * 4)
+        if task.is_local or (fwd and not task.is_helper):
+            return [], []
+        if fwd:  # a helper's fp32 state; the partial out travels as is or cast
+            out = lv.alloc("partials (computed, in flight)", sz.q(itemsize=4))
+            lse = lv.alloc("partials (computed, in flight)", sz.stats)
+            if partials == "fp32":
+                return [out, lse], [out, lse]
+            cast = lv.alloc("partials (computed, in flight)", sz.q())
+            return [out, lse, cast], [cast, lse]
+        if task.is_helper:
+            made = [lv.alloc("partials (computed, in flight)", sz.q(itemsize=4))]
+        else:
+            r = rows_of(task)
+            made = [lv.alloc("partials (computed, in flight)", sz.kv(r, itemsize=4)) for _ in "kv"]
+        if partials == "fp32":
+            return made, made
+        cast = [lv.alloc("partials (computed, in flight)", nb) for nb in
+                ([sz.q()] if task.is_helper else [sz.kv(rows_of(task))] * 2)]
+        lv.free(*made)  # the fp32 partial dies when compute returns its cast
+        return cast, cast
+
+    def rows_of(task):
+        a, b = span(task.q_chunk, task.kv_chunk)
+        return b - a
+
+    steps = plan.num_steps()
+
+    def fetch(t):
+        post(("fetch", t % 2), plan.rank_ops(t, rank, phase, "fetch"), fetch_payload, fetch_buffers)
+
+    fetch(0)
+    stay: list[int] = []  # what the variable ``produced`` keeps of the last partial beyond what travels
+    returned = None
+    for t in range(steps):
+        where = f"{phase} step {t} of {steps}, rank {rank}"
+        lv.where = f"{where}: the next step's fetch posted"
+        if t + 1 < steps:
+            fetch(t + 1)
+        wait(("fetch", t % 2))
+        task = plan.task(t, rank)
+        lv.where = f"{where}: computing " + ("nothing" if task is None else "a helper task" if task.is_helper else
+                                              "a local task" if task.is_local else "an owner task on borrowed k/v")
+        held, travels = compute(task) if task is not None else ([], [])
+        lv.free(*stay)  # ``produced`` is rebound: the previous partial lives on only in its send round
+        stay = [h for h in held if h not in travels]
+        if returned is not None:
+            lv.where = f"{where}: absorbing step {t - 1}'s partials"
+            wait(returned)
+        returned = ("return", t % 2)
+        lv.where = f"{where}: this step's partials posted"
+        post(returned, plan.rank_ops(t, rank, phase, "return"), travels, return_buffers)
+    if returned is not None:
+        wait(returned)
+    return lv
+
+
+@functools.lru_cache(maxsize=256)
+def _peak(plan: Plan, phase: str, sz: _Sizes, partials: str, copied: frozenset) -> ExecutorPeak:
+    best = None
+    for rank in range(plan.world_size):
+        lv = _replay(plan, rank, phase, sz, partials, copied)
+        if best is None or lv.peak > best.total:
+            best = ExecutorPeak(lv.peak, dict(lv.peak_parts), lv.moment, rank)
+    return best
+
+
+def executor_peak(plan: Plan, *, batch: int, n: int, heads: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype = torch.bfloat16, partials: str = "fp32", phase: str = "backward",
+                  copied=("q", "k", "v"), rank: int | None = None) -> ExecutorPeak:
+    """Peak bytes the executor allocates beyond its inputs and outputs (see the module docstring).
+
+    Args:
+        plan: the plan the call runs (``DistAttnConfig.plan(n)``: ``make_plan(P, causal, schedule, mask=..., chunk=n)``).
+        batch, n, heads, kv_heads, head_dim: the shard's shape ``(b, n, h, d)``; dtype: the inputs' dtype.
+        partials: ``"fp32"`` or ``"input"`` (``DistAttnConfig.partials``).
+        phase: ``"forward"`` or ``"backward"``.
+        copied: which of ``q, k, v, dout`` are non-contiguous (HF's attention passes ``(b, h, n, d)`` transposed
+            views of q, k, v: copied when sent); ``()`` for contiguous inputs.
+        rank: one rank's peak (``None``: the worst rank's).
+    """
+    if partials not in ("fp32", "input"):
+        raise ValueError(f"partials={partials!r} must be 'fp32' or 'input'")
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase={phase!r} must be 'forward' or 'backward'")
+    A = dtype.itemsize
+    sz = _Sizes(batch, n, heads, kv_heads, head_dim, A, 4 if partials == "fp32" else A)
+    copied = frozenset(copied)
+    if rank is not None:
+        lv = _replay(plan, rank, phase, sz, partials, copied)
+        return ExecutorPeak(lv.peak, dict(lv.peak_parts), lv.moment, rank)
+    return _peak(plan, phase, sz, partials, copied)
+
+
+def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int, kv_heads: int, head_dim: int,
+                      dtype: torch.dtype = torch.bfloat16, partials: str = "fp32", phase: str = "backward",
+                      copied=("q", "k", "v")) -> ExecutorPeak:
+    """``executor_peak`` of a dense causal call: the plan ``DistAttnConfig(causal=True, schedule=...).plan(n)``
+    builds on ``sp`` ranks (zigzag: ``n`` even)."""
+    plan = make_plan(sp, True, schedule, mask=MaskSpec(causal=True), chunk=n)
+    return executor_peak(plan, batch=batch, n=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                         partials=partials, phase=phase, copied=copied)
