@@ -251,11 +251,41 @@ def test_plan_too_large_is_refused_with_its_size():
     try:
         pairs_mod.MAX_COMBINATIONS = 100
         pairs_mod._pair_table_cached.cache_clear()
-        with pytest.raises(pairs_mod.PlanTooLarge, match=r"64 ranks x 64 tokens leaves [\d,]+ .* combinations"):
+        with pytest.raises(pairs_mod.PlanTooLarge, match=r"64 ranks x 64 tokens on contiguous shards leaves [\d,]+ "
+                                                         r".* combinations"):
             pairs_mod.pair_table(spec, 64, 64)
     finally:
         pairs_mod.MAX_COMBINATIONS = bound
         pairs_mod._pair_table_cached.cache_clear()
+
+
+def test_pairs_bound_refuses_clearly_and_merging_chunks_changes_nothing(monkeypatch):
+    """Chunks merged as they come (memory O(pairs)) give the same table; past :data:`MAX_PAIRS` a clear refusal."""
+    from distattn.schedule import MaskSpec
+    from distattn.schedule import pairs as pairs_mod
+    from distattn.schedule.placement import place
+
+    spec = MaskSpec(causal=True, cu_seqlens=(0, 700, 701, 1500, 2048))
+    layout = place(spec, 8, 256)  # blocks of 64 over one group of 8: ~4x more combinations than pairs
+    pairs_mod._pair_table_cached.cache_clear()
+    want = pairs_mod.pair_table(spec, 8, 256, layout)
+    pairs_mod._pair_table_cached.cache_clear()
+    monkeypatch.setattr(pairs_mod, "CHUNK", 5)  # dozens of chunks of a few combinations: merged along the way
+    monkeypatch.setattr(pairs_mod, "MAX_PAIRS", len(want))
+    merges = []
+    merge = pairs_mod._merge
+    monkeypatch.setattr(pairs_mod, "_merge", lambda parts: merges.append(len(parts)) or merge(parts))
+    got = pairs_mod.pair_table(spec, 8, 256, layout)
+    assert len(merges) > 1, merges
+    for name in ("q", "kv", "work", "a", "b", "offsets"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    pairs_mod._pair_table_cached.cache_clear()
+    monkeypatch.setattr(pairs_mod, "MAX_PAIRS", len(want) - 1)
+    with pytest.raises(pairs_mod.PlanTooLarge, match=r"8 ranks x 256 tokens on the placed layout \(1 groups of 8 "
+                                                     r"ranks.*\) leaves [\d,]+ or more \(query rank, kv rank\) pairs "
+                                                     r"with work .* use fewer ranks"):
+        pairs_mod.pair_table(spec, 8, 256, layout)
+    pairs_mod._pair_table_cached.cache_clear()
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write-digests"]:

@@ -71,8 +71,8 @@ from distattn.schedule.sim import (
 )
 
 __all__ = ["SCHEDULES", "PARTIALS", "PHASES", "Task", "Transfer", "Plan", "make_plan", "MaskSpec", "pair_work",
-           "PlanTooLarge", "Layout", "LAYOUTS", "layout_of", "local_bounds", "pieces_of", "place", "Shapes", "payload_bytes",
-           "a2a_bytes", "ulysses_heads",
+           "PlanTooLarge", "Layout", "LAYOUTS", "layout_of", "local_bounds", "pieces_of", "place", "Shapes",
+           "payload_bytes", "a2a_bytes", "ulysses_heads",
            "ring_plan", "SimReport", "simulate", "format_table"]
 
 

@@ -13,7 +13,9 @@ them without ever touching a position or a ``P x P`` matrix:
   of query rows and key columns, :func:`_band_count`) and the local rows of the keys it sees; summed (work) and
   widened (spans) per (query rank, kv rank), combination by combination in bounded chunks.
 
-Memory: O(pieces + pairs + :data:`CHUNK` combinations); time: O(combinations) numpy. Pure Python + numpy.
+Memory: O(pieces + pairs + :data:`CHUNK` combinations); time: O(combinations) numpy; both bounded
+(:data:`MAX_COMBINATIONS`, :data:`MAX_PAIRS`: past them, :class:`PlanTooLarge` names the size and what to do). Pure
+Python + numpy.
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PairTable", "pair_table", "PlanTooLarge", "out_of_memory", "MAX_COMBINATIONS", "CHUNK"]
+__all__ = ["PairTable", "pair_table", "PlanTooLarge", "out_of_memory", "MAX_COMBINATIONS", "MAX_PAIRS", "CHUNK"]
 
 CHUNK = 1 << 20
 """Combinations evaluated per numpy pass: a dozen or so int64 temporaries of this length live at once (~100 MiB)."""
-MAX_COMBINATIONS = 1 << 31
-"""More (query piece, key piece) combinations than this (minutes of CPU) is refused with :class:`PlanTooLarge`."""
+MAX_COMBINATIONS = 1 << 28
+"""More (query piece, key piece) combinations than this (a minute of CPU) is refused with :class:`PlanTooLarge`."""
+MAX_PAIRS = 1 << 22
+"""More pairs with work than this is refused with :class:`PlanTooLarge`: a plan keeps a few Python objects per pair
+(its task, its work), ~0.5 KiB, so 4M pairs are ~2 GiB. Documents of bounded length leave O(P + documents) pairs (a
+P = 16384 placement of uniform:8192 documents: 137K); a placement that deals long documents over groups of thousands
+of ranks leaves ~P^2 / groups."""
 
 
 class PlanTooLarge(MemoryError):
@@ -109,8 +116,8 @@ DENSE_LIMIT = 1 << 26
 
 def _check_dense(p: int) -> None:
     if p * p > DENSE_LIMIT:
-        raise PlanTooLarge(f"a {p} x {p} matrix of pairs ({p * p * 8 / 2**30:.1f} GiB of int64 per matrix) is more than "
-                           f"the {DENSE_LIMIT} entries built on request; read the sparse pairs instead "
+        raise PlanTooLarge(f"a {p} x {p} matrix of pairs ({p * p * 8 / 2**30:.1f} GiB of int64 per matrix) is more "
+                           f"than the {DENSE_LIMIT} entries built on request; read the sparse pairs instead "
                            f"(make_plan(...).work[i][j], Plan.key_span, distattn.schedule.pairs.pair_table)")
 
 
@@ -171,16 +178,22 @@ def _pair_table_cached(spec, p: int, n: int, layout) -> PairTable:
     combos = int(count.sum())
     if combos > MAX_COMBINATIONS:
         raise PlanTooLarge(
-            f"the mask over {p} ranks x {n} tokens leaves {combos:,} (query piece, key piece) combinations to count "
+            f"the mask over {p} ranks x {n} tokens on {_where(layout)} leaves {combos:,} (query piece, key piece) "
+            f"combinations to count "
             f"(more than {MAX_COMBINATIONS:,}): its documents or window span too many shards; use fewer ranks, "
             f"shorter documents or a window, or the dense plans (no cu_seqlens)")
-    parts = []
+    parts, held = [], 0
     bounds = np.searchsorted(np.cumsum(count), np.arange(CHUNK, combos, CHUNK), side="right")
     for lo_q, hi_q in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [len(start)]))):
         if hi_q > lo_q:
             parts.append(_combinations(slice(lo_q, hi_q), k0, count, pieces, (l_, r_, big), p))
-    keys, work, a, b = _reduce(*(np.concatenate([x[c] for x in parts]) if parts else np.zeros(0, np.int64)
-                                 for c in range(4)))
+            held += len(parts[-1][0])
+        if held > 2 * MAX_PAIRS:  # the chunks' pairs so far, merged: memory stays O(pairs), and a bound on them
+            parts = [_merge(parts)]
+            held = len(parts[0][0])
+            _check_pairs(held, p, n, layout)
+    keys, work, a, b = _merge(parts)
+    _check_pairs(len(keys), p, n, layout)
     q, kv = np.divmod(keys, p)
     offsets = np.searchsorted(q, np.arange(p + 1), side="left")
     for arr in (q, kv, work, a, b, offsets):
@@ -253,6 +266,28 @@ def _band_count(qa, qb, ka, kb, c):
         return small * (small - 1) // 2 + np.maximum(x - 1 - w, 0) * w
 
     return s(qb + c + 1 - ka) - s(qa + c + 1 - ka)
+
+
+def _merge(parts):
+    """The chunks' ``(key, work, a, b)`` as one, reduced per pair."""
+    return _reduce(*(np.concatenate([x[c] for x in parts]) if parts else np.zeros(0, np.int64) for c in range(4)))
+
+
+def _where(layout) -> str:
+    """The layout, for a message: its kind and how it was chosen."""
+    if layout is None:
+        return "contiguous shards"
+    return f"the {layout.kind} layout" + (f" ({layout.note})" if layout.note else "")
+
+
+def _check_pairs(pairs: int, p: int, n: int, layout) -> None:
+    if pairs > MAX_PAIRS:
+        raise PlanTooLarge(
+            f"the mask over {p} ranks x {n} tokens on {_where(layout)} leaves {pairs:,} or more (query rank, kv rank) "
+            f"pairs with work (more than {MAX_PAIRS:,}; a plan holds a Python task per pair, ~0.5 KiB each): its "
+            f"documents span too many shards on this layout (a placement in few large groups deals every document "
+            f"over its group); use fewer ranks, shorter documents, or another schedule (ring/balanced pair only the "
+            f"shards a document touches)")
 
 
 def _reduce(key, work, a, b):
