@@ -14,7 +14,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["distattn", "distattn.integrations", "distattn.kernels", "distattn.schedule", "distattn.memory",
-              "distattn.compat"],
+              "distattn.compat", "distattn.compat.ring_flash_attn", "distattn.compat.ring_flash_attn.adapters",
+              "distattn.compat.flash_attn"],
     package_dir={"distattn": "distattn", "distattn.kernels": "kernels"},
     # The supported ranges; CI tests both ends (README "Install"): the lower end is what the GPU machines have.
     install_requires=["torch>=2.11", "triton>=3.6", "numpy"],
