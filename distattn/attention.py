@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distattn import agreement, kernels
+from distattn import agreement, kernels, nonfinite
 from distattn.comm import DEFAULT_TIMEOUT_S, DistAttnError, PeerExchange
 from distattn.communicators import describe, open_call
 from distattn.schedule import PARTIALS, SCHEDULES, MaskSpec, Plan, Task, Transfer, local_bounds, make_plan
@@ -382,6 +382,7 @@ def _reject_flat(group, phase: str, error: Exception, timeout: float, device):
 def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
     """Execute the plan forward on this rank's shards; returns ``(out (b, n, h_q, d) in q.dtype, lse fp32)``."""
     ex = _Executor(cfg, q, "forward", {"q": q, "k": k, "v": v})
+    check = _guarded(ex, lambda: nonfinite.Check(ex, [v]))  # posted now, read after the last step
     # q, k, v stay as given (the kernels need unit stride in d only, e.g. HF's transposed (b, h, n, d) views);
     # a contiguous copy is made once, and only if a tensor is sent to another rank.
     wire = _WireCopies()
@@ -411,7 +412,9 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
            return_payload=lambda partial: [ex.partial(partial.out, q), partial.lse],
            return_buffers=lambda tr: [_empty(q, part), _stats(q)],
            absorb=absorb)
-    return kernels.finalize(state, q.dtype)
+    out, lse = kernels.finalize(state, q.dtype)
+    _guarded(ex, lambda: nonfinite.spread_forward(check, out, lse))  # v's NaN/Inf where the plan skipped pairs
+    return out, lse
 
 
 # -- backward -----------------------------------------------------------------------------------------------
@@ -420,6 +423,7 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
 
     ``delta``: ``rowsum(dout * out)`` fp32 ``(b, h_q, n)`` if the caller has it (then ``out`` may be None)."""
     ex = _Executor(cfg, q, "backward", {"q": q, "k": k, "v": v, "dout": dout})
+    check = _guarded(ex, lambda: nonfinite.Check(ex, [q, k, dout]))  # posted now, read after the last step
     wire = _WireCopies()  # as in the forward: copies only of what travels, once each
     dout = dout.to(q.dtype)
     if delta is None:
@@ -469,4 +473,15 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
 
     ex.run(compute, fetch_payload, fetch_buffers, return_payload=lambda parts: parts,
            return_buffers=return_buffers, absorb=absorb)
+    _guarded(ex, lambda: nonfinite.spread_backward(check, dq, dk, dv))  # as one device, skipped pairs included
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _guarded(ex: _Executor, fn):
+    """``fn()``, whose collectives (``distattn.nonfinite``) are part of the call: on a failure abort the library's
+    communicators, as :meth:`_Executor.run` does, so that the peers fail at once instead of waiting."""
+    try:
+        return fn()
+    except BaseException:
+        ex._abort()
+        raise

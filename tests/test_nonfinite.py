@@ -11,8 +11,11 @@ Which elements are non-finite, per input class (and so what the tests compare):
   of the matching query element); ``+inf`` makes the row NaN (as softmax over an infinite logit does on one
   device), ``-inf`` removes the key from that row.
 Keys or rows that a NaN meets only with a zero weight inside a block (``0 * NaN``) follow the block structure
-of the kernel that ran, on one device as on several: those elements are not compared; every element whose
-true value depends on a non-finite input is.
+of the kernel that ran: the first tests do not compare those elements; every element whose true value depends on
+a non-finite input is. The grid of issue 35 (below) compares them all: the distributed masks of out, lse, dq, dk,
+dv equal the one-device call's with the whole matrix as one tile (``distattn.nonfinite``: the rules that make the
+pairs a plan skips count as one device's masked zeros), for NaN, +inf and -inf in q, k, v or dout, every schedule,
+P = 2..8, packed documents, and chunks longer than a kernel tile.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch.nn.functional as F
 
 import distattn
 from dist_utils import run_distributed
-from distattn import kernels
+from distattn import kernels, single
+from distattn.kernels._torch import TorchBackend
 
 DIST_TIMEOUT = 240  # spawn + a handful of tiny calls per schedule on 2 shared cores
 FINITE_TOL = 1e-4  # fp32 results of different summation orders (chunks vs one pass), magnitudes ~1
@@ -225,3 +229,165 @@ def test_kernels_carry_nan_rows_and_infinite_keys(backend):
     kernels.backward_chunk_(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=0.25, causal=True, backend=backend)
     assert torch.isnan(dq[0, 5, 1]).all()
     assert torch.isnan(dq[0]).any(-1)[expect].all(), "every row that met a NaN/+inf logit has a NaN dq"
+
+
+# -- issue 35: gradients as one device, the pairs the plan skips included ------------------------------------------
+# The target (``distattn.nonfinite``): the one-device call with the whole (query, key) matrix as one kernel tile, what
+# ``flash_attn_func`` computes on CPU for a sequence of at most one tile (128 tokens: every grid below). A skipped pair
+# still multiplies its masked zeros with the operand on one device (0 * NaN): a non-finite query element reaches dk of
+# every key, a non-finite key dq of every row, v the masked rows of out, dout the keys a poisoned row does not see.
+VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+GRID_INPUTS = ("q", "k", "v", "dout")
+GRID_SCHEDULES = ("ring", "balanced", "zigzag")
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def _grid_cases(total):
+    """(value, input, position, causal, schedule): every poison at an early row (its query chunk skips every later kv
+    chunk when causal) and a late one (a key in a chunk every earlier query chunk skips), causal on every schedule;
+    not causal (nothing skipped, nothing may change) on one."""
+    for value in VALUES:
+        for name in GRID_INPUTS:
+            for pos in (1, total - 2):
+                for schedule in GRID_SCHEDULES:
+                    yield value, name, pos, True, schedule
+                yield value, name, pos, False, "balanced"
+
+
+def _poisoned(total, seed, name, pos, value):
+    """q, k, v, dout with one element of ``name`` at row ``pos`` set to ``value`` (head 0: GQA group 0)."""
+    tensors = dict(zip(("q", "k", "v", "dout"), _inputs(total, seed)))
+    tensors[name][0, pos, 0, 3] = VALUES[value]
+    return [tensors[n] for n in ("q", "k", "v", "dout")]
+
+
+def _sdpa_all(q, k, v, dout, causal):
+    """fp64 SDPA's out, dq, dk, dv (math path: the dense products, masked probabilities 0)."""
+    qd, kd, vd = (t.double().clone().requires_grad_() for t in (q, k, v))
+    out = _sdpa_out(qd, kd, vd, causal)
+    out.backward(dout.double())
+    return out.detach(), qd.grad, kd.grad, vd.grad
+
+
+def _mask_diff(label, ours, ref):
+    """Where NaN, +inf and -inf are, on both sides; the first few differing places named."""
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        a, b = test(ours), test(ref)
+        if not torch.equal(a, b):
+            return [f"{label}: {what} at {a.nonzero().tolist()[:4]} (ours) vs {b.nonzero().tolist()[:4]}"]
+    return []
+
+
+def _dist_call(q, k, v, dout, causal, schedule):
+    """The distributed call on this rank's shards: out, lse, dq, dk, dv gathered in sequence order."""
+    shard = lambda t: distattn.shard_sequence(t, schedule=schedule)  # noqa: E731
+    qs, ks, vs = (shard(t).clone().requires_grad_() for t in (q, k, v))
+    out, lse, _ = distattn.dist_flash_attn_func(qs, ks, vs, causal=causal, schedule=schedule, return_attn_probs=True)
+    out.backward(shard(dout))
+
+    def gather(t, dim=1):
+        return distattn.gather_sequence(t.detach().contiguous(), dim=dim, schedule=schedule)
+
+    return [gather(out), gather(lse, 2), gather(qs.grad), gather(ks.grad), gather(vs.grad)]
+
+
+def _grid_worker(rank, world, n):
+    total = world * n
+    fails, cases = [], 0
+    for i, (value, name, pos, causal, schedule) in enumerate(_grid_cases(total)):
+        q, k, v, dout = _poisoned(total, 1000 + i, name, pos, value)
+        ours = _dist_call(q, k, v, dout, causal, schedule)
+        if rank:  # the references once, on rank 0
+            continue
+        cases += 1
+        label = f"P={world} {value} in {name}[{pos}] causal={causal} {schedule}"
+        ref = _one_device(q, k, v, dout, causal)
+        for nm, a, b in zip(NAMES, ours, ref):
+            fails += _mask_diff(f"{label} {nm} vs one device", a, b)
+            fin = torch.isfinite(a) & torch.isfinite(b)
+            if fin.any() and (a[fin] - b[fin]).abs().max() > FINITE_TOL:
+                fails.append(f"{label} {nm}: finite values differ from one device")
+        sdpa = dict(zip(("out", "dq", "dk", "dv"), _sdpa_all(q, k, v, dout, causal)))
+        # SDPA's dk differs from one device's where a NaN-delta row has masked keys (its masked dS is 0 * NaN)
+        for nm in ("out", "dq", "dv") + (() if causal else ("dk",)):
+            fails += _mask_diff(f"{label} {nm} vs sdpa", ours[NAMES.index(nm)], sdpa[nm])
+    return fails, cases
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 7, 8])
+def test_gradient_nan_inf_masks_equal_one_device(world):
+    """NaN, +inf, -inf in q, k, v or dout, early or late, on every schedule: the NaN/+inf/-inf masks of out, lse, dq,
+    dk, dv equal the one-device call's (and fp64 SDPA's where its definition agrees: out, dq, dv; dk not causal)."""
+    (fails, cases), *_ = run_distributed(_grid_worker, world, 8, timeout=DIST_TIMEOUT)
+    assert cases == 3 * 4 * 2 * 4
+    assert not fails, f"{len(fails)} differences:\n" + "\n".join(fails[:40])
+
+
+def _one_tile(q, k, v, dout, causal):
+    """The one-device call with the whole matrix as one tile of the torch reference (the rules' definition)."""
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    tile = TorchBackend(block_q=q.shape[1], block_k=k.shape[1])
+    out, lse = single.attention(qs, ks, vs, scale=q.shape[-1] ** -0.5, causal=causal, window=(-1, -1), softcap=0.0,
+                                backend=tile)
+    out.backward(dout)
+    return [out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad]
+
+
+def _long_worker(rank, world, n):
+    """Chunks longer than a kernel tile (n = 160 > 128): the per-pair kernels skip masked tiles inside pairs too, the
+    rules set what one tile would; ``dout`` poisoned early and ``q`` late, together with ``k`` and ``v``."""
+    total = world * n
+    fails = []
+    for i, schedule in enumerate(GRID_SCHEDULES):
+        q, k, v, dout = _inputs(total, 2000 + i)
+        q[0, total - 3, 1, 5] = float("nan")
+        k[0, n + 2, 0, 1] = float("inf")
+        v[0, total - 1, 0, 6] = float("-inf")
+        dout[0, 2, 0, 3] = float("inf")
+        ours = _dist_call(q, k, v, dout, True, schedule)
+        if rank == 0:
+            for nm, a, b in zip(NAMES, ours, _one_tile(q, k, v, dout, True)):
+                fails += _mask_diff(f"P={world} n={n} {schedule} {nm} vs one tile", a, b)
+    return fails
+
+
+def test_masks_do_not_depend_on_the_kernel_tiles():
+    fails = run_distributed(_long_worker, 2, 160, timeout=DIST_TIMEOUT)[0]
+    assert not fails, "\n".join(fails)
+
+
+def _varlen_worker(rank, world, n):
+    """Packed documents (masked plans drop the pairs of different documents; placed moves the shards): the same masks
+    as the one-device varlen call."""
+    total = world * n
+    cu = [0, 5, total // 2 + 3, total - 4, total]
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    fails = []
+    for i, (schedule, causal, name, pos, value) in enumerate([
+            ("balanced", True, "q", 1, "nan"), ("placed", True, "k", total - 2, "+inf"),
+            ("balanced", False, "v", total - 2, "nan"), ("placed", True, "dout", 2, "-inf"),
+            ("ring", True, "dout", total // 2, "nan"), ("placed", False, "q", total - 1, "+inf")]):
+        q, k, v, dout = (t[0] for t in _poisoned(total, 3000 + i, name, pos, value))
+        lay = distattn.sharding.placement(cu, n) if schedule == "placed" else None
+        shard = lambda t: distattn.shard_sequence(t, 0, schedule=schedule, layout=lay)  # noqa: E731
+        qs, ks, vs = (shard(t).clone().requires_grad_() for t in (q, k, v))
+        out, lse, _ = distattn.dist_flash_attn_varlen_func(qs, ks, vs, cu_t, total, causal=causal, schedule=schedule,
+                                                           return_attn_probs=True)
+        out.backward(shard(dout))
+        ours = [distattn.gather_sequence(t.detach().contiguous(), dim, schedule=schedule, layout=lay)
+                for t, dim in ((out, 0), (lse, 1), (qs.grad, 0), (ks.grad, 0), (vs.grad, 0))]
+        if rank == 0:
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            r_out, r_lse, _ = distattn.flash_attn_varlen_func(qr, kr, vr, cu_t, cu_t, total, total, causal=causal,
+                                                              return_attn_probs=True)
+            r_out.backward(dout)
+            ref = [r_out.detach(), r_lse.detach(), qr.grad, kr.grad, vr.grad]
+            for nm, a, b in zip(NAMES, ours, ref):
+                fails += _mask_diff(f"P={world} varlen {schedule} causal={causal} {value} in {name}[{pos}] {nm}", a, b)
+    return fails
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_varlen_nan_inf_masks_equal_one_device(world):
+    fails = run_distributed(_varlen_worker, world, 8, timeout=DIST_TIMEOUT)[0]
+    assert not fails, "\n".join(fails)
