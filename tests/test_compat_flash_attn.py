@@ -23,8 +23,8 @@ from distattn.compat.flash_attn import bert_padding as bp
 from distattn.compat.flash_attn import flash_attn_interface as fai
 
 F32 = torch.float32
-H, H_KV, D = 6, 2, 16
-ROTARY_ATOL = 1e-6  # a rotated key in fp32 vs the fp64 complex rotation rounded to fp32: |k| <~ 5, a few ulp  # GQA (flash-attn's test: nheads 6, nheads_k 3 or 1)
+H, H_KV, D = 6, 2, 16  # GQA (flash-attn's test: nheads 6, nheads_k 3 or 1)
+ROTARY_ATOL = 1e-6  # a rotated key in fp32 vs the fp64 complex rotation rounded to fp32: |k| <~ 5, a few ulp
 
 # flash-attn 2.x's flash_attn_with_kvcache: names, order, defaults (flash_attn/flash_attn_interface.py)
 KVCACHE_SIGNATURE = [("q", None), ("k_cache", None), ("v_cache", None), ("k", None), ("v", None),

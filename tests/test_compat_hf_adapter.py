@@ -219,6 +219,7 @@ def _flash_name_on_cuda(rank, world):
     return _err(logits.cpu(), ref, shard, total)
 
 
+# CUDA-only: transformers loads attn_implementation="flash_attention_2" only with flash-attn and a CUDA device
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FLASH_ATTN, reason="needs the flash-attn package (transformers checks it by name)")
 def test_flash_attention_2_by_name_on_cuda():

@@ -2,10 +2,11 @@
 
 ``from ring_flash_attn import zigzag_ring_flash_attn_func`` -> ``from distattn.compat.ring_flash_attn import
 zigzag_ring_flash_attn_func``; ``from ring_flash_attn.adapters.hf_adapter import DATA_PARAMS`` ->
-``from distattn.compat.ring_flash_attn.adapters.hf_adapter import DATA_PARAMS``. Every function takes ring-flash-attention's (0.1.x) arguments in its positional order
-with its defaults (``causal=False`` everywhere, as there), expects its layout of the shards and returns what it
-returns (``out``; ``(out, lse, None)`` with ``return_attn_probs=True``; ``lse`` fp32 natural log, ``(b, h, n)`` for
-the dense functions and ``(h, n)`` for the varlen ones, in the local token order of the call). Each is a thin
+``from distattn.compat.ring_flash_attn.adapters.hf_adapter import DATA_PARAMS``. Every function takes
+ring-flash-attention's (0.1.x) arguments in its positional order with its defaults (``causal=False`` everywhere, as
+there), expects its layout of the shards and returns what it returns (``out``; ``(out, lse, None)`` with
+``return_attn_probs=True``; ``lse`` fp32 natural log, ``(b, h, n)`` for the dense functions and ``(h, n)`` for the
+varlen ones, in the local token order of the call). Each is a thin
 translation onto ``distattn.dist_flash_attn_func`` / ``dist_flash_attn_varlen_func`` (one plan, one op): no attention
 code of its own.
 

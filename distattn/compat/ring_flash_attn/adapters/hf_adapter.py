@@ -43,7 +43,6 @@ rank: batch > 1, attention dropout, a padding ``attention_mask``, a forward befo
 from __future__ import annotations
 
 import inspect
-import numbers
 import re
 
 import torch
@@ -55,7 +54,8 @@ from distattn.compat.ring_flash_attn._functions import (check_heads_k_stride, ll
 from distattn.topology import is_2d
 
 __all__ = ["DATA_PARAMS", "RING_ATTN_SWITCH", "HF_IMPLEMENTATION", "check_params", "update_ring_flash_attn_params",
-           "use_ring_attn", "create_ring_flash_attention_forward", "flash_attention_forward", "substitute_hf_flash_attn"]
+           "use_ring_attn", "create_ring_flash_attention_forward", "flash_attention_forward",
+           "substitute_hf_flash_attn"]
 
 HF_IMPLEMENTATION = "distattn_ring_adapter"
 """The adapter's own name in transformers' interfaces, for loading without the flash-attn package (module doc). It
