@@ -100,12 +100,12 @@ def _rows(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_ta
     return rows, starts, lens, page
 
 
-def _positions(row, page, lo, hi):
-    """Where positions ``[lo, hi)`` of a cache row live: (index into dim 0, index into dim 1) tensors."""
-    pos = torch.arange(lo, hi)
+def _positions(row, page, lo, hi, device):
+    """Where positions ``[lo, hi)`` of a cache row live: (index into dim 0, index into dim 1) tensors on ``device``."""
+    pos = torch.arange(lo, hi, device=device)
     if page is None:
         return torch.full_like(pos, row), pos
-    return torch.tensor(row, dtype=torch.long)[pos // page], pos % page
+    return torch.tensor(row, dtype=torch.long, device=device)[pos // page], pos % page
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -157,13 +157,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, causal or window != (-1, -1), rotary_interleaved)
             for i, (row, n) in enumerate(zip(rows, lens)):  # append in place
-                where = _positions(row, page, n, n + k.shape[1])
+                where = _positions(row, page, n, n + k.shape[1], k_cache.device)
                 k_cache[where], v_cache[where] = k[i], v[i]
         elif rotary_cos is not None or rotary_sin is not None:
             raise ValueError("rotary_cos/rotary_sin apply with new keys only (pass k and v), as in flash-attn; "
                              "rotate q yourself otherwise")
         ends = [n + (0 if k is None else k.shape[1]) for n in lens]
-        where = [_positions(row, page, lo, hi) for row, lo, hi in zip(rows, starts, ends)]
+        where = [_positions(row, page, lo, hi, k_cache.device) for row, lo, hi in zip(rows, starts, ends)]
         keys = torch.cat([k_cache[w] for w in where])  # (sum of row lengths, h_kv, d)
         values = torch.cat([v_cache[w] for w in where])
         cu_q = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32, device=q.device)
