@@ -1,0 +1,277 @@
+"""The step machinery every executor shares: one call's plan, exchange, buffers and failure handling.
+
+``Executor`` is what ``distattn.attention``'s forward and backward interpreters stand on: the call's connection to
+the library's communicators (``distattn.communicators.open_call``) and the agreement before anything sized by the
+inputs, the plan and the per-pair masks, a pool of receive buffers reused two steps later, and ``run``, which walks
+the plan step by step (fetch, compute, return partials, absorb) and, on any failure, aborts the library's
+communicators so that the peers fail at once.
+
+Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from distattn import agreement, kernels
+from distattn.comm import DistAttnError, PeerExchange
+from distattn.communicators import describe, open_call
+from distattn.schedule import Task, Transfer, local_bounds
+
+if TYPE_CHECKING:
+    from distattn.attention import DistAttnConfig
+
+__all__ = ["Executor", "WireCopies", "empty_like_shard", "stats_buffer", "guarded"]
+
+
+class Executor:
+    """What the forward and backward interpreters share: plan, exchange, chunk positions, message buffers."""
+
+    def __init__(self, cfg: DistAttnConfig, like: torch.Tensor, phase: str, checked: dict[str, torch.Tensor]):
+        """``checked``: the call's input tensors by name, whose shapes and dtype all ranks must agree on."""
+        self.cfg, self.phase, self.checked = cfg, phase, checked
+        self.n = like.shape[1]
+        self.step = None  # the plan step being executed, for error messages
+        self.device = like.device
+        self._connect(like.device)
+        self.rank = self.comm.rank
+        # Agreement first: nothing sized by the inputs (the plan, per-row key bounds, buffers) exists before every
+        # rank has confirmed the same call, so a rank with absurd shapes cannot run out of memory while its
+        # peers wait for it.
+        self._agree()
+        self.plan = cfg.plan(self.n)
+        self.spec = cfg.mask_spec()
+        self.backend = kernels.get_backend(cfg.backend, like.device)
+        self._bounds: dict[object, kernels.KeyBounds] = {}
+        self._pool: dict[tuple, list[torch.Tensor]] = {}  # receive buffers, reused across steps (see ``post``)
+        if self.plan.layout is not None:
+            self.plan.layout.check(self.n)
+
+    def _connect(self, device) -> None:
+        """This call's exchange on the library's communicator for the group (built on first use)."""
+        self.lib, self.seq = open_call(self.cfg.group, self.cfg.timeout)  # seq: the call's tag number
+        self.call = describe(self.lib.position)  # "call k" (of step s): for messages
+        self.comm = PeerExchange(self.lib.fetch, device, timeout=self.cfg.timeout,
+                                 call=self.seq, return_group=self.lib.ret)
+
+    def _agree(self) -> None:
+        """All ranks make the same call, or all raise the same ``ValueError`` (before any transfer).
+
+        A communicator that the peers abandoned while this rank was away (stalled, or late to this call) fails the
+        check at once ("connection closed"): the call was given up by the others, so it raises here, once, saying
+        so (pairing it with the peers' next call would pair different batches); the next calls fail at once the
+        calls the peers gave up meanwhile, then join their rebuild (``distattn.communicators``: positions and epochs).
+        """
+        if not agreement.enabled():
+            return
+        where = f"{self.phase} {self.call}, before step 0"
+        fields = agreement.call_fields(self.phase, self.seq, self.checked, self.cfg.fingerprint_fields())
+        try:
+            agreement.agree(self.lib, fields, self._collective_device(), self.cfg.timeout, where)
+        except DistAttnError:
+            abandoned = self.lib.abandoned_by_peers()  # read before this rank's own abort marks the epoch
+            self._abort()
+            if not abandoned:
+                raise
+            raise DistAttnError(f"distattn: rank {self.rank}, {where}: the other ranks abandoned the library's "
+                                f"communicators (epoch {self.lib.epoch}) after a failure or a timeout, e.g. while this "
+                                f"rank was stalled; this call fails here, and so will, at once, the later calls they "
+                                f"gave up meanwhile; then this rank joins their rebuild, in step") from None
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.lib.nccl else torch.device("cpu")
+
+    def _abort(self) -> None:
+        self.comm.abort()
+        self.lib.abort()
+
+    def start(self, chunk: int) -> int:
+        """Global position of the first token of ``chunk``."""
+        return chunk * self.n
+
+    def span(self, q_chunk: int, kv_chunk: int) -> tuple[int, int]:
+        """The local rows ``[a, b)`` of ``kv_chunk``'s k/v that ``q_chunk``'s queries see (``Plan.key_span``): all
+        that travels for an owner task, and all its dk/dv partial covers."""
+        return self.plan.key_span(q_chunk, kv_chunk) or (0, self.n)
+
+    def rows(self, tr: Transfer) -> int | None:
+        """Rows of the k/v slice (``kv``) or dk/dv partial (``dkv``) that ``tr`` carries; ``None``: other kinds."""
+        if tr.kind == "kv":
+            a, b = self.span(tr.dst, tr.src)
+        elif tr.kind == "dkv":
+            a, b = self.span(tr.src, tr.dst)
+        else:
+            return None
+        return b - a
+
+    def borrowed(self, task: Task) -> int:
+        """First local row of the kv slice ``task`` computes with: the span's start for a task on borrowed k/v, 0 when
+        the rank computes with its own (local and helper tasks)."""
+        return self.span(task.q_chunk, task.kv_chunk)[0] if task.rank == task.q_chunk != task.kv_chunk else 0
+
+    def mask(self, task: Task) -> dict:
+        """Kernel keywords for ``task``'s (query chunk, kv chunk) pair: the mask and the scale options (keys: the
+        slice :meth:`borrowed` says)."""
+        a = self.borrowed(task)
+        kw = dict(softmax_scale=self.cfg.scale, q_start=self.start(task.q_chunk), k_start=self.start(task.kv_chunk),
+                  softcap=self.cfg.softcap, backend=self.backend)
+        if self.plan.layout is not None:  # shards are unions of segments: bounds in the kv shard's local indices
+            return dict(kw, q_start=0, k_start=0, causal=False, bounds=self._pair_bounds(task, a))
+        if not self.spec.dense:  # documents / window: per-row key bounds, from the description the plan read
+            return dict(kw, k_start=self.start(task.kv_chunk) + a, causal=False, bounds=self._bounds_of(task.q_chunk))
+        # Off-diagonal causal pairs always have kv_chunk < q_chunk: every key is visible, no mask to pay for.
+        return dict(kw, causal=self.cfg.causal and task.is_diagonal, bounds=None)
+
+    def _bounds_of(self, chunk: int) -> kernels.KeyBounds:
+        """Key bounds of query chunk ``chunk``'s rows (host-computed, one small copy to the device, cached)."""
+        if chunk not in self._bounds:
+            lo, hi = self.spec.bounds(self.n * self.plan.world_size, self.start(chunk), self.start(chunk + 1))
+            to_dev = lambda a: torch.from_numpy(a).to(device=self.device, dtype=torch.int32)  # noqa: E731
+            self._bounds[chunk] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
+        return self._bounds[chunk]
+
+    def _pair_bounds(self, task: Task, first: int = 0) -> kernels.KeyBounds:
+        """Per query row of ``task.q_chunk``'s shard, the interval of local keys of ``task.kv_chunk``'s shard it
+        sees (``distattn.schedule.layouts.local_bounds``: the layout maps the mask's global positions to local
+        indices, which stay nondecreasing because every shard keeps its positions in order), counted from the
+        slice's ``first`` row. Cached per pair."""
+        key = (task.q_chunk, task.kv_chunk, first)
+        if key not in self._bounds:
+            lo, hi = local_bounds(self.spec, self.plan.layout, self.n, task.q_chunk, task.kv_chunk)  # read-only
+            to_dev = lambda a: torch.from_numpy(a - first).to(device=self.device, dtype=torch.int32)  # noqa: E731
+            self._bounds[key] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
+        return self._bounds[key]
+
+    def partial(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A partial result as it travels: fp32, or ``like``'s dtype with ``partials="input"``."""
+        return t if self.cfg.partials == "fp32" else t.to(like.dtype)
+
+    def post(self, slot, ops: tuple[tuple[Transfer, ...], tuple[Transfer, ...]], payload, buffers) -> dict:
+        """Post this rank's ``(sends, recvs)`` of a round (``Plan.rank_ops``); returns ``{transfer: receive
+        buffers}``.
+
+        Receive buffers come from the executor's pool: one set per (slot, kind, order within the round), made at
+        the first use and reused two steps later (double buffering). Reuse is safe: a slot is posted again only
+        after the step that read it was enqueued, and the side stream waits for that point (``PeerExchange``). A
+        k/v slice or dk/dv partial of fewer rows than the shard (:meth:`rows`) is received into the front of the
+        whole-shard buffers, viewed with its own shape, so the pool never grows past two slots of whole shards.
+        """
+        sends = [(tr.dst, payload(tr)) for tr in ops[0]]
+        inbox = {}
+        for i, tr in enumerate(ops[1]):
+            key = (slot, tr.kind, i)
+            if key not in self._pool:
+                self._pool[key] = buffers(tr)
+            inbox[tr] = _front_rows(self._pool[key], self.rows(tr))
+        self.comm.post(slot, sends, [(tr.src, bufs) for tr, bufs in inbox.items()])
+        return inbox
+
+    def run(self, *handlers, **named) -> None:
+        """Interpret the plan (``_run``; the agreement was checked when the executor was made); on any failure
+        abort the library's communicators so that the peers fail at once instead of waiting, and re-raise (the
+        next call rebuilds them)."""
+        try:
+            self._run(*handlers, **named)
+            if agreement.enabled():
+                agreement.confirm(self.lib, self._collective_device(), self.cfg.timeout,
+                                  f"{self.phase} {self.call}, after the last step")
+        except BaseException as exc:
+            self._abort()
+            if not isinstance(exc, DistAttnError):
+                exc.add_note(f"distattn: rank {self.rank} failed in the {self.phase} at step {self.step} of "
+                             f"{self.plan.num_steps()}; it aborted the library's communicators so that its peers "
+                             f"fail with DistAttnError; the next call rebuilds them")
+            raise
+
+    def _run(self, compute, fetch_payload, fetch_buffers, return_payload, return_buffers, absorb) -> None:
+        """Interpret the plan: for each step, fetch, compute, send partials back, absorb received partials.
+
+        ``compute(task, inbox)`` returns the partial produced by a task (or ``None``); ``absorb(transfer,
+        buffers)`` adds a received partial into this rank's accumulators. Slots are ``(kind, phase, index)``.
+        """
+        plan, phase, steps = self.plan, self.phase, self.plan.num_steps()
+
+        def fetch(t):  # post step t's inputs into fetch slot t % 2 (double-buffered)
+            return self.post(("fetch", phase, t % 2), plan.rank_ops(t, self.rank, phase, "fetch"), fetch_payload,
+                             fetch_buffers)
+
+        fetched = {0: fetch(0)} if self.cfg.overlap else {}
+        returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
+        for t in range(steps):
+            self.step, self.comm.where = t, f"{phase} {self.call}, step {t} of {steps}"
+            if not self.cfg.overlap:
+                fetched[t] = fetch(t)
+            elif t + 1 < steps:  # prefetch: the next step's inputs travel while this step computes
+                fetched[t + 1] = fetch(t + 1)
+            self.comm.wait(("fetch", phase, t % 2))
+            inbox = fetched.pop(t)
+            task = plan.task(t, self.rank)
+            produced = compute(task, inbox) if task is not None else None
+            if returned is not None:
+                self._absorb(returned, absorb)
+            slot = ("return", phase, t % 2)
+            returned = (slot, self.post(slot, plan.rank_ops(t, self.rank, phase, "return"),
+                                        lambda tr, parts=produced: return_payload(parts), return_buffers))
+            if not self.cfg.overlap:
+                self._absorb(returned, absorb)
+                returned = None
+        if returned is not None:
+            self._absorb(returned, absorb)
+        self.comm.close()
+
+    def _absorb(self, returned, absorb) -> None:
+        slot, inbox = returned
+        self.comm.wait(slot)
+        for tr, bufs in inbox.items():
+            absorb(tr, bufs)
+
+
+def empty_like_shard(like: torch.Tensor, dtype=None, heads=None) -> torch.Tensor:
+    b, n, h, d = like.shape
+    return torch.empty(b, n, h if heads is None else heads, d, dtype=dtype or like.dtype, device=like.device)
+
+
+def _front_rows(buffers: list[torch.Tensor], rows: int | None) -> list[torch.Tensor]:
+    """Whole-shard ``(b, n, h, d)`` receive buffers as ``(b, rows, h, d)`` tensors on their first elements
+    (contiguous, as a message needs); ``rows=None`` or ``n``: the buffers themselves."""
+    if rows is None or rows == buffers[0].shape[1]:
+        return buffers
+    return [t.view(-1)[:t.shape[0] * rows * t.shape[2] * t.shape[3]].view(t.shape[0], rows, t.shape[2], t.shape[3])
+            for t in buffers]
+
+
+def stats_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An fp32 ``(b, h_q, n)`` buffer for lse/delta of queries shaped like ``like``."""
+    b, n, h, _ = like.shape
+    return torch.empty(b, h, n, dtype=torch.float32, device=like.device)
+
+
+class WireCopies:
+    """Contiguous versions of tensors that are sent (messages need contiguous memory), made at most once each."""
+
+    def __init__(self):
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return t
+        if id(t) not in self._copies:
+            self._copies[id(t)] = t.contiguous()
+        return self._copies[id(t)]
+
+    def rows(self, tensors: list[torch.Tensor], a: int, b: int) -> list[torch.Tensor]:
+        """The sequence rows ``[a, b)`` of ``tensors`` (dim 1) as messages: views when contiguous (batch 1), else
+        copies of the slice only (never cached: a slice is a new object every step)."""
+        return [self(t) if a == 0 and b == t.shape[1] else t[:, a:b].contiguous() for t in tensors]
+
+
+def guarded(ex: Executor, fn):
+    """``fn()``, whose collectives (``distattn.nonfinite``) are part of the call: on a failure abort the library's
+    communicators, as :meth:`Executor.run` does, so that the peers fail at once instead of waiting."""
+    try:
+        return fn()
+    except BaseException:
+        ex._abort()
+        raise
