@@ -16,19 +16,55 @@ def _cluster(gpus, gpu_gib=80, host_gib=2048, per_node=8):
     return plan.Cluster(gpus, (gpu_gib - 1) * GIB, plan.host_limit_bytes(host_gib, min(gpus, per_node)))
 
 
-def _longest(model, gpus, gpu_gib=80):
+def _longest(model, gpus, gpu_gib=80, **kw):
     cluster = _cluster(gpus, gpu_gib)
-    return max(plan.longest_with(get_preset(model), c, cluster).seq for c in plan.combos(4096, 4096))
+    return max(plan.longest_with(get_preset(model), c, cluster).seq for c in plan.combos(4096, 4096, **kw))
 
 
-@pytest.mark.parametrize("model, gpus, gpu_gib, target", [
-    ("llama3-8b", 1, 80, 600_000),  # ALST: 500K on one H100
-    ("llama3-8b", 8, 80, 4_000_000),  # ALST: 3.7M on 8
-    ("llama3-8b", 32, 80, 16_000_000),  # ALST: 15M on 32
-    ("llama-7b", 16, 40, 4 * 512 * 1024),  # 4x the DistFlashAttn paper's 512K on 16 x A100-40GB
+# The README's table (bench/results/planner-long): every byte counted (the attention executor's buffers, FSDP2's root,
+# head gradient and reduce-scatter, pinned-host rounding), H100s of 79.65 GiB, 2 TiB of host memory per node of 8.
+# Regenerate both together. The issue's goals were >= 600K / 4M / 16M: one GPU falls 30,784 tokens (5.1%) short.
+@pytest.mark.parametrize("model, gpus, gpu, honest", [
+    ("llama3-8b", 1, "h100", 569_216),
+    ("llama3-8b", 8, "h100", 4_044_800),
+    ("llama3-8b", 32, "h100", 16_179_200),
+    ("llama-7b", 16, "a100-40gb", 2_056_192),
 ])
-def test_planner_reaches_the_issue_targets(model, gpus, gpu_gib, target):
-    assert _longest(model, gpus, gpu_gib) >= target
+def test_planner_headline_is_the_readme_table(model, gpus, gpu, honest):
+    from distattn.memory.cli import GPUS
+    from distattn.memory.executor import ATTENTION_SCHEDULES
+
+    assert _longest(model, gpus, GPUS[gpu], schedules=ATTENTION_SCHEDULES, partials=("fp32", "input")) == honest
+
+
+def test_counted_items_lower_the_longest_sequence():
+    """Counting the executor's buffers and FSDP2's unsharded root costs length: the balanced default at 80 GiB is
+    well below the 4.63M the planner printed when it left them out."""
+    assert _longest("llama3-8b", 8) < 4_000_000
+
+
+def test_pinned_host_blocks_round_up_to_powers_of_two():
+    from distattn.memory.techniques import host_block
+
+    layer_input = 607_104 * 4096 * 2  # 4.63 GiB: a bf16 (1, n, hidden) layer input at 607,104 tokens per GPU
+    assert host_block(layer_input) == 8 * GIB and host_block(layer_input, pinned=False) == layer_input
+    assert host_block(GIB) == GIB and host_block(GIB + 1) == 2 * GIB
+
+
+def test_fsdp2_items_of_llama3_8b():
+    from distattn.memory.techniques import fsdp2_items
+
+    items = fsdp2_items(get_preset("llama3-8b"))
+    assert round(items["root"] / GIB, 2) == 1.96 and round(items["head_grad"] / GIB, 2) == 0.98
+    assert round(items["reduce_scatter"] / GIB, 2) == 1.22
+
+
+def test_gpu_mem_defaults_to_the_gpus_real_capacity(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plan.main(["plan", "--model", "tiny", "--gpus", "2", "--strategy", "full"]) == 0
+    assert "2 GPU x 79.65 GiB (h100's reported total" in capsys.readouterr().out
 
 
 def test_each_technique_lowers_the_device_peak_and_moves_bytes_to_the_host():
@@ -50,7 +86,9 @@ def test_tiles_lower_the_peak_where_logits_and_mlp_dominate():
     kw = dict(sp=8, shard=8, strategy="remat")
     none = technique_peak(model, 1, 256 * 1024, **kw)
     loss = technique_peak(model, 1, 256 * 1024, tech=Techniques(loss_tile=4096), **kw)
-    assert loss.total < none.total and loss.moment == "at the loss backward"
+    # the tiled loss takes the peak away from the loss backward (to a layer's backward, where FSDP2's head gradient
+    # and reduce-scatter buffers sit beside the recomputed layer)
+    assert none.moment == "at the loss backward" and loss.total < none.total and loss.moment != none.moment
     # at millions of tokens, with the checkpoints offloaded, the recomputed layer's MLP is the peak: tile it
     rest = dict(loss_tile=4096, offload_checkpoints=True, offload_optimizer=True)
     big = technique_peak(model, 1, 2 ** 21, tech=Techniques(**rest), **kw)
@@ -74,8 +112,13 @@ def test_auto_picks_the_cheapest_combination_that_fits():
     cluster = _cluster(8)
     short = plan.choose(model, 64 * 1024, cluster, loss_tile=4096, mlp_tile=4096)
     assert short is not None and short[0] == plan.Combo("remat", Techniques())  # least recompute, no copies
-    long = plan.choose(model, 3 * 1024 * 1024, cluster, loss_tile=4096, mlp_tile=4096)
+    long = plan.choose(model, 2 * 1024 * 1024, cluster, loss_tile=4096, mlp_tile=4096)
     assert long is not None and long[0].tech.offload_checkpoints
+    # 3.9M tokens fit only with the attention schedule and partials whose executor buffers are smallest
+    assert plan.choose(model, 4_030_464, cluster, loss_tile=4096, mlp_tile=4096) is None
+    wide = plan.choose(model, 4_030_464, cluster, loss_tile=4096, mlp_tile=4096, schedules=("balanced", "ring"),
+                       partials=("fp32", "input"))
+    assert wide is not None and (wide[0].schedule, wide[0].partials) == ("ring", "input")
     assert plan.choose(model, 64 * 1024 * 1024, cluster, loss_tile=4096, mlp_tile=4096) is None
 
 

@@ -4,7 +4,11 @@
   and ``allocator_delta`` (CUDA allocator counters around a region).
 * :mod:`distattn.memory.model` — per-layer saved tensors (name, shape, dtype) of LLaMA-family and GPT-style
   layers per attention implementation and checkpointing strategy, steady state and step peak.
-* :mod:`distattn.memory.plan` — the longest sequence that fits (``python -m distattn.memory plan ...``).
+* :mod:`distattn.memory.executor` — the attention executor's own buffers, a replay of the plan it runs.
+* :mod:`distattn.memory.techniques` — tiles, offload and FSDP2's extra buffers in the step's peak.
+* :mod:`distattn.memory.plan` — the longest sequence that fits; :mod:`distattn.memory.cli` its command line
+  (``python -m distattn.memory plan ...``).
+* ``measure.live_bytes`` — the peak live bytes of a region on any device (how the executor's buffers are measured).
 """
 
 from distattn.memory.measure import AllocatorDelta, SavedActivations, SavedStorage, allocator_delta, saved_activations

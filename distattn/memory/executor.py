@@ -1,13 +1,14 @@
-"""The attention executor's own buffers, byte for byte: a replay of ``distattn.attention``'s allocations over a plan.
+"""The attention executor's own buffers, byte for byte: a replay of its allocations over the plan it runs.
 
 The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond their inputs and outputs:
 
-* forward: the carried state's fp32 ``out`` (its ``lse`` is the output's); backward: ``delta`` (fp32 ``(b, h_q, n)``) and the fp32
-  accumulators ``dq, dk, dv`` of the whole shard (cast to the input dtype once, at the end: the outputs);
-* the receive pool (``_Executor.post``): one set of whole-shard buffers per ``(slot, kind, order in the round)`` the
-  plan ever uses, made at first use and kept to the end of the call; the slots are double-buffered (``t % 2``), so a
-  rank that fetches k/v at one step and queries at another of the same parity holds both kinds, and a helper's
-  partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a buffer of the query shard's size;
+* forward: the carried state's fp32 ``out`` (its ``lse`` is the output's); backward: ``delta`` (fp32
+  ``(b, h_q, n)``) and the fp32 accumulators ``dq, dk, dv`` of the whole shard (cast to the input dtype once, at
+  the end: the outputs);
+* the receive pool (``distattn.executor.Executor.post``): one set of whole-shard buffers per ``(slot, kind, order
+  in the round)`` the plan ever uses, made at first use and kept to the end of the call; the slots are
+  double-buffered (``t % 2``), so a rank that fetches k/v at one step and queries at another of the same parity
+  holds both kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a buffer of the query shard's size;
 * the partials a task computes (a helper's fp32 state or ``dq``; an owner's fp32 ``dk, dv`` of the borrowed slice,
   ``partials="input"``: plus their cast copies), alive until their send round is waited for, one step later, and
   the next step's partial is made before that wait;
@@ -17,7 +18,7 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
   ``(b, h, n, d)`` views) that is sent is copied once per call, and a row slice of it per send.
 
 ``executor_peak(plan, ...)`` walks the same :class:`~distattn.schedule.Plan` the executor runs (``plan.task``,
-``plan.rank_ops``, ``plan.key_span``) in the executor's order of events (``_Executor._run``: post the next fetch,
+``plan.rank_ops``, ``plan.key_span``) in the executor's order of events (``Executor._run``: post the next fetch,
 wait this fetch, compute, absorb the previous step's partials, post this step's partials) and gives the peak of the
 live bytes, when it happens and what it is made of. ``tests/test_executor_memory.py`` holds it equal to the bytes the
 real executor allocates on CPU/gloo (``distattn.memory.measure.live_bytes``). Not here: the kernels' own working set
@@ -106,10 +107,14 @@ class _Live:
             self.now -= self.live.pop(i)[1]
 
 
-def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied: frozenset) -> _Live:
-    """``dist_attn_forward``/``dist_attn_backward`` on ``rank``, allocations only, in the executor's order."""
+def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied: frozenset,
+            outputs: bool = False) -> _Live:
+    """``dist_attn_forward``/``dist_attn_backward`` on ``rank``, allocations only, in the executor's order
+    (``outputs``: with the call's outputs, as a training step holds them)."""
     lv, fwd = _Live(), phase == "forward"
     lv.where = f"{phase}, before step 0"
+    if fwd and outputs:
+        lv.alloc("outputs", sz.stats)  # the state's lse is the output lse
     if fwd:
         lv.alloc("state (fp32 out)", sz.q(itemsize=4))  # its lse becomes the output lse (``kernels.finalize``)
     else:
@@ -176,7 +181,7 @@ def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied
 
     def compute(task) -> tuple[list[int], list[int]]:
         """(allocations the task's result holds, the subset that travels)."""
-        key = None  # the executor's key-bounds cache (``_Executor.mask``): int32 (lo, hi) per query row, kept
+        key = None  # the executor's key-bounds cache (``Executor.mask``): int32 (lo, hi) per query row, kept
         if plan.layout is not None:  # shards are unions of segments: one per (q, kv, first row) pair
             borrowed = span(task.q_chunk, task.kv_chunk)[0] if task.rank == task.q_chunk != task.kv_chunk else 0
             key = (task.q_chunk, task.kv_chunk, borrowed)
@@ -238,14 +243,17 @@ def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied
         post(returned, plan.rank_ops(t, rank, phase, "return"), travels, return_buffers)
     if returned is not None:
         wait(returned)
+    if outputs:  # cast once at the end, the fp32 state or accumulators still alive
+        lv.where = f"{phase}, rank {rank}: the outputs cast, after the last step"
+        lv.alloc("outputs", sz.q() if fwd else sz.q() + 2 * sz.kv())
     return lv
 
 
 @functools.lru_cache(maxsize=256)
-def _peak(plan: Plan, phase: str, sz: _Sizes, partials: str, copied: frozenset) -> ExecutorPeak:
+def _peak(plan: Plan, phase: str, sz: _Sizes, partials: str, copied: frozenset, outputs: bool) -> ExecutorPeak:
     best = None
     for rank in range(plan.world_size):
-        lv = _replay(plan, rank, phase, sz, partials, copied)
+        lv = _replay(plan, rank, phase, sz, partials, copied, outputs)
         if best is None or lv.peak > best.total:
             best = ExecutorPeak(lv.peak, dict(lv.peak_parts), lv.moment, rank)
     return best
@@ -253,17 +261,20 @@ def _peak(plan: Plan, phase: str, sz: _Sizes, partials: str, copied: frozenset) 
 
 def executor_peak(plan: Plan, *, batch: int, n: int, heads: int, kv_heads: int, head_dim: int,
                   dtype: torch.dtype = torch.bfloat16, partials: str = "fp32", phase: str = "backward",
-                  copied=("q", "k", "v"), rank: int | None = None) -> ExecutorPeak:
+                  copied=("q", "k", "v"), rank: int | None = None, outputs: bool = False) -> ExecutorPeak:
     """Peak bytes the executor allocates beyond its inputs and outputs (see the module docstring).
 
     Args:
-        plan: the plan the call runs (``DistAttnConfig.plan(n)``: ``make_plan(P, causal, schedule, mask=..., chunk=n)``).
+        plan: the plan the call runs (``DistAttnConfig.plan(n)``, i.e.
+            ``make_plan(P, causal, schedule, mask=..., chunk=n)``).
         batch, n, heads, kv_heads, head_dim: the shard's shape ``(b, n, h, d)``; dtype: the inputs' dtype.
         partials: ``"fp32"`` or ``"input"`` (``DistAttnConfig.partials``).
         phase: ``"forward"`` or ``"backward"``.
         copied: which of ``q, k, v, dout`` are non-contiguous (HF's attention passes ``(b, h, n, d)`` transposed
             views of q, k, v: copied when sent); ``()`` for contiguous inputs.
         rank: one rank's peak (``None``: the worst rank's).
+        outputs: count the call's outputs too (``out, lse``; ``dq, dk, dv`` in the input dtype), as the step holds
+            them (the test compares the bytes beyond them).
     """
     if partials not in ("fp32", "input"):
         raise ValueError(f"partials={partials!r} must be 'fp32' or 'input'")
@@ -273,16 +284,27 @@ def executor_peak(plan: Plan, *, batch: int, n: int, heads: int, kv_heads: int, 
     sz = _Sizes(batch, n, heads, kv_heads, head_dim, A, 4 if partials == "fp32" else A)
     copied = frozenset(copied)
     if rank is not None:
-        lv = _replay(plan, rank, phase, sz, partials, copied)
+        lv = _replay(plan, rank, phase, sz, partials, copied, outputs)
         return ExecutorPeak(lv.peak, dict(lv.peak_parts), lv.moment, rank)
-    return _peak(plan, phase, sz, partials, copied)
+    return _peak(plan, phase, sz, partials, copied, outputs)
+
+
+_REF_TOKENS = 1024  # the shard length of the reference replay (even: zigzag's half-shard spans are exact)
 
 
 def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype = torch.bfloat16, partials: str = "fp32", phase: str = "backward",
-                      copied=("q", "k", "v")) -> ExecutorPeak:
-    """``executor_peak`` of a dense causal call: the plan ``DistAttnConfig(causal=True, schedule=...).plan(n)``
-    builds on ``sp`` ranks (zigzag: ``n`` even)."""
-    plan = make_plan(sp, True, schedule, mask=MaskSpec(causal=True), chunk=n)
-    return executor_peak(plan, batch=batch, n=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                         partials=partials, phase=phase, copied=copied)
+                      copied=("q", "k", "v"), outputs: bool = True) -> ExecutorPeak:
+    """``executor_peak`` of a dense causal call on ``sp`` ranks with ``n`` tokens each (the plan
+    ``DistAttnConfig(causal=True, schedule=...).plan(n)`` builds; zigzag: ``n`` even), with its outputs.
+
+    Every buffer of a dense plan is a whole or half shard (or ``n`` int32 key bounds), so each byte count is ``n``
+    times one of a reference length and the peak falls at the same event: the plan is replayed once at
+    ``_REF_TOKENS`` tokens per rank and scaled (exact for even ``n``), so the planner's search replays each plan once.
+    """
+    ref = executor_peak(make_plan(sp, True, schedule, mask=MaskSpec(causal=True), chunk=_REF_TOKENS), batch=batch,
+                        n=_REF_TOKENS, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                        partials=partials, phase=phase, copied=copied, outputs=outputs)
+    scale = lambda nbytes: nbytes * n // _REF_TOKENS  # noqa: E731
+    parts = {k: scale(v) for k, v in ref.parts.items()}
+    return ExecutorPeak(sum(parts.values()), parts, ref.moment, ref.rank)

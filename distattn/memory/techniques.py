@@ -13,9 +13,11 @@ The techniques (``Techniques``) compose with every checkpointing strategy of ``d
 * ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy``: fp32 parameters, gradients and AdamW states live on the host;
   the device holds the gathered half-precision parameters of the layers being computed.
 
-``technique_peak`` gives the training step's device peak (the larger of the two moments ``step_peak`` models: the
-loss backward and a recomputed layer's backward, each with the techniques applied), the host bytes, the bytes that
-cross the host-device link per step, and the FLOPs of the step and of its recomputation.
+``technique_peak`` gives the training step's device peak (the largest of four moments: the loss backward, a
+recomputed layer's backward, and, with distattn, a layer's attention backward and forward, where the executor's own
+buffers (``distattn.memory.executor``: a replay of the plan) sit on top of the layer's tensors; each with the
+techniques applied and FSDP2's root, head gradient and reduce-scatter buffers (``fsdp2_items``)), the host bytes
+(pinned blocks rounded to powers of two: ``host_block``), the bytes that cross the host-device link per step, and the FLOPs of the step and of its recomputation.
 
 Legend as in ``distattn.memory.model``: ``b`` batch, ``n`` tokens on this rank, ``h`` hidden, ``f`` ffn, ``V`` vocab,
 ``L`` layers, ``A`` bytes of the activation dtype.
@@ -28,11 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distattn.memory.model import ModelSpec, Saved, _dtypes, layer_saved_tensors, model_saved_tensors, steady_state_bytes
+from distattn.memory.executor import attention_buffers
+from distattn.memory.model import (ModelSpec, Saved, _dtypes, layer_saved_tensors, model_saved_tensors,
+                                   steady_state_bytes)
 from distattn.tiling import tiled_loss_bytes, tiled_mlp_bytes
 
 __all__ = ["Techniques", "TechniquePeak", "technique_peak", "mlp_saved_names", "step_flops", "host_limit_bytes",
-           "tiled_layer_saved_tensors"]
+           "tiled_layer_saved_tensors", "fsdp2_items", "host_block", "optimizer_host_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,12 +114,16 @@ def _mlp_flops(model: ModelSpec, batch: int, n: int) -> float:
 
 def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard: int = 1,
                    precision: str = "bf16", strategy: str = "full", impl: str = "distattn",
-                   tech: Techniques = Techniques()) -> TechniquePeak:
+                   tech: Techniques = Techniques(), schedule: str = "balanced", partials: str = "fp32",
+                   pinned: bool = True) -> TechniquePeak:
     """The step's device peak, host bytes, traffic and FLOPs on one rank (see the module doc).
 
     Args:
         model: the model; batch: sequences per step; seq: tokens per sequence (whole); sp: ranks that split it;
         shard: ranks that shard weights/grads/AdamW (FSDP2); precision, strategy, impl: as ``step_peak``.
+        schedule, partials: the attention call's (``DistAttnConfig``): its executor's buffers
+            (``distattn.memory.executor``) are part of the moments in a layer's attention forward and backward.
+        pinned: host buffers are pinned (CUDA), so PyTorch's pinned caching allocator rounds each to a power of two.
     """
     if tech.offload_checkpoints and strategy not in ("full", "remat"):
         raise ValueError(f"offload_checkpoints moves what full or remat checkpointing keeps; strategy={strategy!r} "
@@ -125,15 +133,19 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     n = seq // sp
     lay = model.layer
     kw = dict(impl=impl, precision=precision, sp=sp)
+    fsdp = fsdp2_items(model, A) if precision in ("bf16", "fp16") else {}
     steady = steady_state_bytes(model, shard=shard, gather_bytes=A)
+    if fsdp:  # FSDP2 (launch/train.py on CUDA, one GPU included): the layer computed and the one prefetched, in bf16
+        steady["gathered"] = 2 * A * lay.params
     host: dict[str, int] = {}
     traffic = 0
     if tech.offload_optimizer:  # fp32 params + grads + AdamW on the host; the device holds the gathered half
-        # parameters of the layer computed and the one prefetched, and the head's while the loss runs
-        host["weights+grads+adam"] = steady["weights"] + steady["grads"] + steady["adam"]
+        # parameters of the layer computed and the one prefetched, and the root's (embeddings, head) throughout
+        host.update(optimizer_host_bytes(model, shard, pinned))
         traffic += 2 * steady["weights"] + steady["grads"]  # params to the device (forward, backward), grads back
         steady = {"gathered": 2 * A * lay.params, "buffers": steady["buffers"]}
     steady_total = sum(steady.values())
+    root = {"FSDP2 root (embeddings, head: unsharded)": fsdp.get("root", 0)}
 
     layer_list = layer_saved_tensors(lay, batch, seq, strategy=strategy, **kw)
     full_list = layer_saved_tensors(lay, batch, seq, strategy="none", **kw)
@@ -144,11 +156,13 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     layer_kept = sum(t.nbytes for t in layer_list)
     kept_on_device = layer_kept * model.layers
     if tech.offload_checkpoints:
-        host["checkpoints"] = layer_kept * model.layers
+        host["checkpoints"] = model.layers * sum(host_block(t.nbytes, pinned) for t in layer_list)
         traffic += 2 * layer_kept * model.layers  # out in forward, back in backward
         kept_on_device = layer_kept * min(model.layers, 2)  # the layer in flight and the one prefetched
+    others = kept_on_device - (layer_kept if not tech.offload_checkpoints else 0)  # every layer but the one computed
 
     rest_list = model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp, impl=impl)
+    shared = {"rope tables, ids": sum(t.nbytes for t in rest_list if t.name.startswith(_SHARED))}
     logits = batch * n * model.vocab * (A + 4 + 4)  # half logits + fp32 log-softmax grad + fp32 logit grad
     if tech.loss_tile:  # distattn.tiling's own byte model: one tile's working set, the fp32 weight-gradient sum
         rest_list = [t for t in rest_list if not t.name.startswith("loss.log_softmax")]
@@ -162,20 +176,24 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         mlp_tile_ws = mb.tile_working + mb.backward_fixed
 
     steady_name = "gathered params" if tech.offload_optimizer else "weights+grads+adam"
-    begin = {steady_name: steady_total,
-             "layer activations": kept_on_device, "head/loss saved": rest, "logits + logit grads": logits}
-    if tech.offload_optimizer:
-        begin["head weight (gathered)"] = A * model.vocab * lay.hidden
+    base = {steady_name: steady_total, **root}
+    begin = {**base, "layer activations": kept_on_device, "head/loss saved": rest, "logits + logit grads": logits}
     moments = [(begin, "at the loss backward")]
+    in_backward = {"head grad (unsharded, to the end of backward)": fsdp.get("head_grad", 0),
+                   "reduce-scatter (a layer's grads, bf16 + fp32)": fsdp.get("reduce_scatter", 0), **shared}
+    grads = 2 * batch * n * lay.hidden * 4  # two fp32 gradients of the residual stream (an upper bound in bf16)
     if strategy != "none":
-        grads = 2 * batch * n * lay.hidden * 4
-        during = {steady_name: steady_total,
-                  "layer activations": kept_on_device - (layer_kept if not tech.offload_checkpoints else 0),
-                  "head/loss saved": 0, "recomputed layer": sum(t.nbytes for t in full_list) + grads + mlp_tile_ws}
+        during = {**base, "layer activations": others, **in_backward,
+                  "recomputed layer": sum(t.nbytes for t in full_list) + grads + mlp_tile_ws}
         moments.append((during, "in a recomputed layer's backward"))
     elif tech.mlp_tile:
         begin["mlp tile"] = mlp_tile_ws
+    if impl == "distattn":
+        resid_grads = 2 * batch * n * lay.hidden * _dtypes(precision)[1].itemsize  # in the residual stream's dtype
+        moments += _attention_moments(model, batch, n, sp, act, full_list, base, others, in_backward, shared,
+                                      resid_grads, strategy, schedule, partials)
     parts, moment = max(moments, key=lambda m: sum(m[0].values()))
+    parts = {k: v for k, v in parts.items() if v}
 
     mat, att, head = step_flops(model, batch, seq, sp)
     mlp = _mlp_flops(model, batch, n)
@@ -184,8 +202,81 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         recompute += mlp * model.layers  # the tiles recompute the MLP forward in backward
     if tech.loss_tile:
         recompute += head
-    base = 3 * (model.layers * (mat + att) + head)
-    return TechniquePeak(sum(parts.values()), parts, moment, host, traffic, base + recompute, recompute)
+    flops = 3 * (model.layers * (mat + att) + head)
+    return TechniquePeak(sum(parts.values()), parts, moment, host, traffic, flops + recompute, recompute)
+
+
+_SHARED = ("input_ids", "rope.", "position_ids")  # what every layer's backward still reads (HF's keyword arguments)
+_BEFORE_ATTENTION = ("ln1.", "qkv_proj.", "attn.q", "attn.k", "attn.v")  # a layer's saved tensors up to attention
+
+
+def _attention_moments(model, batch, n, sp, act, full_list, base, others, in_backward, shared, grads, strategy,
+                       schedule, partials) -> list:
+    """The step inside a layer's attention call: its executor's buffers (the plan's replay, with the call's outputs)
+    on top of every other layer's kept tensors and this layer's saved tensors up to attention.
+
+    Backward (after the MLP, the second norm and o_proj gave theirs back): the layer's ``ln1``, projection input,
+    q/k/v and the op's out/lse, the incoming ``dout``, two fp32 residual-stream gradients. Forward (the last layer's
+    first forward; with full checkpointing also every layer's recompute, in backward): the layer's tensors up to q/k/v.
+    """
+    lay = model.layer
+    common = dict(batch=batch, heads=lay.heads, kv_heads=lay.kv_heads, head_dim=lay.head_dim, dtype=act,
+                  partials=partials)
+    bwd = attention_buffers(schedule, sp, n, phase="backward", **common)
+    fwd = attention_buffers(schedule, sp, n, phase="forward", **common)
+    upto = sum(t.nbytes for t in full_list if t.name.startswith(_BEFORE_ATTENTION) or t.name.startswith("attn."))
+    qkv = sum(t.nbytes for t in full_list if t.name.startswith(_BEFORE_ATTENTION))
+    dout = batch * n * lay.heads * lay.head_dim * act.itemsize
+    backward = {**base, "layer activations": others, **in_backward,
+                "layer up to attention + grads": upto + dout + grads,
+                f"attention backward buffers ({schedule})": bwd.total}
+    recompute_fwd = strategy == "full"  # remat keeps attention's outputs: its forward is never recomputed
+    forward = {**base, "layer activations": others, **(in_backward if recompute_fwd else shared),
+               "layer up to attention": qkv, f"attention forward buffers ({schedule})": fwd.total}
+    return [(backward, f"in a layer's attention backward ({bwd.moment})"),
+            (forward, f"in a layer's attention forward ({fwd.moment})")]
+
+
+def fsdp2_items(model: ModelSpec, A: int = 2) -> dict[str, int]:
+    """What FSDP2 (``launch/train_model.py``: every decoder layer and then the root ``fully_shard``-ed, bf16 compute,
+    fp32 reduction) holds beyond the sharded state, per rank:
+
+    * ``root``: the root's parameters (embeddings, LM head, final norm) gathered in bf16 at the start of the forward
+      and kept unsharded through the backward (FSDP2 does not reshard the root after its forward);
+    * ``head_grad``: the LM head's unsharded bf16 gradient, made in the loss backward and reduced with the root's, at
+      the end of the backward;
+    * ``reduce_scatter``: one layer's unsharded bf16 gradients and their fp32 copy, the reduce-scatter's input
+      (``reduce_dtype=float32``), while the next layer's backward runs.
+    """
+    h = model.layer.hidden
+    emb = model.vocab * h * (1 if model.tie_embeddings else 2) + model.max_positions * h + h
+    return {"root": A * emb, "head_grad": 0 if model.tie_embeddings else A * model.vocab * h,
+            "reduce_scatter": (A + 4) * model.layer.params}
+
+
+def host_block(nbytes: int, pinned: bool = True) -> int:
+    """Host bytes one buffer of ``nbytes`` takes: PyTorch's pinned (CUDA host) caching allocator rounds every block
+    up to a power of two (``CachingHostAllocator``), so a 4.63 GiB layer input takes 8 GiB; plain memory: ``nbytes``."""
+    if not pinned or nbytes <= 0:
+        return nbytes
+    return 1 << (nbytes - 1).bit_length()
+
+
+def optimizer_host_bytes(model: ModelSpec, shard: int, pinned: bool = True) -> dict[str, int]:
+    """FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: every parameter's fp32 shard and its gradient's in pinned host
+    memory (each rounded to a power of two), AdamW's two fp32 states in plain host memory (``torch.optim`` makes them
+    like the parameters' shards). FSDP2 shards dim 0: ``ceil(rows / shard)`` rows per rank."""
+    lay, h = model.layer, model.layer.hidden
+    d = lay.head_dim
+    shapes = [(lay.heads * d, h), (lay.kv_heads * d, h), (lay.kv_heads * d, h), (h, lay.heads * d)]
+    shapes += [(lay.ffn, h), (lay.ffn, h), (h, lay.ffn)] if lay.family == "llama" else [(lay.ffn, h), (h, lay.ffn)]
+    shapes += [(h, 1), (h, 1)]
+    rows = lambda shape: -(-shape[0] // shard) * shape[1]  # noqa: E731
+    per_layer = [rows(s) * 4 for s in shapes]
+    root = [rows((model.vocab, h)) * 4] * (1 if model.tie_embeddings else 2) + [rows((h, 1)) * 4]
+    tensors = per_layer * model.layers + root
+    pinned_bytes = sum(host_block(t, pinned) for t in tensors)
+    return {"weights+grads (pinned)": 2 * pinned_bytes, "adam": 2 * sum(tensors)}
 
 
 def tiled_layer_saved_tensors(spec, batch: int, seq: int, *, impl: str = "distattn", precision: str = "bf16",
