@@ -17,7 +17,8 @@ The techniques (``Techniques``) compose with every checkpointing strategy of ``d
 recomputed layer's backward, and, with distattn, a layer's attention backward and forward, where the executor's own
 buffers (``distattn.memory.executor``: a replay of the plan) sit on top of the layer's tensors; each with the
 techniques applied and FSDP2's root, head gradient and reduce-scatter buffers (``fsdp2_items``)), the host bytes
-(pinned blocks rounded to powers of two: ``host_block``), the bytes that cross the host-device link per step, and the FLOPs of the step and of its recomputation.
+(pinned blocks rounded to powers of two: ``host_block``), the bytes that cross the host-device link per step, and
+the FLOPs of the step and of its recomputation.
 
 Legend as in ``distattn.memory.model``: ``b`` batch, ``n`` tokens on this rank, ``h`` hidden, ``f`` ffn, ``V`` vocab,
 ``L`` layers, ``A`` bytes of the activation dtype.
