@@ -32,6 +32,9 @@ setup(
         "data": ["datasets>=2.19", "pyarrow>=15"],  # launch/train.py --data: Parquet and datasets folders
         "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],
+        # distattn.integrations.torchtitan (tests/test_torchtitan.py; tested with 0.3.0, Python >= 3.11). Not in
+        # "test": it pins datasets<4.8 and pulls wandb, tensorboard and grpcio; without it those tests skip.
+        "torchtitan": ["torchtitan==0.3.0"],
     },
     license="Apache-2.0",
     license_files=["LICENSE"],
