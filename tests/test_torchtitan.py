@@ -27,7 +27,7 @@ import torch.nn.functional as F
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'distattn[torchtitan]'); it is "
                                          "not in the test extra: its 0.3.0 pins datasets<4.8 and pulls wandb")
 
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import run_distributed
 
 TIMEOUT_S = 420  # torchtitan's debug models (6-8 layers) x a few cases per spawn, on a shared 2-core machine
 ABS_FLOOR = 1e-5  # fp32 rounding of values O(1) summed over a few hundred terms
@@ -157,10 +157,10 @@ def _plain_case(family, flavor, window, rows, **converter):
 
 
 def _fsdp_case(family, flavor, window, rows, **converter):
-    import distattn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    import distattn
     from distattn.integrations.torchtitan import sp_group
 
     model, _ = _build(family, flavor, window, **converter)
@@ -204,7 +204,7 @@ def _bad_inputs():
     from distattn.integrations.torchtitan import DistAttnConverter
 
     model, _ = _build("llama3", "debugmodel", None)
-    tokens, labels = _batch()
+    tokens, _ = _batch()
     n = SEQ // torch.distributed.get_world_size()
     shard = slice(torch.distributed.get_rank() * n, (torch.distributed.get_rank() + 1) * n)
     block_mask = create_block_mask(lambda b, h, q, k: k <= q, len(ROWS), None, n, n, device="cpu")
@@ -226,12 +226,12 @@ def _build_config(family):
 
 
 def _cases_p3(rank, world_size):
-    return {"bad inputs": _bad_inputs(), **{
+    return {"bad inputs": _bad_inputs(), 
         "llama3 docs balanced": _plain_case("llama3", "debugmodel", None, ROWS),
         "llama3 docs zigzag, window 9": _plain_case("llama3", "debugmodel", 9, ROWS, schedule="zigzag"),
         "llama3 dense ring": _plain_case("llama3", "debugmodel", None, None, schedule="ring"),
-        "qwen3 docs (GQA 16/8)": _plain_case("qwen3", "debugmodel", None, ROWS),
-    }}
+        "qwen3 docs (GQA 16/8)": _plain_case("qwen3", "debugmodel", None, ROWS)
+    }
 
 
 def _cases_p2(rank, world_size):
@@ -242,7 +242,8 @@ def _cases_p2(rank, world_size):
 
 
 BAD_INPUTS = {  # what every rank must say
-    "heads for Ulysses 3": r"ValueError: layers\[0\]\.attention\.n_heads \(16\) must be a multiple of ulysses_degree \(3\)",
+    "heads for Ulysses 3":
+        r"ValueError: layers\[0\]\.attention\.n_heads \(16\) must be a multiple of ulysses_degree \(3\)",
     "flex BlockMask": r"TypeError: DistAttention serves torchtitan's VarlenMetadata masks .* got BlockMask",
     "masks from the shard": r"ValueError: attention_masks cover 40 tokens, but the batch is 2 rows x 60 tokens",
 }
