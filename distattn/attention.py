@@ -140,9 +140,27 @@ def _reject_flat(group, phase: str, error: Exception, timeout: float, device):
 
 # -- forward ------------------------------------------------------------------------------------------------
 def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
-    """Execute the plan forward on this rank's shards; returns ``(out (b, n, h_q, d) in q.dtype, lse fp32)``."""
+    """Execute the plan forward on this rank's shards; returns ``(out (b, n, h_q, d) in q.dtype, lse fp32)``.
+
+    The plan runs once per head group (``Executor.head_groups``: one group unless the call's working memory would
+    pass the budget), so the fp32 state, the receive pool and the partials in flight are one group's."""
     ex = Executor(cfg, q, "forward", {"q": q, "k": k, "v": v})
     check = guarded(ex, lambda: nonfinite.Check(ex, [v]))  # posted now, read after the last step
+    groups = ex.head_slices(q, k)
+    if len(groups) == 1:
+        out, lse = _forward_group(ex, q, k, v, cfg, last=True)
+    else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+        for i, (hq, hk) in enumerate(groups):
+            out[:, :, hq], lse[:, hq] = _forward_group(ex, q[:, :, hq], k[:, :, hk], v[:, :, hk], cfg,
+                                                       last=i == len(groups) - 1)
+    guarded(ex, lambda: nonfinite.spread_forward(check, out, lse))  # v's NaN/Inf where the plan skipped pairs
+    return out, lse
+
+
+def _forward_group(ex: Executor, q, k, v, cfg: DistAttnConfig, *, last: bool):
+    """The plan's forward over one head group's ``q, k, v`` (views of the call's heads); ``(out, lse)``."""
     # q, k, v stay as given (the kernels need unit stride in d only, e.g. HF's transposed (b, h, n, d) views);
     # a contiguous copy is made once, and only if a tensor is sent to another rank.
     wire = WireCopies()
@@ -171,33 +189,51 @@ def dist_attn_forward(q, k, v, cfg: DistAttnConfig):
     ex.run(compute, fetch_payload, fetch_buffers,
            return_payload=lambda partial: [ex.partial(partial.out, q), partial.lse],
            return_buffers=lambda tr: [empty_like_shard(q, part), stats_buffer(q)],
-           absorb=absorb)
-    out, lse = kernels.finalize(state, q.dtype)
-    guarded(ex, lambda: nonfinite.spread_forward(check, out, lse))  # v's NaN/Inf where the plan skipped pairs
-    return out, lse
+           absorb=absorb, confirm=last)
+    return kernels.finalize(state, q.dtype)
 
 
 # -- backward -----------------------------------------------------------------------------------------------
 def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None):
     """Execute the plan backward; returns this rank's ``(dq, dk, dv)`` in the input dtypes.
 
-    ``delta``: ``rowsum(dout * out)`` fp32 ``(b, h_q, n)`` if the caller has it (then ``out`` may be None)."""
+    ``delta``: ``rowsum(dout * out)`` fp32 ``(b, h_q, n)`` if the caller has it (then ``out`` may be None). Head
+    groups as in the forward: the fp32 accumulators, receive pool and partials are one group's at a time."""
     ex = Executor(cfg, q, "backward", {"q": q, "k": k, "v": v, "dout": dout})
     check = guarded(ex, lambda: nonfinite.Check(ex, [q, k, dout]))  # posted now, read after the last step
-    wire = WireCopies()  # as in the forward: copies only of what travels, once each
     dout = dout.to(q.dtype)
     if delta is None:
         delta = kernels.attn_delta(dout, out, backend=ex.backend)  # rowsum(dout * out), once, before any step
+    groups = ex.head_slices(q, k)
+    if len(groups) == 1:
+        dq, dk, dv = (g.to(t.dtype) for g, t in zip(_backward_group(ex, dout, q, k, v, lse, delta, cfg, last=True),
+                                                    (q, k, v)))
+    else:
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        for i, (hq, hk) in enumerate(groups):
+            dq[:, :, hq], dk[:, :, hk], dv[:, :, hk] = _backward_group(
+                ex, dout[:, :, hq], q[:, :, hq], k[:, :, hk], v[:, :, hk], lse[:, hq], delta[:, hq], cfg,
+                last=i == len(groups) - 1)
+    guarded(ex, lambda: nonfinite.spread_backward(check, dq, dk, dv))  # as one device, skipped pairs included
+    return dq, dk, dv
+
+
+def _backward_group(ex: Executor, dout, q, k, v, lse, delta, cfg: DistAttnConfig, *, last: bool):
+    """The plan's backward over one head group (views of the call's heads); its fp32 ``(dq, dk, dv)``."""
+    wire = WireCopies()  # as in the forward: copies only of what travels, once each
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros_like(dk)
 
     def fetch_payload(tr):
-        return wire.rows([k, v], *ex.span(tr.dst, tr.src)) if tr.kind == "kv" else [wire(q), wire(dout), wire(lse),
-                                                                                      delta]
+        if tr.kind == "kv":
+            return wire.rows([k, v], *ex.span(tr.dst, tr.src))
+        return [wire(q), wire(dout), wire(lse), wire(delta)]
 
     def fetch_buffers(tr):
-        return [empty_like_shard(k), empty_like_shard(v)] if tr.kind == "kv" else [empty_like_shard(q), empty_like_shard(q), stats_buffer(q), stats_buffer(q)]
+        if tr.kind == "kv":
+            return [empty_like_shard(k), empty_like_shard(v)]
+        return [empty_like_shard(q), empty_like_shard(q), stats_buffer(q), stats_buffer(q)]
 
     def compute(task: Task, inbox):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
@@ -216,12 +252,12 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
         kernels.backward_chunk_(dout, q, k_j, v_j, lse, delta, dq, dk_part, dv_part, **kw)
         return [ex.partial(dk_part, k), ex.partial(dv_part, v)]
 
-    fp32 = cfg.partials == "fp32"
+    part = torch.float32 if cfg.partials == "fp32" else None
 
     def return_buffers(tr):
         if tr.kind == "dq":
-            return [empty_like_shard(q, torch.float32 if fp32 else q.dtype)]
-        return [empty_like_shard(k, torch.float32 if fp32 else k.dtype), empty_like_shard(v, torch.float32 if fp32 else v.dtype)]
+            return [empty_like_shard(q, part or q.dtype)]
+        return [empty_like_shard(k, part or k.dtype), empty_like_shard(v, part or v.dtype)]
 
     def absorb(tr, bufs):
         if tr.kind == "dq":
@@ -232,6 +268,5 @@ def dist_attn_backward(dout, q, k, v, out, lse, cfg: DistAttnConfig, delta=None)
             dv[:, a:b].add_(bufs[1])
 
     ex.run(compute, fetch_payload, fetch_buffers, return_payload=lambda parts: parts,
-           return_buffers=return_buffers, absorb=absorb)
-    guarded(ex, lambda: nonfinite.spread_backward(check, dq, dk, dv))  # as one device, skipped pairs included
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+           return_buffers=return_buffers, absorb=absorb, confirm=last)
+    return dq, dk, dv

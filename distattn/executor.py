@@ -18,7 +18,7 @@ import torch
 from distattn import agreement, kernels
 from distattn.comm import DistAttnError, PeerExchange
 from distattn.communicators import describe, open_call
-from distattn.schedule import Task, Transfer, local_bounds
+from distattn.schedule import Task, Transfer, head_groups, local_bounds
 
 if TYPE_CHECKING:
     from distattn.attention import DistAttnConfig
@@ -37,6 +37,7 @@ class Executor:
         self.device = like.device
         self._connect(like.device)
         self.rank = self.comm.rank
+        self.groups = self._head_groups()
         # Agreement first: nothing sized by the inputs (the plan, per-row key bounds, buffers) exists before every
         # rank has confirmed the same call, so a rank with absurd shapes cannot run out of memory while its
         # peers wait for it.
@@ -67,7 +68,8 @@ class Executor:
         if not agreement.enabled():
             return
         where = f"{self.phase} {self.call}, before step 0"
-        fields = agreement.call_fields(self.phase, self.seq, self.checked, self.cfg.fingerprint_fields())
+        fields = agreement.call_fields(self.phase, self.seq, self.checked,
+                                       {**self.cfg.fingerprint_fields(), "head_groups": self.groups})
         try:
             agreement.agree(self.lib, fields, self._collective_device(), self.cfg.timeout, where)
         except DistAttnError:
@@ -168,13 +170,26 @@ class Executor:
         self.comm.post(slot, sends, [(tr.src, bufs) for tr, bufs in inbox.items()])
         return inbox
 
-    def run(self, *handlers, **named) -> None:
+    def _head_groups(self) -> int:
+        """How many head groups the plan runs for (``distattn.schedule.heads``), from the call's shapes."""
+        q, k = self.checked["q"], self.checked["k"]
+        b, n, h_q, d = q.shape
+        part = 4 if self.cfg.partials == "fp32" else q.element_size()
+        return head_groups(b, n, h_q, k.shape[2], d, q.element_size(), part)
+
+    def head_slices(self, q: torch.Tensor, k: torch.Tensor) -> list[tuple[slice, slice]]:
+        """``(query heads, kv heads)`` of each head group, in order: kv heads ``[g*h, (g+1)*h)`` with the query heads
+        that read them (GQA maps query head ``i`` to kv head ``i // (h_q / h_kv)``)."""
+        hq, hk = q.shape[2] // self.groups, k.shape[2] // self.groups
+        return [(slice(g * hq, (g + 1) * hq), slice(g * hk, (g + 1) * hk)) for g in range(self.groups)]
+
+    def run(self, *handlers, confirm: bool = True, **named) -> None:
         """Interpret the plan (``_run``; the agreement was checked when the executor was made); on any failure
         abort the library's communicators so that the peers fail at once instead of waiting, and re-raise (the
-        next call rebuilds them)."""
+        next call rebuilds them). ``confirm``: end with the agreement's confirmation (the call's last pass)."""
         try:
             self._run(*handlers, **named)
-            if agreement.enabled():
+            if confirm and agreement.enabled():
                 agreement.confirm(self.lib, self._collective_device(), self.cfg.timeout,
                                   f"{self.phase} {self.call}, after the last step")
         except BaseException as exc:

@@ -120,3 +120,16 @@ def test_allocator_delta_equals_saved_bytes_of_a_forward():
         assert kept == pytest.approx(r["saved"], rel=ALLOCATOR_RTOL), (mode, r)
         assert r["peak"] >= r["current"] > 0, (mode, r)
     assert res["remat"]["saved"] < res["none"]["saved"], res
+
+
+# CUDA-only: the planner's --gpu-mem default reads torch.cuda.mem_get_info (no CPU equivalent)
+def test_planner_gpu_memory_defaults_to_what_this_gpu_reports():
+    """``python -m distattn.memory plan`` without ``--gpu-mem``: each GPU's memory is this device's total, named."""
+    import argparse
+
+    from distattn.memory.cli import GIB, _gpu_mem
+
+    gib, source = _gpu_mem(argparse.Namespace(gpu_mem=None, gpu="h100"))
+    assert gib == torch.cuda.mem_get_info()[1] / GIB
+    assert source == f"reported by {torch.cuda.get_device_name()}"
+    assert _gpu_mem(argparse.Namespace(gpu_mem=40.0, gpu="h100")) == (40.0, "--gpu-mem")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distattn.schedule import MaskSpec, Plan, make_plan
+from distattn.schedule import MaskSpec, Plan, head_groups, make_plan
 
 __all__ = ["ExecutorPeak", "executor_peak", "attention_buffers", "ATTENTION_SCHEDULES"]
 
@@ -90,6 +90,7 @@ class _Live:
         self.moment = "nothing allocated"
         self._id = 0
         self.where = ""
+        self.group_ids: list[int] = []  # what lives until the current pass of the plan ends
 
     def alloc(self, kind: str, nbytes: int) -> int:
         self._id += 1
@@ -109,22 +110,51 @@ class _Live:
 
 
 def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied: frozenset,
-            outputs: bool = False) -> _Live:
+            outputs: bool = False, full: _Sizes | None = None) -> _Live:
     """``dist_attn_forward``/``dist_attn_backward`` on ``rank``, allocations only, in the executor's order
-    (``outputs``: with the call's outputs, as a training step holds them)."""
+    (``outputs``: with the call's outputs, as a training step holds them).
+
+    ``full``: the call's sizes when ``sz`` is one head group's (``distattn.schedule.heads``): the plan then runs
+    once per group, the receive pool and the key bounds kept across groups (the executor's), the state or
+    accumulators and the send copies one group's at a time; two passes show every event (a third repeats the
+    second); the call's outputs are made before the first group, and the forward's finished group ``out``/``lse``
+    live until they are copied into them."""
     lv, fwd = _Live(), phase == "forward"
+    grouped = full is not None
+    full = sz if full is None else full
     lv.where = f"{phase}, before step 0"
     if fwd and outputs:
-        lv.alloc("outputs", sz.stats)  # the state's lse is the output lse
-    if fwd:
-        lv.alloc("state (fp32 out)", sz.q(itemsize=4))  # its lse becomes the output lse (``kernels.finalize``)
-    else:
-        lv.alloc("delta (fp32)", sz.stats)
-        lv.alloc("accumulators (fp32 dq, dk, dv)", sz.q(itemsize=4) + 2 * sz.kv(itemsize=4))
+        lv.alloc("outputs", full.stats if not grouped else full.q() + full.stats)  # G = 1: the state's lse is it
+    if not fwd:
+        lv.alloc("delta (fp32)", full.stats)
+        if outputs and grouped:
+            lv.alloc("outputs", full.q() + 2 * full.kv())
     pool: set = set()
-    rounds: dict = {}
-    wire: set = set()  # tensors whose contiguous copy exists (made once per call)
     bounds: set = set()
+    for group in range(2 if grouped else 1):
+        _pass(lv, plan, rank, phase, sz, partials, copied, pool, bounds, f"group {group + 1}, " if grouped else "",
+              grouped)
+        if grouped and fwd:  # kernels.finalize of the group (its lse is the state's), copied into the call's
+            lv.where = f"{phase}, rank {rank}: group {group + 1}'s out made, before it is copied"
+            lv.free(lv.alloc("one group's out", sz.q()))
+        lv.free(*lv.group_ids)
+    if outputs and not grouped:  # cast once at the end, the fp32 state or accumulators still alive
+        lv.where = f"{phase}, rank {rank}: the outputs cast, after the last step"
+        lv.alloc("outputs", sz.q() if fwd else sz.q() + 2 * sz.kv())
+    return lv
+
+
+def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied: frozenset, pool: set,
+          bounds: set, label: str, grouped: bool = False) -> None:
+    """One run of the plan (a head group's, or the call's): its allocations and frees on ``lv``; what lives until
+    the pass ends (state or accumulators, send copies) is left in ``lv.group_ids``."""
+    fwd = phase == "forward"
+    if fwd:  # the state's lse is the call's output lse (finalize), unless the pass is one group's
+        lv.group_ids = [lv.alloc("state (fp32 out)", sz.q(itemsize=4) + (sz.stats if grouped else 0))]
+    else:
+        lv.group_ids = [lv.alloc("accumulators (fp32 dq, dk, dv)", sz.q(itemsize=4) + 2 * sz.kv(itemsize=4))]
+    rounds: dict = {}
+    wire: set = set()  # tensors whose contiguous copy exists (made once per pass)
 
     def span(qc, kc):
         return plan.key_span(qc, kc) or (0, sz.n)
@@ -141,7 +171,7 @@ def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied
     def whole_copy(name, nbytes):
         if name in copied and name not in wire:
             wire.add(name)
-            lv.alloc("send copies (contiguous)", nbytes)
+            lv.group_ids.append(lv.alloc("send copies (contiguous)", nbytes))
 
     def fetch_payload(tr) -> list[int]:
         if tr.kind == "kv":
@@ -225,7 +255,7 @@ def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied
     stay: list[int] = []  # what the variable ``produced`` keeps of the last partial beyond what travels
     returned = None
     for t in range(steps):
-        where = f"{phase} step {t} of {steps}, rank {rank}"
+        where = f"{phase} {label}step {t} of {steps}, rank {rank}"
         lv.where = f"{where}: the next step's fetch posted"
         if t + 1 < steps:
             fetch(t + 1)
@@ -244,17 +274,15 @@ def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied
         post(returned, plan.rank_ops(t, rank, phase, "return"), travels, return_buffers)
     if returned is not None:
         wait(returned)
-    if outputs:  # cast once at the end, the fp32 state or accumulators still alive
-        lv.where = f"{phase}, rank {rank}: the outputs cast, after the last step"
-        lv.alloc("outputs", sz.q() if fwd else sz.q() + 2 * sz.kv())
-    return lv
+    lv.free(*stay)  # ``produced`` dies with the plan walk
 
 
 @functools.lru_cache(maxsize=256)
-def _peak(plan: Plan, phase: str, sz: _Sizes, partials: str, copied: frozenset, outputs: bool) -> ExecutorPeak:
+def _peak(plan: Plan, phase: str, sz: _Sizes, partials: str, copied: frozenset, outputs: bool,
+          full: _Sizes | None) -> ExecutorPeak:
     best = None
     for rank in range(plan.world_size):
-        lv = _replay(plan, rank, phase, sz, partials, copied, outputs)
+        lv = _replay(plan, rank, phase, sz, partials, copied, outputs, full)
         if best is None or lv.peak > best.total:
             best = ExecutorPeak(lv.peak, dict(lv.peak_parts), lv.moment, rank)
     return best
@@ -262,7 +290,8 @@ def _peak(plan: Plan, phase: str, sz: _Sizes, partials: str, copied: frozenset, 
 
 def executor_peak(plan: Plan, *, batch: int, n: int, heads: int, kv_heads: int, head_dim: int,
                   dtype: torch.dtype = torch.bfloat16, partials: str = "fp32", phase: str = "backward",
-                  copied=("q", "k", "v"), rank: int | None = None, outputs: bool = False) -> ExecutorPeak:
+                  copied=("q", "k", "v"), rank: int | None = None, outputs: bool = False,
+                  groups: int | None = None) -> ExecutorPeak:
     """Peak bytes the executor allocates beyond its inputs and outputs (see the module docstring).
 
     Args:
@@ -276,18 +305,30 @@ def executor_peak(plan: Plan, *, batch: int, n: int, heads: int, kv_heads: int, 
         rank: one rank's peak (``None``: the worst rank's).
         outputs: count the call's outputs too (``out, lse``; ``dq, dk, dv`` in the input dtype), as the step holds
             them (the test compares the bytes beyond them).
+        groups: the head groups the plan runs for (``None``: what the executor chooses for these shapes,
+            ``distattn.schedule.head_groups``); with more than one, a group's slices of every input are
+            non-contiguous, so each is copied when sent.
     """
     if partials not in ("fp32", "input"):
         raise ValueError(f"partials={partials!r} must be 'fp32' or 'input'")
     if phase not in ("forward", "backward"):
         raise ValueError(f"phase={phase!r} must be 'forward' or 'backward'")
     A = dtype.itemsize
-    sz = _Sizes(batch, n, heads, kv_heads, head_dim, A, 4 if partials == "fp32" else A)
+    part = 4 if partials == "fp32" else A
+    sz = full = _Sizes(batch, n, heads, kv_heads, head_dim, A, part)
+    G = head_groups(batch, n, heads, kv_heads, head_dim, A, part) if groups is None else groups
+    if kv_heads % G:
+        raise ValueError(f"groups={G} must divide kv_heads={kv_heads}")
     copied = frozenset(copied)
+    if G > 1:
+        sz = _Sizes(batch, n, heads // G, kv_heads // G, head_dim, A, part)
+        copied = frozenset(("q", "k", "v", "dout"))
+    else:
+        full = None
     if rank is not None:
-        lv = _replay(plan, rank, phase, sz, partials, copied, outputs)
+        lv = _replay(plan, rank, phase, sz, partials, copied, outputs, full)
         return ExecutorPeak(lv.peak, dict(lv.peak_parts), lv.moment, rank)
-    return _peak(plan, phase, sz, partials, copied, outputs)
+    return _peak(plan, phase, sz, partials, copied, outputs, full)
 
 
 _REF_TOKENS = 1024  # the shard length of the reference replay (even: zigzag's half-shard spans are exact)
@@ -295,7 +336,7 @@ _REF_TOKENS = 1024  # the shard length of the reference replay (even: zigzag's h
 
 def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype = torch.bfloat16, partials: str = "fp32", phase: str = "backward",
-                      copied=("q", "k", "v"), outputs: bool = True) -> ExecutorPeak:
+                      copied=("q", "k", "v"), outputs: bool = True, groups: int | None = None) -> ExecutorPeak:
     """``executor_peak`` of a dense causal call on ``sp`` ranks with ``n`` tokens each (the plan
     ``DistAttnConfig(causal=True, schedule=...).plan(n)`` builds; zigzag: ``n`` even), with its outputs.
 
@@ -303,9 +344,12 @@ def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int,
     times one of a reference length and the peak falls at the same event: the plan is replayed once at
     ``_REF_TOKENS`` tokens per rank and scaled (exact for even ``n``), so the planner's search replays each plan once.
     """
+    if groups is None:  # the executor decides at the real length
+        groups = head_groups(batch, n, heads, kv_heads, head_dim, dtype.itemsize,
+                             4 if partials == "fp32" else dtype.itemsize)
     ref = executor_peak(make_plan(sp, True, schedule, mask=MaskSpec(causal=True), chunk=_REF_TOKENS), batch=batch,
                         n=_REF_TOKENS, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                        partials=partials, phase=phase, copied=copied, outputs=outputs)
+                        partials=partials, phase=phase, copied=copied, outputs=outputs, groups=groups)
     scale = lambda nbytes: nbytes * n // _REF_TOKENS  # noqa: E731
     parts = {k: scale(v) for k, v in ref.parts.items()}
     return ExecutorPeak(sum(parts.values()), parts, ref.moment, ref.rank)

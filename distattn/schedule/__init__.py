@@ -45,6 +45,7 @@ and the cost model read a plan of 16384 ranks in seconds. Pure Python + numpy: n
 
 from __future__ import annotations
 
+from distattn.schedule.heads import head_groups, work_bytes
 from distattn.schedule.layouts import LAYOUTS, Layout, layout_of, local_bounds, pieces_of
 from distattn.schedule.masks import MaskSpec, pair_work
 from distattn.schedule.pairs import PlanTooLarge
@@ -73,7 +74,7 @@ from distattn.schedule.sim import (
 __all__ = ["SCHEDULES", "PARTIALS", "PHASES", "Task", "Transfer", "Plan", "make_plan", "MaskSpec", "pair_work",
            "PlanTooLarge", "Layout", "LAYOUTS", "layout_of", "local_bounds", "pieces_of", "place", "Shapes",
            "payload_bytes", "a2a_bytes", "ulysses_heads",
-           "ring_plan", "SimReport", "simulate", "format_table"]
+           "ring_plan", "SimReport", "simulate", "format_table", "head_groups", "work_bytes"]
 
 
 def _main(argv=None) -> None:
