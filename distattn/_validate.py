@@ -39,10 +39,10 @@ def check_qkv(q, k, v, *, same_seq: bool = False, allow_empty: bool = False) -> 
         raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}; move "
                          f"them with .to(device)")
     if q.device.type == "meta":
-        raise ValueError(f"q, k, v are on the meta device (shapes without data), where attention cannot be computed; "
-                         f"distattn runs on CUDA (triton backend) and CPU (sdpa and torch backends) tensors: move them "
-                         f"with .to('cuda') or .to('cpu'), or materialize a meta-initialized model first "
-                         f"(model.to_empty(device=...), then load or initialize its weights)")
+        raise ValueError("q, k, v are on the meta device (shapes without data), where attention cannot be computed; "
+                         "distattn runs on CUDA (triton backend) and CPU (sdpa and torch backends) tensors: move them "
+                         "with .to('cuda') or .to('cpu'), or materialize a meta-initialized model first "
+                         "(model.to_empty(device=...), then load or initialize its weights)")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
     b, s_q, h_q, d = q.shape
@@ -114,3 +114,54 @@ def check_global_documents(documents, n: int, world: int) -> None:
                          f"distattn.compat.ring_flash_attn). If the stream really ends at token {n}, append "
                          f"{world * n} to cu_seqlens (the padding as an explicit last document); a stream ending "
                          f"anywhere else is padded at its tail without it")
+
+
+# -- flash-attn's options (moved from distattn.api, which hands them on) --------------------------------------
+def check_causal(causal) -> bool:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool (True or False), got {causal!r} of type {type(causal).__name__}")
+    return causal
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """flash-attn's ``window_size=(left, right)``: -1 means unlimited on that side. A tuple or list of two ints, or
+    a 1-D integer tensor of two elements (what flash-attn's own tests pass; read on the host, one sync)."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.shape != (2,) or window_size.dtype.is_floating_point or window_size.dtype.is_complex \
+                or window_size.dtype == torch.bool or window_size.device.type == "meta":
+            raise TypeError(f"window_size as a tensor must be a 1-D integer tensor of 2 elements (left, right) with "
+                            f"values, got shape {tuple(window_size.shape)}, dtype {window_size.dtype} on "
+                            f"{window_size.device}; e.g. torch.tensor([left, right]) or a tuple (left, right)")
+        window_size = tuple(window_size.tolist())
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unlimited: a tuple, a list "
+                        f"or a 2-element integer tensor, got {window_size!r}")
+    for name, w in zip(("left", "right"), window_size):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+            raise ValueError(f"window_size {name} must be an int >= -1 (-1: unlimited), got {w!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a number (0.0: no soft-capping), got {softcap!r}")
+    softcap = float(softcap)
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off; Gemma-2 uses 50.0), got {softcap}")
+    return softcap
+
+
+def check_unsupported(dropout_p, alibi_slopes, deterministic) -> None:
+    """flash-attn options distattn does not compute: a clear error instead of a silently different result."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0.0:
+        raise ValueError(f"dropout_p={dropout_p}: distattn does not implement attention dropout (its kernels keep "
+                         f"no dropout mask); pass dropout_p=0.0 (e.g. model.eval()-style configs set "
+                         f"attention_dropout=0), or apply dropout to the attention output instead")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: distattn does not implement ALiBi position biases; use a RoPE model, or "
+                         "flash-attn's own flash_attn_func on one device")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r} (distattn's backward is always "
+                        f"deterministic)")

@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from distattn import kernels
 from distattn._ops import dist_attention, documents_of
-from distattn._validate import check_global_documents, check_qkv, resolve_scale
+from distattn._validate import (check_causal, check_global_documents, check_qkv, check_softcap, check_unsupported,
+                                check_window, resolve_scale)
+from distattn.choose import choose_schedule, resolve_auto
 from distattn.attention import DistAttnConfig, reject_call
 from distattn.comm import DEFAULT_TIMEOUT_S, default_timeout
 from distattn.schedule import PARTIALS, SCHEDULES, layout_of, ulysses_heads
@@ -36,58 +38,10 @@ from distattn.topology import split as split_group
 from distattn.topology import topology
 from distattn.single import attention, attention_with_bounds
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func"]
-
-
-# -- validation of flash-attn's options ---------------------------------------------------------------------
-def check_causal(causal) -> bool:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool (True or False), got {causal!r} of type {type(causal).__name__}")
-    return causal
-
-
-def check_window(window_size) -> tuple[int, int]:
-    """flash-attn's ``window_size=(left, right)``: -1 means unlimited on that side. A tuple or list of two ints, or
-    a 1-D integer tensor of two elements (what flash-attn's own tests pass; read on the host, one sync)."""
-    if isinstance(window_size, torch.Tensor):
-        if window_size.shape != (2,) or window_size.dtype.is_floating_point or window_size.dtype.is_complex \
-                or window_size.dtype == torch.bool or window_size.device.type == "meta":
-            raise TypeError(f"window_size as a tensor must be a 1-D integer tensor of 2 elements (left, right) with "
-                            f"values, got shape {tuple(window_size.shape)}, dtype {window_size.dtype} on "
-                            f"{window_size.device}; e.g. torch.tensor([left, right]) or a tuple (left, right)")
-        window_size = tuple(window_size.tolist())
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unlimited: a tuple, a list "
-                        f"or a 2-element integer tensor, got {window_size!r}")
-    for name, w in zip(("left", "right"), window_size):
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
-            raise ValueError(f"window_size {name} must be an int >= -1 (-1: unlimited), got {w!r}")
-    return int(window_size[0]), int(window_size[1])
-
-
-def check_softcap(softcap) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a number (0.0: no soft-capping), got {softcap!r}")
-    softcap = float(softcap)
-    if not (softcap >= 0.0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off; Gemma-2 uses 50.0), got {softcap}")
-    return softcap
-
-
-def check_unsupported(dropout_p, alibi_slopes, deterministic) -> None:
-    """flash-attn options distattn does not compute: a clear error instead of a silently different result."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0.0:
-        raise ValueError(f"dropout_p={dropout_p}: distattn does not implement attention dropout (its kernels keep "
-                         f"no dropout mask); pass dropout_p=0.0 (e.g. model.eval()-style configs set "
-                         f"attention_dropout=0), or apply dropout to the attention output instead")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: distattn does not implement ALiBi position biases; use a RoPE model, or "
-                         "flash-attn's own flash_attn_func on one device")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r} (distattn's backward is always "
-                        f"deterministic)")
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "dist_flash_attn_func", "dist_flash_attn_varlen_func",
+           "choose_schedule"]
+# Handed on for the modules that validate flash-attn's options as this one does (compat, integrations):
+# check_causal, check_window, check_softcap, check_unsupported (distattn._validate).
 
 
 def _returns(out, lse, return_attn_probs: bool, return_lse: bool):
@@ -491,71 +445,3 @@ def check_group(group) -> None:
             raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
                              f"group=; call dist_flash_attn_func only on the ranks of that group (the group's ranks: "
                              f"torch.distributed.get_process_group_ranks(group))")
-
-
-def _cluster(link: str | None = None, gpus_per_node: int | None = None):
-    """The cluster the cost model assumes; unset parts from ``DISTATTN_LINK`` (``ib`` default: NVLink inside a
-    node of ``DISTATTN_GPUS_PER_NODE`` = 8 GPUs, 100 Gb/s InfiniBand across; ``nvlink``: one NVLink domain)."""
-    import os
-
-    from distattn.schedule.cost import Cluster
-
-    if gpus_per_node is None:
-        gpus = os.environ.get("DISTATTN_GPUS_PER_NODE", "8")
-        if not gpus.isdigit() or int(gpus) < 1:
-            raise ValueError(f"DISTATTN_GPUS_PER_NODE={gpus!r} must be a positive integer")
-        gpus_per_node = int(gpus)
-    return Cluster.preset(link or os.environ.get("DISTATTN_LINK", "ib"), gpus_per_node=gpus_per_node)
-
-
-def _mask(causal: bool, window: tuple[int, int], cu_seqlens):
-    """The call's ``MaskSpec`` for the cost model (``None``: dense)."""
-    from distattn.schedule import MaskSpec
-
-    cu = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
-    return MaskSpec(causal=causal, window=window, cu_seqlens=cu) if (cu or window != (-1, -1)) else None
-
-
-def _shapes(q, k):
-    from distattn.schedule import Shapes
-
-    b, n, h_q, d = q.shape
-    return Shapes(batch=b, seq_per_rank=n, heads_q=h_q, heads_kv=k.shape[2], head_dim=d,
-                  dtype_bytes=q.element_size())
-
-
-def resolve_auto(q, k, topo, *, causal, window, documents, partials) -> str:
-    """``schedule="auto"`` at call time: the cost model's best schedule among those that run on the inputs'
-    layout (contiguous shards: ring or balanced; the zigzag layout is chosen before sharding), for this group's
-    Ulysses degree. Deterministic from the call's shapes, mask, options and ``DISTATTN_LINK``, so every rank
-    resolves the same (and the agreement check compares the resolved name)."""
-    from distattn.schedule.cost import choose
-
-    mask = _mask(causal, window, documents)
-    choice = choose(topo.world_size, _shapes(q, k), causal=causal, mask=mask, cluster=_cluster(),
-                    partials=partials, allow={"ring", "balanced"}, ulysses=topo.U)
-    return choice.best.schedule
-
-
-def choose_schedule(world_size: int, heads_q: int, heads_kv: int, head_dim: int, seq_per_rank: int, *,
-                    batch: int = 1, dtype: torch.dtype = torch.bfloat16, causal: bool = True, cu_seqlens=None,
-                    window_size=(-1, -1), link: str | None = None, gpus_per_node: int | None = None,
-                    partials: str = "fp32",
-                    allow=None, ulysses: int | None = None):
-    """The cost model's choice for a layer, made before sharding (so it may pick the zigzag layout or a
-    two-dimensional group): ``choice.best.schedule`` and ``choice.best.ulysses`` (``U``; > 1: build the groups
-    with ``make_2d_groups(U)``); ``print(choice.explain())`` shows every candidate's predicted time.
-
-    ``link``: ``"ib"`` (NVLink in a node of ``gpus_per_node`` GPUs, 100 Gb/s InfiniBand across) or ``"nvlink"``
-    (one NVLink domain); ``None``: ``DISTATTN_LINK`` / ``DISTATTN_GPUS_PER_NODE`` (defaults ``ib``, 8), as
-    ``schedule="auto"`` at call time. ``allow``: restrict the candidates (``distattn.schedule.cost.choose``); ``ulysses``: the
-    Ulysses degree the group already has (``None``: let the model pick it too).
-    """
-    from distattn.schedule import Shapes
-    from distattn.schedule.cost import choose
-
-    shapes = Shapes(batch=batch, seq_per_rank=seq_per_rank, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-                    dtype_bytes=torch.empty(0, dtype=dtype).element_size())
-    mask = _mask(causal, check_window(window_size), cu_seqlens)
-    return choose(world_size, shapes, causal=causal, mask=mask, cluster=_cluster(link, gpus_per_node),
-                  partials=partials, allow=allow, ulysses=ulysses)
