@@ -1,0 +1,93 @@
+"""bench/peers (issue 37): the byte counter counts known collectives exactly; each installed peer's adapter is exact
+at P = 2 on a tiny case; a peer that hangs or raises gives its error row within the deadline.
+
+A peer is skipped only when its package is not installed (CI installs ``.[peers]`` before running this file).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+
+WORLD = 2
+
+
+def _count_known_collectives(rank, world):
+    import torch.distributed._functional_collectives as fc
+
+    from bench.peers.measure import count_bytes
+
+    p = world
+    n = 4 * p  # fp32 elements: 16 * p bytes, divisible by p
+    nb = n * 4
+    got = {}
+    x = torch.ones(n)
+
+    def region(name, fn):
+        with count_bytes() as c:
+            fn()
+        got[name] = (c.sent, c.recv, dict(c.calls), list(c.unknown))
+
+    region("all_reduce", lambda: dist.all_reduce(x))
+    region("all_to_all_single", lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n)))
+    region("all_to_all_uneven", lambda: dist.all_to_all_single(
+        torch.empty(6 if rank == 0 else 1), torch.ones(3 if rank == 0 else 4),
+        output_split_sizes=[3, 3] if rank == 0 else [0, 1],
+        input_split_sizes=[3, 0] if rank == 0 else [3, 1]))
+    region("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(n * p), x))
+    region("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * p)))
+    region("send_recv", lambda: dist.send(x, 1) if rank == 0 else dist.recv(torch.empty(n), 0))
+
+    def isend_irecv():
+        w = dist.isend(x, 1 - rank)
+        r = dist.irecv(torch.empty(n), 1 - rank)
+        w.wait()
+        r.wait()
+
+    region("isend_irecv", isend_irecv)
+
+    def batch():  # as distattn.comm posts a round: P2POp(isend) and P2POp(irecv) in one batch
+        ops = [dist.P2POp(dist.isend, torch.ones(2 * n), 1 - rank),
+               dist.P2POp(dist.irecv, torch.empty(2 * n), 1 - rank)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    region("batch_isend_irecv", batch)
+    region("functional_all_to_all", lambda: fc.wait_tensor(fc.all_to_all_single(torch.ones(n), None, None,
+                                                                                  dist.group.WORLD)))
+    region("functional_all_gather", lambda: fc.wait_tensor(fc.all_gather_tensor(torch.ones(n), 0, dist.group.WORLD)))
+    region("barrier", dist.barrier)
+    return got, nb
+
+
+def test_byte_counter_counts_known_collectives_exactly():
+    (r0, nb), (r1, _) = run_distributed(_count_known_collectives, WORLD, timeout=90)
+    p = WORLD
+    ring = (p - 1) * nb  # all_gather in / reduce_scatter out of nb bytes
+    expect = {
+        "all_reduce": ((2 * (p - 1) * nb // p,) * 2, (2 * (p - 1) * nb // p,) * 2, {"allreduce_": 1}),
+        "all_to_all_single": ((nb // 2, nb // 2), (nb // 2, nb // 2), {"alltoall_base_": 1}),
+        # rank 0 sends 3 elements to itself and 0 to rank 1; receives 3 from itself and 3 from rank 1.
+        # rank 1 sends 3 to rank 0 and keeps 1; receives 0 from rank 0 and keeps 1.
+        "all_to_all_uneven": ((0, 12), (12, 0), {"alltoall_base_": 1}),
+        "all_gather_into_tensor": ((ring, ring), (ring, ring), {"_allgather_base_": 1}),
+        "reduce_scatter_tensor": ((ring, ring), (ring, ring), {"_reduce_scatter_base_": 1}),
+        "send_recv": ((nb, 0), (0, nb), None),
+        "isend_irecv": ((nb, nb), (nb, nb), {"send": 1, "recv_": 1}),
+        "batch_isend_irecv": ((2 * nb, 2 * nb), (2 * nb, 2 * nb), {"send": 1, "recv_": 1}),
+        "functional_all_to_all": ((nb // 2, nb // 2), (nb // 2, nb // 2), {"all_to_all_single": 1}),
+        "functional_all_gather": ((ring, ring), (ring, ring), {"all_gather_into_tensor": 1}),
+        "barrier": ((0, 0), (0, 0), None),
+    }
+    for name, (e0, e1, calls) in expect.items():
+        for rank, got in ((0, r0), (1, r1)):
+            sent, recv, got_calls, unknown = got[name]
+            assert (sent, recv) == (e0 if rank == 0 else e1), (name, rank, sent, recv)
+            assert not unknown, (name, unknown)
+            if calls is not None:
+                assert got_calls == calls, (name, rank, got_calls)
+    assert r0["send_recv"][2] == {"send": 1} and r1["send_recv"][2] == {"recv_": 1}
+    assert r0["barrier"][2] == {"barrier": 1}
