@@ -26,7 +26,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from distattn import kernels
+import distattn.kernels as kernels
 from distattn._ops import dist_attention, documents_of
 from distattn._validate import (check_causal, check_global_documents, check_qkv, check_softcap, check_unsupported,
                                 check_window, resolve_scale)

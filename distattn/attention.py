@@ -22,7 +22,7 @@ checks that all ranks make the same call (``distattn.agreement``, one all-reduce
 Layering: the public ``distattn.dist_flash_attn_func`` (``distattn.api``) validates and calls the registered op
 ``torch.ops.distattn.attention`` (``distattn._ops``), whose forward calls ``dist_attn_forward`` and whose registered
 backward calls ``dist_attn_backward``. The step machinery they share (plan walk, exchange, buffer pool, abort) is
-``distattn.executor``. Nothing here imports upward.
+``distattn.executor``; the call's options are ``distattn.config``. Nothing here imports upward.
 
 Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head dim. GQA: only ``h_kv`` heads
 of k and v ever travel.
@@ -30,81 +30,19 @@ of k and v ever travel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 
-from distattn import agreement, kernels, nonfinite
-from distattn.comm import DEFAULT_TIMEOUT_S, DistAttnError
+import distattn.agreement as agreement
+import distattn.kernels as kernels
+import distattn.nonfinite as nonfinite
+from distattn.comm import DistAttnError
 from distattn.communicators import describe, open_call
+from distattn.config import DistAttnConfig
 from distattn.executor import Executor, WireCopies, empty_like_shard, guarded, stats_buffer
-from distattn.schedule import PARTIALS, SCHEDULES, MaskSpec, Plan, Task, make_plan
+from distattn.schedule import Task
 from distattn.topology import topology
 
 __all__ = ["DistAttnConfig", "dist_attn_forward", "dist_attn_backward", "reject_call"]
-
-
-
-@dataclass(frozen=True, kw_only=True)
-class DistAttnConfig:
-    """Static options of one sequence-parallel attention call (validated by ``distattn.api``)."""
-
-    causal: bool
-    """Causal mask on global positions (``k_pos <= q_pos``)."""
-    scale: float
-    """Softmax scale."""
-    window: tuple[int, int] = (-1, -1)
-    """flash-attn's ``(left, right)`` sliding window on global positions; -1: unlimited."""
-    softcap: float = 0.0
-    """Logit soft-capping (0: off)."""
-    schedule: str = "balanced"
-    """``"ring"``, ``"balanced"`` or ``"zigzag"`` (see ``distattn.schedule``; zigzag needs zigzag-sharded inputs)."""
-    backend: str | None = None
-    """Kernel backend name (``None``: best available on the tensors' device)."""
-    group: object = None
-    """Process group (``None``: the default group)."""
-    overlap: bool = True
-    """Post step ``t + 1``'s fetches before computing step ``t``; ``False`` waits first (ablation)."""
-    cu_seqlens: tuple[int, ...] | None = None
-    """Packed documents: cumulative lengths over the whole stream (identical on every rank), or None."""
-    timeout: float = DEFAULT_TIMEOUT_S
-    """Seconds any one wait inside a call may take before the call fails with ``DistAttnError``."""
-    partials: str = "fp32"
-    """dtype of the partial results sent back (helper outputs, dq/dk/dv partials): ``"fp32"`` or ``"input"``
-    (q's dtype: half the bytes). Accumulation is fp32 either way; lse and delta always travel in fp32."""
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}; use schedule='balanced'")
-        if self.partials not in PARTIALS:
-            raise ValueError(f"partials={self.partials!r} is not one of {PARTIALS}; use partials='fp32'")
-
-    def fingerprint_fields(self) -> dict:
-        """Everything in the config that shapes the communication, as readable JSON-friendly values: all
-        ranks must agree on these (``distattn.agreement``). A new option or mask metadata is checked on every
-        call by adding it here; packed documents are checked by a hash of ``cu_seqlens`` and its length."""
-        return {"causal": self.causal, "window": list(self.window), "softcap": self.softcap,
-                "schedule": self.schedule, "overlap": self.overlap, "scale": self.scale, "backend": self.backend,
-                "cu_seqlens": _documents_fingerprint(self.cu_seqlens), "partials": self.partials}
-
-    def mask_spec(self) -> MaskSpec:
-        """The call's mask as data: what the plan (pairs, work) and the kernels (per-row bounds) both read."""
-        return MaskSpec(causal=self.causal, window=self.window, cu_seqlens=self.cu_seqlens)
-
-    def plan(self, n: int) -> Plan:
-        """The plan for ``n`` tokens per rank (masked plans drop pairs that share no visible key)."""
-        return make_plan(dist.get_world_size(self.group), self.causal, self.schedule, mask=self.mask_spec(), chunk=n)
-
-
-def _documents_fingerprint(cu_seqlens) -> str | None:
-    """A short, readable digest of the packed documents (None: no packing), for the agreement check."""
-    if cu_seqlens is None:
-        return None
-    import hashlib
-
-    digest = hashlib.blake2b(repr(tuple(cu_seqlens)).encode(), digest_size=8).hexdigest()
-    return f"{len(cu_seqlens) - 1} documents, ends at {cu_seqlens[-1]}, #{digest}"
 
 
 def reject_call(group, phase: str, error: Exception, timeout: float, device: torch.device | None = None):

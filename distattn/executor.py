@@ -11,17 +11,14 @@ Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from distattn import agreement, kernels
+import distattn.agreement as agreement
+import distattn.kernels as kernels
 from distattn.comm import DistAttnError, PeerExchange
 from distattn.communicators import describe, open_call
+from distattn.config import DistAttnConfig
 from distattn.schedule import Task, Transfer, head_groups, local_bounds
-
-if TYPE_CHECKING:
-    from distattn.attention import DistAttnConfig
 
 __all__ = ["Executor", "WireCopies", "empty_like_shard", "stats_buffer", "guarded"]
 

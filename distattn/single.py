@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distattn import kernels
+import distattn.kernels as kernels
 
 __all__ = ["attention", "attention_with_bounds"]
 

@@ -25,7 +25,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from distattn import kernels
+import distattn.kernels as kernels
 from distattn.comm import DistAttnError, all_gather_text
 
 __all__ = ["autotune", "DEFAULT_TIMEOUT_S"]

@@ -32,7 +32,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from distattn import agreement, kernels
+import distattn.agreement as agreement
+import distattn.kernels as kernels
 from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward, reject_call
 from distattn.comm import COUNTERS, DistAttnError, bounded_wait
 from distattn.communicators import describe, open_call
