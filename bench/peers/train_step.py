@@ -280,7 +280,8 @@ def write(rows: list[dict], setup: Setup, out: Path, command: str) -> None:
              f"{setup.lr}); tiles of {setup.tile} tokens (MLP and loss, both stacks).", "",
              "MiB per rank, measured in the last step (the first also creates AdamW's states), largest rank. "
              "resident: parameters + AdamW states when a step begins; step peak: the most device-resident bytes "
-             "allocated during the step on top (gradients, activations, buffers); device = resident + step peak; predicted: `technique_peak` (fp32, unpinned).",
+             "allocated during the step on top (gradients, activations, buffers); device = resident + step peak; "
+             "predicted: `technique_peak` (fp32, unpinned).",
              "", "| stack | P | loss = fp64 ref (rule) | resident | step peak | device peak | host peak | "
              "predicted device | predicted host | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
