@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from . import _masks
-from . import _triton as tr
+import distattn.kernels._masks as _masks
+import distattn.kernels._triton as tr
 
 __all__ = ["TuneCase", "autotune", "autotune_enabled", "check_tune_args", "tune_table", "install_table",
            "table_to_json", "table_from_json", "AUTOTUNE_ENV", "CACHE_ENV"]
