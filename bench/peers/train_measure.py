@@ -64,11 +64,14 @@ class SplitLiveBytes(LiveBytes):
         super().__init__()
         self.device_type = device_type
         self._host_ids: set[int] = set()
+        self._ops: dict[int, str] = {}  # allocation id -> the op that made it (for the breakdown at the peak)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         first = self._next
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self._next > first:
+            name = func.__name__.split(".")[0]
+            self._ops.update((aid, name) for aid in range(first, self._next))
             on_host = getattr(_HOST, "depth", 0) > 0
             if not on_host and self.device_type != "cpu":  # a real device: a CPU storage is host memory
                 on_host = any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_leaves(out))
@@ -85,6 +88,23 @@ class SplitLiveBytes(LiveBytes):
             now[kind] += delta
             peak[kind] = max(peak[kind], now[kind])
         return peak[False], peak[True]
+
+    def device_breakdown(self, top: int = 6) -> dict[str, int]:
+        """Live device-resident bytes at the device peak, by the op that allocated them (the largest ``top``)."""
+        now, peak, at = 0, 0, 0
+        device = [(aid, delta) for aid, delta in self._log if aid not in self._host_ids]
+        for i, (_, delta) in enumerate(device):
+            now += delta
+            if now > peak:
+                peak, at = now, i
+        live: dict[int, int] = {}
+        for aid, delta in device[:at + 1]:
+            live[aid] = live.get(aid, 0) + delta
+        by_op: dict[str, int] = {}
+        for aid, nbytes in live.items():
+            if nbytes:
+                by_op[self._ops.get(aid, "?")] = by_op.get(self._ops.get(aid, "?"), 0) + nbytes
+        return dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:top])
 
 
 def resident_bytes(tensors) -> int:
@@ -118,6 +138,8 @@ class StepPeak:
     """Peak device-resident bytes allocated during the step (on top of ``resident``)."""
     host_peak: int
     """Peak host-resident bytes allocated during the step (offloaded checkpoints)."""
+    at_peak: dict
+    """Live device-resident bytes at the device peak by the op that allocated them (the largest few)."""
 
     @property
     def device_total(self) -> int:
@@ -134,4 +156,4 @@ def measure_step(model, optimizer, step_fn, device_type: str = "cpu") -> StepPea
         optimizer.zero_grad(set_to_none=True)
         loss = float(loss.detach())
     device_peak, host_peak = live.peaks()
-    return StepPeak(loss, resident, device_peak, host_peak)
+    return StepPeak(loss, resident, device_peak, host_peak, live.device_breakdown())

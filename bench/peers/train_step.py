@@ -248,7 +248,7 @@ def summarize(setup: Setup, world: int, results: dict, ref64: list[float]) -> li
         row.update(losses=losses, loss_err=[c[0] for c in checks], loss_allowed=[c[1] for c in checks],
                    loss_ok=all(c[2] for c in checks), resident=last["resident"],
                    device_peak=last["resident"] + last["device_peak"], step_peak=last["device_peak"],
-                   host_peak=host, offloaded=max(r.get("offloaded", 0) for r in ranks),
+                   host_peak=host, at_peak=last["at_peak"], offloaded=max(r.get("offloaded", 0) for r in ranks),
                    pred_device=pred[name]["device"], pred_host=pred[name]["host"], pred_moment=pred[name]["moment"])
         rows.append(row)
     return rows
@@ -261,7 +261,8 @@ def _mib(x) -> str:
 def write(rows: list[dict], setup: Setup, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = ["stack", "P", "seq", "loss_ok", "losses", "loss_err", "loss_allowed", "resident", "step_peak",
-              "device_peak", "host_peak", "offloaded", "pred_device", "pred_host", "pred_moment", "seconds", "error"]
+              "device_peak", "host_peak", "offloaded", "pred_device", "pred_host", "pred_moment", "at_peak",
+              "seconds", "error"]
     with open(out / "train_step.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -292,6 +293,12 @@ def write(rows: list[dict], setup: Setup, out: Path, command: str) -> None:
         lines.append(f"| {r['stack']} | {r['P']} | {ok} (max err {max(r['loss_err']):.1e}) | {_mib(r['resident'])} | "
                      f"{_mib(r['step_peak'])} | {_mib(r['device_peak'])} | {_mib(r['host_peak'])} | "
                      f"{_mib(r['pred_device'])} | {_mib(r['pred_host'])} | {r['seconds']} |")
+    lines += ["", "Live device-resident bytes at each device peak (last step, largest rank) by the op that allocated "
+              "them, MiB (the largest six; parameters and AdamW states are in resident):", ""]
+    for r in rows:
+        if "at_peak" in r:
+            parts = ", ".join(f"{op} {_mib(b)}" for op, b in r["at_peak"].items())
+            lines.append(f"- {r['stack']}, P = {r['P']}: {parts}; the planner's moment: {r['pred_moment']}")
     from bench.peers.train_alst import PATCHES
 
     lines += ["", "Patches: " + "; ".join(f"`{k}`: {v}" for k, v in PATCHES.items()) + "."]
