@@ -12,18 +12,11 @@ __all__ = ["choose_schedule", "resolve_auto"]
 
 
 def _cluster(link: str | None = None, gpus_per_node: int | None = None):
-    """The cluster the cost model assumes; unset parts from ``DISTATTN_LINK`` (``ib`` default: NVLink inside a
-    node of ``DISTATTN_GPUS_PER_NODE`` = 8 GPUs, 100 Gb/s InfiniBand across; ``nvlink``: one NVLink domain)."""
-    import os
+    """The cluster the cost model assumes (``distattn.schedule.cluster.cluster_from_env``: ``DISTATTN_LINK``,
+    ``DISTATTN_GPUS_PER_NODE``), the same the placement of packed documents is timed on."""
+    from distattn.schedule.cluster import cluster_from_env
 
-    from distattn.schedule.cost import Cluster
-
-    if gpus_per_node is None:
-        gpus = os.environ.get("DISTATTN_GPUS_PER_NODE", "8")
-        if not gpus.isdigit() or int(gpus) < 1:
-            raise ValueError(f"DISTATTN_GPUS_PER_NODE={gpus!r} must be a positive integer")
-        gpus_per_node = int(gpus)
-    return Cluster.preset(link or os.environ.get("DISTATTN_LINK", "ib"), gpus_per_node=gpus_per_node)
+    return cluster_from_env(link, gpus_per_node)
 
 
 def _mask(causal: bool, window: tuple[int, int], cu_seqlens):

@@ -57,9 +57,15 @@ class DistAttnConfig:
         """Everything in the config that shapes the communication, as readable JSON-friendly values: all
         ranks must agree on these (``distattn.agreement``). A new option or mask metadata is checked on every
         call by adding it here; packed documents are checked by a hash of ``cu_seqlens`` and its length."""
-        return {"causal": self.causal, "window": list(self.window), "softcap": self.softcap,
-                "schedule": self.schedule, "overlap": self.overlap, "scale": self.scale, "backend": self.backend,
-                "cu_seqlens": _documents_fingerprint(self.cu_seqlens), "partials": self.partials}
+        fields = {"causal": self.causal, "window": list(self.window), "softcap": self.softcap,
+                  "schedule": self.schedule, "overlap": self.overlap, "scale": self.scale, "backend": self.backend,
+                  "cu_seqlens": _documents_fingerprint(self.cu_seqlens), "partials": self.partials}
+        if self.schedule == "placed":  # the placement is timed on the cluster DISTATTN_LINK names: all ranks alike
+            from distattn.schedule.cluster import cluster_from_env
+
+            cluster = cluster_from_env()
+            fields["placement_cluster"] = f"{cluster.gpus_per_node} per node, {cluster.inter.name} across"
+        return fields
 
     def mask_spec(self) -> MaskSpec:
         """The call's mask as data: what the plan (pairs, work) and the kernels (per-row bounds) both read."""

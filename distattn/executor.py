@@ -20,7 +20,13 @@ from distattn.communicators import describe, open_call
 from distattn.config import DistAttnConfig
 from distattn.schedule import Task, Transfer, head_groups, local_bounds
 
-__all__ = ["Executor", "WireCopies", "empty_like_shard", "stats_buffer", "guarded"]
+__all__ = ["Executor", "WireCopies", "empty_like_shard", "stats_buffer", "guarded", "TRACE"]
+
+TRACE: list | None = None
+"""Off (``None``) by default. A list: every executor of this process appends its events to it in the order it issues
+them, ``(phase, ("post", kind, step, send peers, receive peers) | ("wait", kind, step) | ("compute", step, q, kv))``,
+the order ``distattn.schedule.timeline.rank_events`` replays (``tests/test_timeline.py`` holds them equal). Off, it
+costs one ``is None`` test per round."""
 
 
 class Executor:
@@ -206,8 +212,10 @@ class Executor:
         plan, phase, steps = self.plan, self.phase, self.plan.num_steps()
 
         def fetch(t):  # post step t's inputs into fetch slot t % 2 (double-buffered)
-            return self.post(("fetch", phase, t % 2), plan.rank_ops(t, self.rank, phase, "fetch"), fetch_payload,
-                             fetch_buffers)
+            ops = plan.rank_ops(t, self.rank, phase, "fetch")
+            if TRACE is not None:
+                _trace(phase, "fetch", t, ops)
+            return self.post(("fetch", phase, t % 2), ops, fetch_payload, fetch_buffers)
 
         fetched = {0: fetch(0)} if self.cfg.overlap else {}
         returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
@@ -218,14 +226,19 @@ class Executor:
             elif t + 1 < steps:  # prefetch: the next step's inputs travel while this step computes
                 fetched[t + 1] = fetch(t + 1)
             self.comm.wait(("fetch", phase, t % 2))
+            if TRACE is not None:
+                TRACE.append((phase, ("wait", "fetch", t)))
             inbox = fetched.pop(t)
             task = plan.task(t, self.rank)
+            if TRACE is not None and task is not None:
+                TRACE.append((phase, ("compute", t, task.q_chunk, task.kv_chunk)))
             produced = compute(task, inbox) if task is not None else None
             if returned is not None:
                 self._absorb(returned, absorb)
-            slot = ("return", phase, t % 2)
-            returned = (slot, self.post(slot, plan.rank_ops(t, self.rank, phase, "return"),
-                                        lambda tr, parts=produced: return_payload(parts), return_buffers))
+            slot, ops = ("return", phase, t % 2), plan.rank_ops(t, self.rank, phase, "return")
+            if TRACE is not None:
+                _trace(phase, "return", t, ops)
+            returned = (slot, self.post(slot, ops, lambda tr, parts=produced: return_payload(parts), return_buffers))
             if not self.cfg.overlap:
                 self._absorb(returned, absorb)
                 returned = None
@@ -236,8 +249,17 @@ class Executor:
     def _absorb(self, returned, absorb) -> None:
         slot, inbox = returned
         self.comm.wait(slot)
+        if TRACE is not None:
+            TRACE.append((slot[1], ("wait", "return", self.step if slot[2] == self.step % 2 else self.step - 1)))
         for tr, bufs in inbox.items():
             absorb(tr, bufs)
+
+
+def _trace(phase: str, kind: str, step: int, ops) -> None:
+    """A posted round in :data:`TRACE`: its send and receive peers, sorted."""
+    sends, recvs = ops
+    TRACE.append((phase, ("post", kind, step, tuple(sorted(tr.dst for tr in sends)),
+                          tuple(sorted(tr.src for tr in recvs)))))
 
 
 def empty_like_shard(like: torch.Tensor, dtype=None, heads=None) -> torch.Tensor:

@@ -45,8 +45,9 @@ and the cost model read a plan of 16384 ranks in seconds. Pure Python + numpy: n
 
 from __future__ import annotations
 
+from distattn.schedule.build import layout_of, make_plan
 from distattn.schedule.heads import head_groups, work_bytes
-from distattn.schedule.layouts import LAYOUTS, Layout, layout_of, local_bounds, pieces_of
+from distattn.schedule.layouts import LAYOUTS, Layout, local_bounds, pieces_of
 from distattn.schedule.masks import MaskSpec, pair_work
 from distattn.schedule.pairs import PlanTooLarge
 from distattn.schedule.placement import place
@@ -57,7 +58,6 @@ from distattn.schedule.plan import (  # noqa: F401  (private names: tests rebuil
     Task,
     Transfer,
     _make_plan_cached,
-    make_plan,
 )
 from distattn.schedule.sim import (
     PARTIALS,

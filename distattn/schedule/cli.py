@@ -5,6 +5,7 @@ Examples::
     python -m distattn.schedule --world 2 4 8 16 32 64 --seq-per-rank 32768 --heads 32 --head-dim 128
     python -m distattn.schedule --world 8 16 64 --seq-per-rank 4096 --docs uniform:8192      # packed documents
     python -m distattn.schedule --world 8 16 64 --seq-per-rank 4096 --docs longtail:2048 --window 4096
+    python -m distattn.schedule --world 8 16 --seq-per-rank 4096 --heads-kv 8 --docs pile:4 --link nvlink  # per pair
 
 ``python -m distattn.schedule explain``: the cost model's prediction for every candidate (flat ring, balanced,
 zigzag; Ulysses x ring) on a cluster, and why the winner won (``distattn.schedule.cost``)::
@@ -15,8 +16,9 @@ zigzag; Ulysses x ring) on a cluster, and why the winner won (``distattn.schedul
 ``--gpus-per-node`` GPUs, 100 Gb/s InfiniBand across.
 
 ``--docs uniform:N`` draws document lengths uniformly from 1..N, ``longtail:M`` from a log-normal of median M
-(sigma 1.5: mostly short documents, a few very long ones), until the stream of ``P * seq-per-rank`` tokens is
-full (the last document is cut); ``--seed`` fixes the draw.
+(sigma 1.5: mostly short documents, a few very long ones), ``pile:B`` from the Pile's published mixture at ``B`` bytes
+per token (``distattn.schedule.corpora``, cited there), until the stream of ``P * seq-per-rank`` tokens is full (the
+last document is cut); ``--seed`` fixes the draw.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ import sys
 
 import numpy as np
 
-from distattn.schedule import SCHEDULES, MaskSpec, Shapes, format_table, simulate
+from distattn.schedule.cluster import Cluster
+from distattn.schedule.corpora import pile_lengths
+from distattn.schedule.masks import MaskSpec
 from distattn.schedule.pairs import PlanTooLarge, out_of_memory
+from distattn.schedule.plan import SCHEDULES
+from distattn.schedule.sim import Shapes, format_table, simulate
 
 
 def document_lengths(spec: str, total: int, seed: int = 0) -> tuple[int, ...]:
@@ -36,8 +42,9 @@ def document_lengths(spec: str, total: int, seed: int = 0) -> tuple[int, ...]:
     Drawn in batches (a stream of 4G tokens holds a million documents): the generator gives the same lengths one at a
     time or as an array, so the documents are those of a draw per document."""
     kind, _, value = spec.partition(":")
-    if kind not in ("uniform", "longtail") or not value.isdigit() or int(value) < 1:
-        raise ValueError(f"--docs {spec!r}: use uniform:N (lengths 1..N) or longtail:M (log-normal, median M)")
+    if kind not in ("uniform", "longtail", "pile") or not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--docs {spec!r}: use uniform:N (lengths 1..N), longtail:M (log-normal, median M) or "
+                         f"pile:B (the Pile's published mixture at B bytes per token, e.g. pile:4)")
     rng = np.random.default_rng(seed)
     size = int(value)
     ends, reached = [np.zeros(1, dtype=np.int64)], 0
@@ -45,6 +52,8 @@ def document_lengths(spec: str, total: int, seed: int = 0) -> tuple[int, ...]:
         batch = max(16, (total - reached) // size + 16)  # about the documents left (mean length: N / 2 or more)
         if kind == "uniform":
             lengths = rng.integers(1, size + 1, size=batch)
+        elif kind == "pile":
+            lengths = pile_lengths(rng, max(16, (total - reached) // 1000 + 16), size)
         else:
             lengths = np.maximum(1, rng.lognormal(np.log(size), 1.5, size=batch).astype(np.int64))
         cum = reached + np.cumsum(lengths)
@@ -59,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Simulate the sequence-parallel plans; print a markdown table. "
                                                  "`python -m distattn.schedule explain --help`: the cost model.")
     _add_shape_args(parser, [2, 4, 8, 16, 32, 64])
+    parser.add_argument("--link", choices=("nvlink", "ib"), default=None,
+                        help="also the per-pair timeline's columns on this cluster (distattn.schedule.timeline)")
     return parser
 
 
@@ -129,7 +140,8 @@ def _table(args) -> None:
     causal = not args.non_causal
     reports = []
     for p in args.world:
-        reports += [simulate(p, causal, s, shapes, mask=_mask(args, p)) for s in SCHEDULES]
+        cluster = None if args.link is None else Cluster.preset(args.link)
+        reports += [simulate(p, causal, s, shapes, mask=_mask(args, p), cluster=cluster) for s in SCHEDULES]
     print(f"<!-- {shapes} docs={args.docs} window={args.window} seed={args.seed} -->")
     print(format_table(reports))
 

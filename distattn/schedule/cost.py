@@ -14,6 +14,9 @@ Time of one phase (forward or backward) of one attention layer, on the busiest r
                + comm(returns of the last step)
     phase time = ring time + a2a_bytes / intra bandwidth + (U - 1) * latency            # all-to-alls, not overlapped
 
+The ring time is read off the per-pair timeline (``distattn.schedule.timeline``): the executor's own
+synchronisation (a rank waits only for the peers of its rounds), each message on its own link (inside a node or
+across), ``compute_t`` per rank; the formula above is the lockstep walk it replaced (``_phase`` without a cluster),
 with ``flops_per_pair = 4 * b * m * m * (h_q / U) * d`` forward and 2.5x that backward (FlashAttention's backward
 runs 5 matmuls to the forward's 2). Links: the all-to-all stays inside a node (candidates have ``U <=
 gpus_per_node`` and its ranks are adjacent); the ring's ranks are ``U`` apart, so it stays inside a node iff
@@ -42,88 +45,37 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from distattn.schedule import (
+from distattn.schedule.cluster import (  # noqa: F401  (handed on)
+    BWD_FLOP_FACTOR,
+    H100_FA2_FLOPS,
+    LINKS,
+    Cluster,
+    Link,
+)
+from distattn.schedule.layouts import Layout
+from distattn.schedule.masks import MaskSpec
+from distattn.schedule.plan import SCHEDULES, Plan
+from distattn.schedule.sim import (
     PARTIALS,
-    SCHEDULES,
-    Layout,
-    MaskSpec,
-    Plan,
     Shapes,
     a2a_bytes,
     payload_bytes,
     ring_plan,
     simulate,
+    step_costs,
+    transfer_spans,
     ulysses_heads,
 )
-from distattn.schedule.sim import step_costs, transfer_spans
+from distattn.schedule.timeline import phase_timeline
 
 __all__ = ["Link", "LINKS", "Cluster", "Candidate", "Choice", "predict", "choose", "BWD_FLOP_FACTOR",
-           "H100_FA2_FLOPS", "TIE_ORDER"]
+           "H100_FA2_FLOPS", "TIE_ORDER", "TIMELINE_MAX_TASKS"]
 
-BWD_FLOP_FACTOR = 2.5  # FlashAttention backward: 5 matmuls of the forward's size vs 2 (dq, dk, dv, dp, recompute s)
-H100_FA2_FLOPS = 350e12  # assumed: FA2 forward on H100 SXM, bf16, head dim 128 (see module docstring)
+TIMELINE_MAX_TASKS = 1 << 20
+"""Plans of more tasks are timed by the lockstep walk (O(runs), seconds at P = 16384) instead of the per-pair timeline
+(O(tasks) time and memory: a dense ring of 16384 ranks holds 1.3 x 10^8 tasks)."""
 TIE_ORDER = ("balanced", "zigzag", "ring", "placed")  # equal predicted times: flat in this order, then 2D by U, then this
 _MIB = 1 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class Link:
-    """One GPU's link of a kind."""
-
-    name: str
-    bandwidth: float
-    """bytes/s per direction per rank"""
-    latency: float
-    """seconds per message posted"""
-
-    def __post_init__(self):
-        for key in ("bandwidth", "latency"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-                    key == "bandwidth" and value == 0):
-                raise ValueError(f"Link.{key}={value!r} must be a positive number ({key} in "
-                                 f"{'bytes/s per direction' if key == 'bandwidth' else 'seconds per message'})")
-
-
-LINKS = {
-    "nvlink": Link(name="NVLink 4 (H100), 300 GB/s effective", bandwidth=300e9, latency=3e-6),
-    "ib": Link(name="InfiniBand 100 Gb/s", bandwidth=12.5e9, latency=5e-6),
-}
-"""Presets (assumptions, see the module docstring)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cluster:
-    """Nodes of ``gpus_per_node`` GPUs joined by ``intra``; nodes joined by ``inter``; ``flops`` per GPU."""
-
-    gpus_per_node: int = 8
-    intra: Link = LINKS["nvlink"]
-    inter: Link = LINKS["ib"]
-    flops: float = H100_FA2_FLOPS
-    """effective attention FLOP/s of one GPU (forward rate; backward is charged 2.5x the FLOPs at this rate)"""
-
-    def __post_init__(self):
-        g = self.gpus_per_node
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise ValueError(f"Cluster.gpus_per_node={g!r} must be a positive int (e.g. 8)")
-        if isinstance(self.flops, bool) or not isinstance(self.flops, (int, float)) or self.flops <= 0:
-            raise ValueError(f"Cluster.flops={self.flops!r} must be a positive FLOP/s rate (e.g. 350e12)")
-
-    @classmethod
-    def preset(cls, link: str, gpus_per_node: int = 8, **kw) -> "Cluster":
-        """``"nvlink"``: every link NVLink (one NVLink domain); ``"ib"``: NVLink in a node, 100 Gb/s IB across."""
-        if link not in LINKS:
-            raise ValueError(f"link={link!r} is not one of {tuple(LINKS)}; pass 'nvlink' or 'ib'")
-        inter = LINKS["nvlink"] if link == "nvlink" else LINKS["ib"]
-        return cls(gpus_per_node=gpus_per_node, intra=LINKS["nvlink"], inter=inter, **kw)
-
-    def ring_link(self, world_size: int) -> Link:
-        """The link a ring over all ``world_size = R * U`` ranks (``U`` apart) is charged to."""
-        return self.intra if world_size <= self.gpus_per_node else self.inter
-
-    def a2a_link(self, ulysses: int) -> Link:
-        """The link of the all-to-all over ``ulysses`` adjacent ranks."""
-        return self.intra if ulysses <= self.gpus_per_node else self.inter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,9 +182,14 @@ def _slot_comm(plan: Plan, phase: str, sizes: dict, link: Link) -> list[float]:
 
 
 def _phase(plan: Plan, phase: str, ring_shapes: Shapes, link: Link, flops: float,
-           partials: str) -> tuple[float, float]:
-    """``(compute, ring time)`` of one phase, seconds: walk the plan with the executor's overlap (the fetches of
-    step t+1 and the returns of step t-1 travel while step t computes)."""
+           partials: str, cluster: Cluster | None = None, stride: int = 1) -> tuple[float, float]:
+    """``(compute, ring time)`` of one phase, seconds. With a ``cluster``: the per-pair timeline
+    (``distattn.schedule.timeline``: the executor's synchronisation, each message on its own link; compute is the
+    busiest rank's). Without: the lockstep walk on ``link`` (the fetches of step t+1 and the returns of step t-1 travel
+    while step t computes; every step as long as its slowest rank)."""
+    if cluster is not None and plan.num_tasks() <= TIMELINE_MAX_TASKS:
+        tl = phase_timeline(plan, phase, ring_shapes, cluster, partials, stride)
+        return float(tl.busy.max(initial=0.0)), tl.makespan
     b, m, d = ring_shapes.batch, ring_shapes.seq_per_rank, ring_shapes.head_dim
     pair_flops = 4 * b * m * m * ring_shapes.heads_q * d * (BWD_FLOP_FACTOR if phase == "backward" else 1.0)
     kinds = ("kv", "q", "out") if phase == "forward" else ("kv", "q", "dkv", "dq")
@@ -260,7 +217,7 @@ def predict(world_size: int, shapes: Shapes, schedule: str, ulysses: int = 1, *,
     a2a_link = cluster.a2a_link(ulysses)
     times = {}
     for phase in ("forward", "backward"):
-        compute, ring_time = _phase(plan, phase, ring_shapes, link, cluster.flops, partials)
+        compute, ring_time = _phase(plan, phase, ring_shapes, link, cluster.flops, partials, cluster, ulysses)
         a2a = 0.0
         if ulysses > 1:
             a2a = a2a_bytes(phase, shapes, ulysses) / a2a_link.bandwidth + (ulysses - 1) * a2a_link.latency

@@ -34,13 +34,12 @@ still holds exactly ``n`` tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "Layout", "local_bounds", "layout_of", "pieces_of"]
+__all__ = ["LAYOUTS", "Layout", "local_bounds", "pieces_of"]
 
 LAYOUTS = ("contiguous", "zigzag", "placed")
 
@@ -172,23 +171,6 @@ def _local_slice(segments, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
             out.append((a + start - offset, a + stop - offset))
         offset += b - a
     return tuple(out)
-
-
-def layout_of(schedule: str, world_size: int, ulysses: int = 1, *, mask=None, n: int | None = None) -> Layout:
-    """The layout a schedule's plan runs on (``zigzag``: zigzag; ``placed``: the placement of ``mask``'s documents
-    for ``n`` tokens per rank, solved by ``distattn.schedule.placement.place`` over the ``world_size`` ring ranks of
-    ``ulysses * n`` tokens each; every other schedule: contiguous). ``world_size``: ring ranks, ``ulysses``: ranks per
-    ring rank."""
-    if schedule == "placed":
-        if n is None:
-            raise ValueError("the placed layout depends on the documents and the tokens per rank: pass mask= "
-                             "(MaskSpec with cu_seqlens) and n= (tokens per rank)")
-        from distattn.schedule.masks import MaskSpec
-        from distattn.schedule.placement import place
-
-        ring = place(mask if mask is not None else MaskSpec(causal=True), world_size, ulysses * n)
-        return dataclasses.replace(ring, ulysses=ulysses) if ulysses > 1 else ring
-    return Layout("zigzag" if schedule == "zigzag" else "contiguous", world_size, ulysses)
 
 
 def local_bounds(spec, layout: Layout, n: int, q_rank: int, kv_rank: int) -> tuple[np.ndarray, np.ndarray]:

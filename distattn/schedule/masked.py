@@ -8,34 +8,17 @@ matrix, so a plan of 16384 ranks costs what its pairs cost. The plans are stored
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 
 import numpy as np
 
-from distattn.schedule.layouts import Layout, layout_of
+from distattn.schedule.layouts import Layout
 from distattn.schedule.masks import MaskSpec
 from distattn.schedule.pairs import SpanView, WorkView, pair_table
-from distattn.schedule.plan import Plan, RunTable, Task, make_plan
+from distattn.schedule.plan import Plan, RunTable, Task
 
-__all__ = ["make_masked_plan", "make_placed_plan"]
-
-
-def make_placed_plan(p: int, causal: bool, mask: MaskSpec | None, chunk: int | None) -> Plan:
-    """The placement depends on the documents only (``cu_seqlens`` and ``chunk``), never on causal or the window, so
-    shards made from the documents (``distattn.sharding.placement``) always match the call's plan; a window is
-    computed exactly and balanced as causal documents are."""
-    from distattn.schedule.placement import place
-
-    mask = mask if mask is not None else MaskSpec(causal=causal)
-    if mask.cu_seqlens is None:  # no documents: contiguous shards and the balanced plan (dense: the optimum)
-        plan = make_plan(p, mask.causal, "balanced", mask=mask, chunk=chunk)
-        return dataclasses.replace(plan, schedule="placed")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
-    layout = place(MaskSpec(causal=True, cu_seqlens=mask.cu_seqlens), p, chunk)
-    return make_masked_plan(p, "placed", mask, chunk, layout)
+__all__ = ["make_masked_plan", "group_order"]
 
 
 def _as_runs(per_rank: list[list[Task]], table, n: int) -> RunTable:
@@ -67,14 +50,12 @@ def _as_runs(per_rank: list[list[Task]], table, n: int) -> RunTable:
 def make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layout | None = None) -> Plan:
     """The plan of ``schedule`` for ``mask`` over ``p`` ranks of ``n`` tokens (``layout``: the placement of a
     "placed" plan; else the schedule's own). Cached."""
-    layout = layout if layout is not None else layout_of(schedule, p)
+    layout = layout if layout is not None else Layout("zigzag" if schedule == "zigzag" else "contiguous", p)
     table = pair_table(mask, p, n, None if layout.contiguous else layout)
     work = WorkView(table)
     rows, cols = table.q, table.kv  # the pairs with work, by query rank then kv rank
     needed = set(zip(rows.tolist(), cols.tolist()))
     if schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
-        from distattn.schedule.placement import group_order
-
         per_rank = [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
     else:  # ring: every pair computed by its query owner, in ring order, empty pairs dropped
         dist = np.split((rows - cols) % p, table.offsets[1:-1])  # per query rank
@@ -141,3 +122,31 @@ def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
     for r in range(p):
         per_rank[r] += sorted(tasks[r], key=lambda t: (-work[t.q_chunk][t.kv_chunk], t.q_chunk, t.kv_chunk))
     return per_rank
+
+
+def group_order(p: int, k: int, work, needed) -> list[list[int]]:
+    """The kv ranks of every rank's pairs, in the order the placed plan runs them (owner tasks: ``distattn.schedule.
+    plan``). First the pairs inside the rank's group of ``k`` by the group's ring rotations (every step a permutation
+    of the group: each rank sends its k/v to one rank; the pairs of one group hold like work), the diagonal first,
+    then the rotations whose largest pair is heaviest; then the pairs of documents cut across groups, rotated by the
+    rank's offset in its group (rank ``g0 + x`` first fetches the other group's rank at offset ``x``: the ``k`` ranks
+    that share a cut document fetch from ``k`` different ranks in a step, not all from one). O(pairs): a rotation's
+    size is its largest pair with work (``work[i][j]`` for the pairs in ``needed``, 0 for every other)."""
+    kv_ranks = [[] for _ in range(p)]  # per query rank, the kv ranks of its pairs
+    size = [0] * p  # size[g0 + t]: the largest pair of group g0's rotation t (a pair (r, j) is in rotation (r - j) % k)
+    for i, j in sorted(needed):
+        kv_ranks[i].append(j)
+        if i // k == j // k:
+            t = i // k * k + (i - j) % k
+            size[t] = max(size[t], work[i][j])
+    place_of = [0] * p  # place_of[g0 + t]: where rotation t runs in group g0's order (the heaviest first)
+    for g0 in range(0, p, k):
+        for at, t in enumerate([0] + sorted(range(1, k), key=lambda t: (-size[g0 + t], t))):
+            place_of[g0 + t] = at
+    out = []
+    for r in range(p):
+        g0 = r // k * k
+        inside = sorted((j for j in kv_ranks[r] if j // k == r // k), key=lambda j: place_of[g0 + (r - j) % k])
+        cross = sorted((j for j in kv_ranks[r] if j // k != r // k), key=lambda j: ((j - r) % k, j))
+        out.append(inside + cross)
+    return out

@@ -42,24 +42,32 @@ Cost: O(documents x log + blocks) per divisor tried, most refused early; 4-6.5 m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 
 import numpy as np
 
+from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
 from distattn.schedule.layouts import Layout
+from distattn.schedule.masked import make_masked_plan
 from distattn.schedule.masks import MaskSpec
+from distattn.schedule.timeline import step_timeline
+from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "BALANCE_TOLERANCE", "place", "block_size", "group_order"]
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "STOP_ABOVE", "place", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
 MAX_BLOCKS_PER_RANK = 256
 """More blocks per rank than this (tiny blocks of a large odd ``n``): fall back to contiguous shards."""
-BALANCE_TOLERANCE = 1.04
-"""Largest rank's work / mean rank's work accepted for a group size ``k < P``, measured on the dealt blocks. The plan's
-steps add a few percent on top (each step lasts as long as its largest pair): 1.04 keeps the simulated makespan within
-1.03-1.09x of perfect at 8-256 ranks (``bench/results/placement-sim/groups.csv``), under the 1.10 budget."""
+ASSUMED_SHAPES = Shapes(heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
+"""The attention shapes a candidate's plan is timed with (LLaMA-3-8B's: 32 query / 8 kv heads, d = 128, bf16): the
+layout must follow from ``cu_seqlens`` and ``n`` alone, before the model is known. Only the ratio of a pair's FLOPs to
+its bytes matters, ``(h_q / h_kv) * n``: grouped-query attention of ratio 4."""
+STOP_ABOVE = 1.25
+"""The search over group sizes (ascending) stops at the first one whose modelled step time passes the best by this
+factor: balance gains flatten as ``k`` grows while the bytes keep growing, so the time past its minimum only rises."""
 _INF = 1 << 62
 
 
@@ -72,15 +80,18 @@ def block_size(n: int) -> int | None:
     return b if n // b <= MAX_BLOCKS_PER_RANK else None
 
 
-def place(spec: MaskSpec, world_size: int, n: int) -> Layout:
-    """The placement of the stream of ``world_size * n`` tokens under ``spec`` (cached; deterministic)."""
+def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = None, stride: int = 1) -> Layout:
+    """The placement of the stream of ``world_size * n`` tokens under ``spec`` (cached; deterministic), timed on
+    ``cluster`` (``None``: :func:`~distattn.schedule.cluster.cluster_from_env`, the cluster ``schedule="auto"``
+    assumes). ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} must be the positive number of tokens per rank")
-    return _place_cached(spec, world_size, n)
+    return _place_cached(spec, world_size, n, None, cluster_from_env() if cluster is None else cluster, stride)
 
 
 @functools.lru_cache(maxsize=64)
-def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None) -> Layout:
+def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, cluster: Cluster | None = None,
+                  stride: int = 1) -> Layout:
     """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
     table of ``bench/placement_sim.py --groups``)."""
     if p == 1:
@@ -99,20 +110,40 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None) -> L
     starts, lengths = starts[keep], lengths[keep]
     rows = _RowWork(spec, lengths)
     whole = rows.prefix(np.arange(len(lengths)), lengths)
+    cluster = cluster if cluster is not None else cluster_from_env()
+    causal = MaskSpec(causal=True, cu_seqlens=spec.cu_seqlens)  # the plan the layout is judged by
+    shapes = dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=n)
+    per_key = 4 * shapes.heads_q * shapes.head_dim * (1 + BWD_FLOP_FACTOR) / cluster.flops  # s per visible key
+    best, best_time = None, float("inf")
     for k in _divisors(p) if group is None else [group]:
-        # k is refused as soon as a rank must exceed the tolerance: a document that fits a group (never cut) or a
-        # group's documents above k ranks' share (a group's work is its ranks' sum), then a dealt rank above its own;
-        # loads only grow, so each stage stops at the first excess
-        search = group is None and k < p
-        limit = BALANCE_TOLERANCE * whole.sum() * k / p if search else float("inf")  # per group
+        # a rank computes its own rows' work, so the busiest rank's work bounds the makespan from below: k is refused
+        # as soon as a rank must exceed the best time so far (a document that fits a group, never cut; a group's
+        # documents above k ranks' share; then a dealt rank above its own); loads only grow
+        limit = best_time / per_key * k  # per group
         if whole[lengths <= k * n].max(initial=0) > limit:
             continue
         pieces = _assign_groups(starts, lengths, rows, p // k, k * n, limit)
         segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k)  # per rank
-        if segments is not None:
+        if segments is None:
+            continue
+        lay = Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
+                                                                      f"tokens")
+        if group is not None:
+            return lay
+        plan = make_masked_plan.__wrapped__(p, "placed", causal, n, lay)  # uncached: most candidates are dropped
+        time = step_timeline(plan, shapes, cluster, stride=stride)["makespan"]
+        if time < best_time * (1 - 1e-9):  # a tie keeps the smaller group (fewer bytes)
+            best, best_time = lay, time
+        elif time > STOP_ABOVE * best_time:  # past the trade-off's minimum: larger groups only add bytes
             break
-    note = f"{p // k} groups of {k} ranks, blocks of {b} tokens"
-    return Layout("placed", p, placement=segments, group=k, note=note)
+    return dataclasses.replace(best, note=f"{best.note}; modelled step {best_time * 1e3:.3f} ms per layer on "
+                                          f"{_cluster_name(cluster, p * stride)}")
+
+
+def _cluster_name(cluster: Cluster, ranks: int) -> str:
+    if ranks <= cluster.gpus_per_node or cluster.inter == cluster.intra:
+        return cluster.intra.name
+    return f"nodes of {cluster.gpus_per_node} ({cluster.intra.name} inside, {cluster.inter.name} across)"
 
 
 def _divisors(p: int) -> list[int]:
@@ -320,31 +351,3 @@ def _segments(lo: np.ndarray, hi: np.ndarray, rank: np.ndarray, p: int, n: int):
     bounds = np.searchsorted(seg_rank, np.arange(p + 1)).tolist()
     pairs = list(zip(seg_lo.tolist(), seg_hi.tolist()))
     return tuple(tuple(pairs[bounds[r]:bounds[r + 1]]) for r in range(p))
-
-
-def group_order(p: int, k: int, work, needed) -> list[list[int]]:
-    """The kv ranks of every rank's pairs, in the order the placed plan runs them (owner tasks: ``distattn.schedule.
-    plan``). First the pairs inside the rank's group of ``k`` by the group's ring rotations (every step a permutation
-    of the group: each rank sends its k/v to one rank; the pairs of one group hold like work), the diagonal first,
-    then the rotations whose largest pair is heaviest; then the pairs of documents cut across groups, rotated by the
-    rank's offset in its group (rank ``g0 + x`` first fetches the other group's rank at offset ``x``: the ``k`` ranks
-    that share a cut document fetch from ``k`` different ranks in a step, not all from one). O(pairs): a rotation's
-    size is its largest pair with work (``work[i][j]`` for the pairs in ``needed``, 0 for every other)."""
-    kv_ranks = [[] for _ in range(p)]  # per query rank, the kv ranks of its pairs
-    size = [0] * p  # size[g0 + t]: the largest pair of group g0's rotation t (a pair (r, j) is in rotation (r - j) % k)
-    for i, j in sorted(needed):
-        kv_ranks[i].append(j)
-        if i // k == j // k:
-            t = i // k * k + (i - j) % k
-            size[t] = max(size[t], work[i][j])
-    place_of = [0] * p  # place_of[g0 + t]: where rotation t runs in group g0's order (the heaviest first)
-    for g0 in range(0, p, k):
-        for at, t in enumerate([0] + sorted(range(1, k), key=lambda t: (-size[g0 + t], t))):
-            place_of[g0 + t] = at
-    out = []
-    for r in range(p):
-        g0 = r // k * k
-        inside = sorted((j for j in kv_ranks[r] if j // k == r // k), key=lambda j: place_of[g0 + (r - j) % k])
-        cross = sorted((j for j in kv_ranks[r] if j // k != r // k), key=lambda j: ((j - r) % k, j))
-        out.append(inside + cross)
-    return out

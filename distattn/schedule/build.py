@@ -1,0 +1,120 @@
+"""Which plan and layout a schedule runs on: :func:`make_plan` (the schedule, causal flag and mask to a cached
+:class:`~distattn.schedule.plan.Plan`) and :func:`layout_of` (a schedule to its :class:`~distattn.schedule.layouts.Layout`).
+
+The registry above the rooms it picks from: the plan object and dense runs (``plan``), the masked plans (``masked``),
+the placement solver (``placement``) and the layouts (``layouts``) never import it, so nothing here closes an import
+circle. Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distattn.schedule.layouts import Layout
+from distattn.schedule.masked import make_masked_plan
+from distattn.schedule.masks import MaskSpec
+from distattn.schedule.pairs import PlanTooLarge, out_of_memory
+from distattn.schedule.placement import place
+from distattn.schedule.plan import SCHEDULES, Plan, _make_plan_cached, _make_zigzag_plan
+
+__all__ = ["make_plan", "make_placed_plan", "layout_of"]
+
+
+def _validate(world_size, causal, schedule) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(
+            f"world_size={world_size!r} must be an int (the sequence-parallel group size); "
+            f"pass e.g. world_size=dist.get_world_size(group)"
+        )
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1; pass the number of ranks in the group")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal={causal!r} must be a bool; pass causal=True or causal=False")
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"schedule={schedule!r} is not one of {SCHEDULES}; pass schedule='balanced' for the "
+            f"load-balanced plan, 'zigzag' for the balanced layout, 'placed' for packed documents, or 'ring' "
+            f"for the unbalanced baseline"
+        )
+
+
+def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", *, mask: MaskSpec | None = None,
+              chunk: int | None = None) -> Plan:
+    """Build (and cache) the plan for ``world_size`` ranks.
+
+    Args:
+        world_size: P, the number of ranks in the sequence-parallel group (>= 1).
+        causal: whether only pairs ``kv_chunk <= q_chunk`` are needed (dense plans).
+        schedule: one of :data:`SCHEDULES`. "balanced" equals "ring" for non-causal dense attention; "zigzag"
+            runs on the zigzag layout (the plan's ``layout``; shard with ``shard_sequence(..., schedule="zigzag")``).
+        mask: packed documents and/or a sliding window (``MaskSpec``); ``None`` or a dense spec gives the dense
+            plans. A masked plan drops every pair with no visible (query, key) pair and, balanced, assigns
+            each remaining pair to its query owner or its kv owner (helper) so that the work is balanced.
+        chunk: tokens per rank; needed with a non-dense ``mask`` (zigzag: default 2, even).
+
+    ``"placed"`` runs on the work-balanced placement of the mask's documents (``distattn.schedule.placement``;
+    the plan's ``layout``; shard with ``shard_sequence(x, layout=plan.layout)``) with the balanced assignment of
+    the remaining pairs; where the placement falls back to contiguous shards (a dense mask, a stream too short for
+    blocks; ``layout.note`` says why) it is the balanced plan.
+
+    Returns:
+        An immutable :class:`Plan`; dense causal "balanced" has 1 + P//2 steps, causal "ring" P, non-causal P,
+        "zigzag" P (every step half a pair of work on every rank when causal).
+
+    Raises:
+        PlanTooLarge: (a ``MemoryError``) the plan would pass a bound of memory or time
+            (``distattn.schedule.pairs``) or ran out of memory; the message names the size and what to do.
+    """
+    _validate(world_size, causal, schedule)
+    try:
+        return _make_plan(world_size, causal, schedule, mask, chunk)
+    except MemoryError as exc:
+        if isinstance(exc, PlanTooLarge):
+            raise
+        docs = "" if mask is None or mask.cu_seqlens is None else f" of {len(mask.cu_seqlens) - 1} documents"
+        raise out_of_memory(f"the {schedule!r} plan of {world_size} ranks x {chunk} tokens{docs}", exc) from exc
+
+
+def _make_plan(world_size: int, causal: bool, schedule: str, mask: MaskSpec | None, chunk: int | None) -> Plan:
+    if schedule == "placed":
+        return make_placed_plan(world_size, causal, mask, chunk)
+    if schedule == "zigzag":
+        chunk = 2 if chunk is None else chunk
+        mask = mask if mask is not None else MaskSpec(causal=causal)
+    if mask is None or (mask.dense and schedule != "zigzag"):
+        return _make_plan_cached(world_size, mask.causal if mask is not None else causal, schedule)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
+    if schedule == "zigzag":
+        Layout("zigzag", world_size).check(chunk)
+        if mask.dense:  # every shard pair has work: the ring order over all P * P pairs, work in closed form
+            return _make_zigzag_plan(world_size, mask.causal, chunk)
+    return make_masked_plan(world_size, schedule, mask, chunk)
+
+
+def make_placed_plan(p: int, causal: bool, mask: MaskSpec | None, chunk: int | None) -> Plan:
+    """The placement depends on the documents only (``cu_seqlens`` and ``chunk``), never on causal or the window, so
+    shards made from the documents (``distattn.sharding.placement``) always match the call's plan; a window is
+    computed exactly and balanced as causal documents are."""
+    mask = mask if mask is not None else MaskSpec(causal=causal)
+    if mask.cu_seqlens is None:  # no documents: contiguous shards and the balanced plan (dense: the optimum)
+        plan = make_plan(p, mask.causal, "balanced", mask=mask, chunk=chunk)
+        return dataclasses.replace(plan, schedule="placed")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
+    layout = place(MaskSpec(causal=True, cu_seqlens=mask.cu_seqlens), p, chunk)
+    return make_masked_plan(p, "placed", mask, chunk, layout)
+
+
+def layout_of(schedule: str, world_size: int, ulysses: int = 1, *, mask=None, n: int | None = None) -> Layout:
+    """The layout a schedule's plan runs on (``zigzag``: zigzag; ``placed``: the placement of ``mask``'s documents
+    for ``n`` tokens per rank, solved by ``distattn.schedule.placement.place`` over the ``world_size`` ring ranks of
+    ``ulysses * n`` tokens each; every other schedule: contiguous). ``world_size``: ring ranks, ``ulysses``: ranks per
+    ring rank."""
+    if schedule == "placed":
+        if n is None:
+            raise ValueError("the placed layout depends on the documents and the tokens per rank: pass mask= "
+                             "(MaskSpec with cu_seqlens) and n= (tokens per rank)")
+        ring = place(mask if mask is not None else MaskSpec(causal=True), world_size, ulysses * n)
+        return dataclasses.replace(ring, ulysses=ulysses) if ulysses > 1 else ring
+    return Layout("zigzag" if schedule == "zigzag" else "contiguous", world_size, ulysses)

@@ -1,0 +1,208 @@
+"""The per-pair timeline: a plan run with the executor's synchronisation, on a cluster's links.
+
+The lockstep figure (``distattn.schedule.sim``: every step lasts as long as its largest pair) is not what the executor
+does. The executor (``distattn.executor.Executor._run``) synchronises per pair: rank ``r`` waits only for the rounds it
+takes part in. Per rank and phase it runs, with its compute stream and one side stream for the exchange::
+
+    post F(0)
+    for t in steps:  post F(t + 1)  (prefetch, depth 1);  wait F(t);  compute(t);  wait R(t - 1), absorb;  post R(t)
+    wait R(last), absorb
+
+``F(t)`` is the round of step ``t``'s fetches (k/v to an owner task, q to a helper), ``R(t)`` of its returns (a helper's
+partial output / dq, an owner's dk/dv partial; none for owner tasks in the forward). This module replays that order
+(:func:`rank_events`, held equal to the executor's own trace on gloo by ``tests/test_timeline.py``) and times it
+(:func:`timeline`) under these rules, all read off the plan's runs as arrays:
+
+* rounds run in posting order on a rank's side stream (``F0, F1, R0, F2, R1, F3, ..``); a round waits for the compute
+  stream's point at its posting (``F(t + 1)``: compute ``t - 1`` done; ``R(t)``: compute ``t`` done), and starts
+  when every peer it exchanges with has reached the same round (a message needs both ends); an empty round costs
+  nothing and waits for nothing;
+* a round on rank ``r`` lasts ``max(bytes sent, bytes received) / bandwidth + latency * messages`` per link, the
+  links of a node (``src // gpus_per_node == dst // gpus_per_node``, ranks ``U`` apart for a Ulysses x ring plan) and
+  across nodes working side by side;
+* compute ``t`` starts when compute ``t - 1`` is done, ``F(t)`` has arrived and ``R(t - 2)`` was waited for (the host
+  waits in that order), and lasts the task's work (in full ``m x m`` pairs) x ``4 b m^2 h d`` FLOPs (x2.5 backward) /
+  the cluster's FLOP/s.
+
+Per rank it reports the makespan, the compute time, the idle time and its part spent waiting inside the rank's own
+transfers (*exposed communication*; the rest of the idle is waiting for late peers, i.e. imbalance). Left out, as in
+the cost model: kernel launch overheads, the absorb's adds, contention beyond a rank's own link. Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster
+from distattn.schedule.plan import PHASES, Plan, _check_phase
+from distattn.schedule.wire import Shapes, payload_bytes, transfer_spans
+
+__all__ = ["PhaseTimeline", "phase_timeline", "timeline", "step_timeline", "rank_events"]
+
+
+@dataclass(frozen=True)
+class PhaseTimeline:
+    """One phase of a plan on the per-pair timeline (seconds; arrays are per ring rank, float64)."""
+
+    phase: str
+    finish: np.ndarray
+    """when the rank's last compute and last wait are done"""
+    busy: np.ndarray
+    """the rank's compute time"""
+    exposed: np.ndarray
+    """compute-stream idle spent inside the rank's own transfers"""
+
+    @property
+    def makespan(self) -> float:
+        return float(self.finish.max(initial=0.0))
+
+    @property
+    def perfect(self) -> float:
+        """Total compute / ranks: the makespan of perfect balance with no communication."""
+        return float(self.busy.mean()) if len(self.busy) else 0.0
+
+    @property
+    def compute_idle(self) -> float:
+        """1 - total compute / (ranks x makespan)."""
+        return 1.0 - self.perfect / self.makespan if self.makespan else 0.0
+
+
+def _messages(plan: Plan, phase: str, which: str, sizes: dict):
+    """Every message of ``phase``'s fetches or returns as arrays ``(step, src, dst, bytes)`` (one per task)."""
+    s = transfer_spans(plan, phase, which, sizes)
+    k = np.arange(int(s.length.sum()), dtype=np.int64) - np.repeat(np.cumsum(s.length) - s.length, s.length)
+    rep = lambda a: np.repeat(a, s.length)  # noqa: E731
+    return rep(s.step), rep(s.src) + k, rep(s.dst) + k, rep(s.size)
+
+
+class _Rounds:
+    """The messages of one kind of round (fetch or return), grouped by step, with each rank's duration per round."""
+
+    def __init__(self, plan: Plan, phase: str, which: str, sizes: dict, cluster: Cluster, stride: int):
+        step, src, dst, size = _messages(plan, phase, which, sizes)
+        p, n_steps = plan.world_size, plan.num_steps()
+        order = np.argsort(step, kind="stable")
+        self.step, self.src, self.dst, size = step[order], src[order], dst[order], size[order]
+        self.bounds = np.searchsorted(self.step, np.arange(n_steps + 1))
+        g = cluster.gpus_per_node
+        inter = (self.src * stride) // g != (self.dst * stride) // g
+        self.dur = np.zeros((n_steps, p))
+        self.has = np.zeros((n_steps, p), dtype=bool)
+        for link, on in ((cluster.intra, ~inter), (cluster.inter, inter)):
+            if not on.any():
+                continue
+            sent, recv, msgs = (np.zeros((n_steps, p)) for _ in range(3))
+            st, sr, ds, sz = self.step[on], self.src[on], self.dst[on], size[on].astype(np.float64)
+            np.add.at(sent, (st, sr), sz)
+            np.add.at(recv, (st, ds), sz)
+            np.add.at(msgs, (st, sr), 1.0)
+            np.add.at(msgs, (st, ds), 1.0)
+            self.dur = np.maximum(self.dur, np.maximum(sent, recv) / link.bandwidth + msgs * link.latency)
+            self.has |= msgs > 0
+
+    def run(self, t: int, ready: np.ndarray, side: np.ndarray) -> np.ndarray:
+        """End time per rank of round ``t`` (``-inf`` where the rank has no message); ``ready``: the compute
+        point each rank's round waits for; updates ``side`` (the side streams' free times) in place."""
+        end = np.full(len(side), -np.inf)
+        if t < 0 or t >= len(self.dur):
+            return end
+        lo, hi = self.bounds[t], self.bounds[t + 1]
+        if lo == hi:
+            return end
+        has = self.has[t]
+        own = np.maximum(ready, side)  # the rank reaches the round
+        src, dst = self.src[lo:hi], self.dst[lo:hi]
+        meet = np.maximum(own[src], own[dst])  # a message starts when both ends are there
+        start = own.copy()
+        np.maximum.at(start, src, meet)
+        np.maximum.at(start, dst, meet)
+        end[has] = start[has] + self.dur[t][has]
+        side[has] = end[has]
+        return end
+
+
+def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
+                   stride: int = 1) -> PhaseTimeline:
+    """One phase of ``plan`` on the per-pair timeline (module docstring)."""
+    _check_phase(phase)
+    p, n_steps = plan.world_size, plan.num_steps()
+    kinds = ("kv", "q", "out") if phase == "forward" else ("kv", "q", "dkv", "dq")
+    sizes = {kind: payload_bytes(kind, phase, shapes, partials) for kind in kinds}
+    fetch, back = (_Rounds(plan, phase, which, sizes, cluster, stride) for which in ("fetch", "return"))
+    b, m, d = shapes.batch, shapes.seq_per_rank, shapes.head_dim
+    pair_s = 4 * b * m * m * shapes.heads_q * d * (BWD_FLOP_FACTOR if phase == "backward" else 1.0) / cluster.flops
+    rt = plan.run_table
+    cost = np.zeros((n_steps, p + 1))  # per step and rank, seconds (a run adds at its start, takes away after it)
+    np.add.at(cost, (rt.step, rt.start), rt.cost * pair_s)
+    np.add.at(cost, (rt.step, rt.stop), -rt.cost * pair_s)
+    cost = np.cumsum(cost, axis=1)[:, :p]
+    side, zero = np.zeros(p), np.zeros(p)
+    done = [zero, zero]  # compute end of steps t - 2, t - 1
+    ends = {}  # ("F" | "R", t): end per rank (-inf: no round)
+    exposed = np.zeros(p)
+    ends[("F", 0)] = fetch.run(0, zero, side)
+    for t in range(n_steps):
+        ends[("F", t + 1)] = fetch.run(t + 1, done[1] if t else zero, side)  # prefetch: compute t - 1's point
+        f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 2), np.full(p, -np.inf))
+        start = np.maximum.reduce([done[1], f_end, r_old])
+        waited = np.clip(start - done[1], 0.0, None)  # the compute stream's gap before step t
+        exposed += np.where(cost[t] > 0, np.minimum(waited, _own(fetch, t) + _own(back, t - 2)), 0.0)
+        end = np.where(cost[t] > 0, start + cost[t], done[1])
+        done = [done[1], end]
+        ends[("R", t)] = back.run(t, end, side)
+    finish = np.maximum.reduce([done[1], ends.get(("R", n_steps - 1), zero), ends.get(("R", n_steps - 2), zero)])
+    return PhaseTimeline(phase, finish, cost.sum(axis=0), exposed)
+
+
+def _own(rounds: _Rounds, t: int) -> np.ndarray:
+    """Each rank's own transfer time in round ``t`` (0 outside the plan)."""
+    return rounds.dur[t] if 0 <= t < len(rounds.dur) else 0.0
+
+
+def timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
+             stride: int = 1) -> tuple[PhaseTimeline, PhaseTimeline]:
+    """The forward and backward of ``plan`` (ring ranks, shards shaped ``shapes``) on the per-pair timeline.
+    ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree), for which link a message takes."""
+    return tuple(phase_timeline(plan, phase, shapes, cluster, partials, stride) for phase in PHASES)
+
+
+def step_timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
+                  stride: int = 1) -> dict:
+    """One training step's attention (forward + backward) on the per-pair timeline: ``makespan`` (s), ``perfect``
+    (total compute / ranks, s), ``ratio`` (makespan / perfect), ``compute_idle`` and ``exposed`` (the busiest-exposed
+    rank's waits inside its own transfers, s)."""
+    fwd, bwd = timeline(plan, shapes, cluster, partials, stride)
+    makespan, perfect = fwd.makespan + bwd.makespan, fwd.perfect + bwd.perfect
+    return {"makespan": makespan, "perfect": perfect, "ratio": makespan / perfect if perfect else 1.0,
+            "compute_idle": 1.0 - perfect / makespan if makespan else 0.0,
+            "busiest": float((fwd.busy + bwd.busy).max(initial=0.0)),
+            "exposed": float((fwd.exposed + bwd.exposed).max(initial=0.0))}
+
+
+def rank_events(plan: Plan, rank: int, phase: str) -> list[tuple]:
+    """The executor's event order on ``rank`` for ``phase``, as the timeline runs it: ``("post", "fetch"|"return",
+    step, sends, recvs)`` with ``sends``/``recvs`` the sorted peers of the round, ``("wait", kind, step)`` and
+    ``("compute", step, q_chunk, kv_chunk)`` (no entry for an idle step)."""
+    _check_phase(phase)
+    n_steps, out = plan.num_steps(), []
+
+    def post(which, t):
+        sends, recvs = plan.rank_ops(t, rank, phase, which)
+        out.append(("post", which, t, tuple(sorted(tr.dst for tr in sends)), tuple(sorted(tr.src for tr in recvs))))
+
+    post("fetch", 0)
+    for t in range(n_steps):
+        if t + 1 < n_steps:
+            post("fetch", t + 1)
+        out.append(("wait", "fetch", t))
+        task = plan.task(t, rank)
+        if task is not None:
+            out.append(("compute", t, task.q_chunk, task.kv_chunk))
+        if t:
+            out.append(("wait", "return", t - 1))
+        post("return", t)
+    if n_steps:
+        out.append(("wait", "return", n_steps - 1))
+    return out

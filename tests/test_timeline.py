@@ -1,0 +1,135 @@
+"""The per-pair timeline (``distattn.schedule.timeline``): held to the executor's own event order on gloo, and to
+hand-computed times on small plans."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import distattn
+from dist_utils import run_distributed
+from distattn.schedule import MaskSpec, Shapes, make_plan, simulate
+from distattn.schedule.cli import document_lengths
+from distattn.schedule.cluster import Cluster, Link
+from distattn.schedule.timeline import phase_timeline, rank_events, step_timeline, timeline
+from distattn.schedule.wire import payload_bytes
+
+TIMEOUT_S = 180
+SHAPES = Shapes(seq_per_rank=4096, heads_q=32, heads_kv=8, head_dim=128)
+FAST = Link(name="free", bandwidth=1e30, latency=0.0)  # communication costs nothing
+
+
+def _trace_worker(rank, world, n, cases):
+    """Every case: the executor's events (``distattn.executor.TRACE``) of one forward and backward equal the
+    timeline's replay of the plan on this rank."""
+    from distattn import executor
+
+    for schedule, causal, window, cu in cases:
+        g = torch.Generator().manual_seed(world)
+        q, k, v = (torch.randn(1, n, h, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+        executor.TRACE = []
+        try:
+            out = distattn.dist_flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor(cu, dtype=torch.int32),
+                                                       world * n, causal=causal, window_size=window,
+                                                       schedule=schedule, backend="torch")
+            out.sum().backward()
+            seen = executor.TRACE
+        finally:
+            executor.TRACE = None
+        plan = make_plan(world, causal, schedule, mask=MaskSpec(causal=causal, window=window, cu_seqlens=tuple(cu)),
+                         chunk=n)
+        for phase in ("forward", "backward"):
+            mine = [event for ph, event in seen if ph == phase]
+            want = rank_events(plan, rank, phase)
+            assert mine == want, f"{schedule} {phase} rank {rank}:\nexecutor {mine}\ntimeline {want}"
+            assert any(e[0] == "compute" for e in want)
+    return True
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_executor_runs_the_timelines_event_order(world):
+    """Posts (with their send and receive peers), waits and computes, in order, per rank and phase: placed (owner
+    tasks only), balanced on documents (helper tasks: partials come back in the forward too) and ring."""
+    n = 16
+    cu = [0, 5, 5 + world * 6, world * n - 3, world * n]
+    cases = [("placed", True, (-1, -1), cu), ("balanced", True, (-1, -1), cu), ("ring", False, (4, 3), cu)]
+    assert all(run_distributed(_trace_worker, world, n, cases, timeout=TIMEOUT_S))
+
+
+def test_two_ranks_by_hand():
+    """Causal ring on 2 ranks: step 0 the diagonals (half a pair each), step 1 rank 1 computes (1, 0) with rank 0's
+    k/v, fetched while step 0 computes. On a slow link the fetch ends after the diagonal: rank 1 waits for it."""
+    link = Link(name="slow", bandwidth=1e9, latency=1e-6)
+    cluster = Cluster(intra=link, inter=link)
+    plan = make_plan(2, True, "ring")
+    pair = 4 * 4096 ** 2 * 32 * 128 / cluster.flops  # one full pair, forward
+    kv = payload_bytes("kv", "forward", SHAPES) / link.bandwidth + link.latency
+    fwd = phase_timeline(plan, "forward", SHAPES, cluster)
+    assert kv > 0.5 * pair  # the fetch outlasts the diagonal
+    assert fwd.makespan == pytest.approx(kv + pair)
+    assert fwd.busy.tolist() == pytest.approx([0.5 * pair, 1.5 * pair])
+    assert fwd.exposed.tolist() == pytest.approx([0.0, kv - 0.5 * pair])
+    fast = phase_timeline(plan, "forward", SHAPES, Cluster(intra=FAST, inter=FAST))
+    assert fast.makespan == pytest.approx(1.5 * pair) and fast.exposed.max() == 0.0
+
+
+@pytest.mark.parametrize("docs, p", [("uniform:8192", 8), ("longtail:2048", 16)])
+def test_free_links_give_the_compute_bounds(docs, p):
+    """With communication free, every schedule's per-pair makespan lies between the busiest rank's compute and the
+    lockstep makespan (each step as long as its largest pair), and exposes no communication."""
+    cluster = Cluster(intra=FAST, inter=FAST)
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths(docs, p * 4096))
+    pair = 4 * 4096 ** 2 * 32 * 128 / cluster.flops
+    for schedule in ("ring", "balanced", "zigzag", "placed"):
+        plan = make_plan(p, True, schedule, mask=mask, chunk=4096)
+        fwd = phase_timeline(plan, "forward", SHAPES, cluster)
+        lockstep = simulate(p, True, schedule, SHAPES, mask=mask).work_makespan * pair
+        assert fwd.busy.max() * (1 - 1e-9) <= fwd.makespan <= lockstep * (1 + 1e-9), schedule
+        assert fwd.exposed.max() < 1e-15  # float rounding of sums of 1e-30 s transfers
+
+
+def test_messages_across_nodes_take_the_slow_link():
+    """P = 16 on nodes of 8: a ring's messages across the node boundary go over InfiniBand; one NVLink domain is
+    faster; with every link NVLink the answer does not depend on the node size."""
+    plan = make_plan(16, True, "ring")
+    ib = step_timeline(plan, SHAPES, Cluster.preset("ib"))["makespan"]
+    nv = step_timeline(plan, SHAPES, Cluster.preset("nvlink"))["makespan"]
+    nv4 = step_timeline(plan, SHAPES, Cluster.preset("nvlink", gpus_per_node=4))["makespan"]
+    assert ib > 1.5 * nv and nv4 == pytest.approx(nv)
+
+
+def test_a_ulysses_stride_moves_the_node_boundary():
+    """Ring ranks U apart: with U = 4 on nodes of 8 every second ring rank is on another node."""
+    plan = make_plan(4, True, "ring")
+    flat = step_timeline(plan, SHAPES, Cluster.preset("ib"))["makespan"]
+    spread = step_timeline(plan, SHAPES, Cluster.preset("ib"), stride=4)["makespan"]
+    assert spread > 1.5 * flat
+
+
+def test_per_pair_figure_beside_lockstep_for_the_ring():
+    """The issue's example: ring on uniform:8192 at P = 8, whose lockstep figure (2.2x) overstates the per-pair one."""
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths("uniform:8192", 8 * 4096))
+    plan = make_plan(8, True, "ring", mask=mask, chunk=4096)
+    per_pair = step_timeline(plan, SHAPES, Cluster.preset("nvlink"))["ratio"]
+    rep = simulate(8, True, "ring", SHAPES, mask=mask)
+    lockstep = 1 / (1 - rep.compute_idle_fraction)
+    assert 1.0 < per_pair < lockstep - 0.3
+
+
+def test_timeline_of_both_phases_and_the_partials():
+    """Backward moves dk/dv partials: fp32 partials take longer than input-dtype ones on a slow link."""
+    link = Link(name="slow", bandwidth=5e9, latency=0.0)
+    cluster = Cluster(intra=link, inter=link)
+    plan = make_plan(4, True, "ring", mask=MaskSpec(causal=True, cu_seqlens=(0, 16384)), chunk=4096)
+    fwd32, bwd32 = timeline(plan, SHAPES, cluster)
+    _, bwd16 = timeline(plan, SHAPES, cluster, partials="input")
+    assert bwd32.makespan > bwd16.makespan and fwd32.phase == "forward"
+    assert np.allclose(bwd32.busy, 2.5 * fwd32.busy)
+
+
+def test_step_timeline_fields():
+    plan = make_plan(2, True, "balanced")
+    out = step_timeline(plan, dataclasses.replace(SHAPES, seq_per_rank=1024))
+    assert set(out) == {"makespan", "perfect", "ratio", "compute_idle", "busiest", "exposed"}
+    assert out["makespan"] >= out["busiest"] >= out["perfect"] > 0
