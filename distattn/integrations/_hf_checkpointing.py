@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from distattn._compat import check_hf_offload, hf_checkpointing_enable
 from distattn.checkpoint import remat_context_fn
+from distattn.integrations._hf_attention import ATTN_IMPLEMENTATION
 from distattn.offload import CheckpointOffload
 
 
@@ -63,8 +64,6 @@ def _enable_checkpointing(model, ckpt_kwargs: dict) -> None:
 
 
 def _check_distattn(model, who: str) -> None:
-    from distattn.integrations.hf import ATTN_IMPLEMENTATION
-
     if not str(model.config._attn_implementation).startswith(ATTN_IMPLEMENTATION):
         raise ValueError(f"{who} needs distattn attention, but the model uses "
                          f"{model.config._attn_implementation!r}: call use_distattn(model) first")

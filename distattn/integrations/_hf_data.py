@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distattn.comm import bounded_wait, default_timeout
+from distattn.integrations._hf_batch import shard_batch
 from distattn.sharding import _world
 from distattn.sharding import layout as _layout
 from distattn.topology import split as _split_group
@@ -107,8 +108,6 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
 def _shard_rows(ids, *, labels, mask, positions, group, schedule: str, pad_id: int) -> dict:
     """``shard_batch`` on a dense (padded to the layout's multiple), padded (``mask``) or flattened
     (``positions``) batch."""
-    from distattn.integrations.hf import shard_batch
-
     multiple = sequence_multiple(group, schedule)
     shard = dict(group=group, schedule=schedule, pad_id=pad_id)
     if mask is not None:
