@@ -73,3 +73,64 @@ def predicted_activation_bytes(cfg: RunConfig, config) -> int:
 
     return activation_bytes(model_spec(config), cfg.args.batch_size, cfg.args.seq_len, impl="distattn",
                             precision=_precision(cfg), strategy="remat" if cfg.args.remat else "none", sp=cfg.sp_size)
+
+
+# -- the whole step's accounting: the byte model and the measure that is held to it (issue 36) --------------------
+def _strategy(cfg: RunConfig) -> str:
+    a = cfg.args
+    return "remat" if a.remat else ("full" if a.offload_checkpoints else "none")
+
+
+def expected_mode(cfg: RunConfig) -> str:
+    """How ``train_model.shard`` will hold the parameters (before the process group exists): ``fsdp2``/``ddp``/``none``
+    (FSDP2 assumed possible with ``--shard auto``)."""
+    a = cfg.args
+    if a.offload_optimizer:
+        return "fsdp2"
+    if cfg.env.world_size == 1:
+        return "none" if cfg.dtype == torch.float32 else "fsdp2"
+    return "ddp" if a.shard == "ddp" else "fsdp2"
+
+
+def step_prediction(cfg: RunConfig, config, mode: str | None = None):
+    """``distattn.memory.techniques.TechniquePeak`` of one step of this job, as it runs (``mode``: how the parameters
+    are held; default ``expected_mode``): the device peak, its moment and parts, the host bytes."""
+    from distattn.memory import model_spec
+    from distattn.memory.techniques import Techniques, technique_peak
+
+    a = cfg.args
+    mode = mode or expected_mode(cfg)
+    tech = Techniques(loss_tile=a.tile_loss, mlp_tile=a.tile_mlp, offload_checkpoints=a.offload_checkpoints,
+                      offload_optimizer=a.offload_optimizer)
+    schedule = a.schedule if a.schedule in ("balanced", "zigzag", "ring") else "balanced"
+    return technique_peak(model_spec(config), a.batch_size, a.seq_len, sp=cfg.sp_size,
+                          shard=cfg.env.world_size if mode == "fsdp2" else 1, precision=_precision(cfg),
+                          strategy=_strategy(cfg), tech=tech, schedule=schedule, pinned=cfg.device_type == "cuda",
+                          mode=mode, device=cfg.device_type)
+
+
+def optimizer_tensors(optimizer) -> list:
+    """The optimizer's state tensors (AdamW's moments and step counts)."""
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def host_tensors(model, optimizer, cfg: RunConfig):
+    """Two callables naming what this job keeps in host memory now, for ``distattn.memory.tiers.step_bytes``: ``host``,
+    the checkpoints ``distattn.offload`` holds (``--offload-checkpoints``); ``host_compute``, with
+    ``--offload-optimizer``, the parameter shards, their gradients and AdamW's states (FSDP2's ``CPUOffloadPolicy``:
+    the optimizer steps on the CPU, so what it computes from them is host memory too). Pinned storages are host."""
+    from distattn.offload import CheckpointOffload
+
+    offloads = list({id(h.__self__): h.__self__ for m in model.modules() for h in m._forward_pre_hooks.values()
+                     if isinstance(getattr(h, "__self__", None), CheckpointOffload)}.values())
+
+    def host():
+        return [t for off in offloads for ref in off._records if ref() is not None for t in ref().host]
+
+    def host_compute():
+        if not cfg.args.offload_optimizer:
+            return []
+        params = list(model.parameters())
+        return params + [p.grad for p in params if p.grad is not None] + optimizer_tensors(optimizer)
+
+    return host, host_compute
