@@ -91,7 +91,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     causal = check_causal(causal)
     window = check_window(window_size)
     softcap = check_softcap(softcap)
-    be = kernels.get_backend(backend, q.device)
+    be = kernels.check_backend(backend, q.device)  # a name: the op builds the backend when it runs
     out, lse = attention(q, k, v, scale=resolve_scale(softmax_scale, q.shape[-1]), causal=causal, window=window,
                          softcap=softcap, backend=be)
     return _returns(out, lse, return_attn_probs, return_lse)
@@ -173,7 +173,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < longest:
             raise ValueError(f"{name} ({given!r}) must be an int >= the longest document ({longest})")
     causal, window, softcap = check_causal(causal), check_window(window_size), check_softcap(softcap)
-    be = kernels.get_backend(backend, q.device)
+    be = kernels.check_backend(backend, q.device)  # a name: the op builds the backend when it runs
     bounds = kernels.varlen_bounds(cu_seqlens_q, cu_seqlens_k, (0, q.shape[0]), causal=causal, window=window)
     out, lse = attention_with_bounds(q4, k4, v4, bounds, scale=resolve_scale(softmax_scale, q.shape[-1]),
                                      softcap=softcap, backend=be)
@@ -311,7 +311,7 @@ def dist_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
 
 def dist_attn_with_documents(q, k, v, documents, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, group=None, schedule="balanced", backend=None, overlap=True, timeout=None,
-                             partials="fp32"):
+                             partials="fp32", return_lse=False):
     """:func:`dist_flash_attn_func` whose packed documents are a tensor read only when the op runs, so that a
     traced caller (``torch.compile``) keeps one graph for every set of document boundaries (the Hugging Face
     integration's path; ``distattn._ops.padded_documents`` makes the tensor).
@@ -322,6 +322,9 @@ def dist_attn_with_documents(q, k, v, documents, *, softmax_scale=None, causal=F
             repeating ``P*n``; one document over the stream is plain attention (``causal`` as given).
         The rest: as :func:`dist_flash_attn_func`. ``schedule="auto"`` reads the documents in eager mode; traced,
             it resolves from the shapes alone (their values are not known yet).
+
+    Returns:
+        This rank's ``out (b, n, h_q, d)``; ``(out, lse (b, h_q, n))`` with ``return_lse``.
     """
     def validate():
         if not isinstance(documents, torch.Tensor) or documents.dtype != torch.int64 or documents.dim() != 1:
@@ -335,8 +338,8 @@ def dist_attn_with_documents(q, k, v, documents, *, softmax_scale=None, causal=F
                            documents=known)
 
     cfg = validated_everywhere(validate, group, timeout, q)
-    out, _ = dist_attention(q, k, v, cfg, documents)
-    return out
+    out, lse = dist_attention(q, k, v, cfg, documents)
+    return (out, lse) if return_lse else out
 
 
 def _varlen_config(q4, k4, v4, cu_seqlens, max_seqlen, *, causal, softmax_scale, window_size, softcap, group,
@@ -403,7 +406,7 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
     if "nccl" in backend_name and not q.is_cuda and "gloo" not in backend_name:
         raise ValueError(f"the process group's backend is {backend_name!r}, which cannot send tensors on "
                          f"{q.device}; move q, k, v to this rank's CUDA device or use a gloo group")
-    kernels.get_backend(backend, q.device)  # unknown/unavailable backend: same error on every rank
+    kernels.check_backend(backend, q.device)  # unknown/unavailable backend: same error on every rank
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be a bool, got {overlap!r}")
     if partials not in PARTIALS:

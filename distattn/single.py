@@ -1,14 +1,13 @@
 """Single-device exact attention with autograd (the layer under ``distattn.flash_attn_func``).
 
-One ``autograd.Function`` for every mask: causal, sliding windows and packed documents reach the kernels as
-data (``kernels.KeyBounds``), never as separate code paths. Static options travel in a frozen dataclass.
+One registered op (``torch.ops.distattn.local_attention``, its backward an op too, fake implementations for
+tracers) for every mask: causal, sliding windows and packed documents reach the kernels as data
+(``kernels.KeyBounds``), never as separate code paths.
 
 Legend: ``b`` batch, ``s_q``/``s_k`` query/key length, ``h_q``/``h_kv`` heads, ``d`` head dim.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -17,41 +16,72 @@ import distattn.kernels as kernels
 __all__ = ["attention", "attention_with_bounds"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Options:
-    """Static options of one call (kept out of ``backward``'s return tuple)."""
+# -- the registered ops ------------------------------------------------------------------------------------
+# The attention is a registered op with a fake (shapes-only) implementation, so ``torch.compile`` sees one opaque
+# call: it never traces the kernels' host loops (the torch/sdpa backends read the mask bounds to the host and walk
+# tiles in Python; traced with ``capture_scalar_outputs`` that was one symbolic int per query row, a compile time
+# that grew with the token count). The backend travels as its name and is resolved when the op runs.
+# ``lo``/``hi``: the ``KeyBounds`` of the call, or None (``causal`` on positions then carries the mask).
+@torch.library.custom_op("distattn::local_attention", mutates_args=())
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor | None,
+                     hi: torch.Tensor | None, scale: float, causal: bool, q_start: int, softcap: float,
+                     backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q (b, s_q, h_q, d)``, ``k, v (b, s_k, h_kv, d)`` -> ``out (b, s_q, h_q, d)``, ``lse (b, h_q, s_q)`` fp32."""
+    out, lse = kernels.forward(q, k, v, **_kernel_kw(lo, hi, scale, causal, q_start, softcap, backend, q.device))
+    return out.contiguous(), lse
 
-    scale: float
-    causal: bool  # plain causal on positions (q_start + i vs j); False when ``bounds`` carry the mask
-    q_start: int  # global position of the first query; keys start at 0
-    bounds: kernels.KeyBounds | None  # per-row visible key interval, or None
-    softcap: float
-    backend: object
 
-    def kernel_kw(self) -> dict:
-        return dict(softmax_scale=self.scale, q_start=self.q_start, k_start=0, causal=self.causal,
-                    bounds=self.bounds, softcap=self.softcap, backend=self.backend)
+@_local_attention.register_fake
+def _local_attention_fake(q, k, v, *options):
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
 
-class _FlashAttnFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, opts: _Options):
-        out, lse = kernels.forward(q, k, v, **opts.kernel_kw())
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = opts
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+@torch.library.custom_op("distattn::local_attention_backward", mutates_args=())
+def _local_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, lo: torch.Tensor | None,
+                                 hi: torch.Tensor | None, scale: float, causal: bool, q_start: int, softcap: float,
+                                 backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``distattn::local_attention`` (an op of its own: traced backward graphs stay opaque)."""
+    kw = _kernel_kw(lo, hi, scale, causal, q_start, softcap, backend, q.device)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # fp32 accumulators, cast once at the end
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros_like(dk)
+    delta = kernels.attn_delta(dout, out, backend=kw["backend"])
+    kernels.backward_chunk_(dout, q, k, v, lse, delta, dq, dk, dv, **kw)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        opts = ctx.opts
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros_like(dk)
-        delta = kernels.attn_delta(dout, out, backend=opts.backend)
-        kernels.backward_chunk_(dout, q, k, v, lse, delta, dq, dk, dv, **opts.kernel_kw())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+@_local_attention_backward_op.register_fake
+def _local_attention_backward_fake(dout, q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _kernel_kw(lo, hi, scale, causal, q_start, softcap, backend, device) -> dict:
+    bounds = None if lo is None else kernels.KeyBounds(lo, hi)
+    return dict(softmax_scale=scale, q_start=q_start, k_start=0, causal=causal, bounds=bounds, softcap=softcap,
+                backend=kernels.get_backend(backend, device))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, lo, hi, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.bounds, ctx.options = (lo, hi), options  # mask metadata, not activations: kept out of saved-tensor hooks
+    ctx.mark_non_differentiable(lse)
+
+
+def _local_attention_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _local_attention_backward_op(dout, q, k, v, out, lse, *ctx.bounds, *ctx.options)
+    return (dq, dk, dv) + (None,) * (2 + len(ctx.options))
+
+
+_local_attention.register_autograd(_local_attention_backward, setup_context=_setup_context)
+
+
+def _backend_name(backend) -> str:
+    return backend if isinstance(backend, str) else backend.name
 
 
 def attention(q, k, v, *, scale: float, causal: bool, window: tuple[int, int], softcap: float, backend):
@@ -60,12 +90,11 @@ def attention(q, k, v, *, scale: float, causal: bool, window: tuple[int, int], s
     bounds = None
     if window != (-1, -1):  # a window is an interval per row: the bounds path
         bounds = kernels.window_bounds(s_q, s_k, causal=causal, window=window, device=q.device)
-    opts = _Options(scale=scale, causal=causal and bounds is None, q_start=s_k - s_q, bounds=bounds,
-                    softcap=softcap, backend=backend)
-    return _FlashAttnFunction.apply(q, k, v, opts)
+    lo, hi = (None, None) if bounds is None else bounds
+    return _local_attention(q, k, v, lo, hi, scale, causal and bounds is None, s_k - s_q, softcap,
+                            _backend_name(backend))
 
 
 def attention_with_bounds(q, k, v, bounds: kernels.KeyBounds, *, scale: float, softcap: float, backend):
     """``(out, lse)`` where query row ``i`` sees keys ``bounds.lo[i] .. bounds.hi[i]`` (packed documents)."""
-    opts = _Options(scale=scale, causal=False, q_start=0, bounds=bounds, softcap=softcap, backend=backend)
-    return _FlashAttnFunction.apply(q, k, v, opts)
+    return _local_attention(q, k, v, bounds.lo, bounds.hi, scale, False, 0, softcap, _backend_name(backend))

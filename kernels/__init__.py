@@ -74,6 +74,7 @@ __all__ = [
     "attn_delta",
     "backward_chunk_",
     "get_backend",
+    "check_backend",
     "available_backends",
     "BACKENDS",
     "KeyBounds",
@@ -148,8 +149,12 @@ def _default_backend(device: torch.device) -> str:
 _CACHE: dict[str, object] = {}
 
 
-def get_backend(name: str | None, device: torch.device | str):
-    """Return the backend object called ``name`` (``None``: the best one available on ``device``).
+def check_backend(name: str | None, device: torch.device | str) -> str:
+    """The name of the backend ``name`` resolves to on ``device`` (``None``: the best one available), checked.
+
+    Pure validation: no backend object is built or cached, so a traced caller (``torch.compile``) that checks the
+    name at its boundary reads no mutable state (a check of ``_CACHE`` there guarded on it, and the first call's
+    own insertion recompiled the second call); the op resolves the name with :func:`get_backend` when it runs.
 
     Raises:
         ValueError: unknown name, or a backend that cannot run on ``device``.
@@ -167,6 +172,16 @@ def get_backend(name: str | None, device: torch.device | str):
         ok, why = _sdpa_available(device)
         if not ok:
             raise ValueError(f"backend='sdpa' cannot run on device {device}: {why}; use backend='torch' or None")
+    return name
+
+
+def get_backend(name: str | None, device: torch.device | str):
+    """Return the backend object called ``name`` (``None``: the best one available on ``device``).
+
+    Raises:
+        ValueError: unknown name, or a backend that cannot run on ``device`` (:func:`check_backend`).
+    """
+    name = check_backend(name, device)
     if name not in _CACHE:
         if name == "torch":
             from ._torch import TorchBackend
