@@ -1,29 +1,38 @@
 """One byte counter and one memory measure, the same for every system the peers harness runs.
 
-**Bytes.** ``count_bytes()`` is a dispatch mode that sees every operator of the ``c10d`` family: every
-``torch.distributed`` call (``send``, ``isend``/``irecv``, ``batch_isend_irecv``, ``all_reduce``, ``all_to_all_single``,
-``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``broadcast``, ...) and every functional collective
-(``torch.distributed._functional_collectives``, what PyTorch's context parallel and DTensor use) reaches the process
-group through one of these registered operators, whatever module called it and however it was imported. So one
-wrapper counts distattn, DeepSpeed, megatron-core, PyTorch CP and yunchang alike::
+**Bytes.** ``count_bytes()`` wraps, for the length of the region, every point-to-point and collective function of
+``torch.distributed`` (``send``/``recv``, ``isend``/``irecv`` — which is what ``batch_isend_irecv``'s ``P2POp`` calls —,
+``all_reduce``, ``all_to_all_single``, ``all_to_all``, ``all_gather_into_tensor``/``all_gather``,
+``reduce_scatter_tensor``/``reduce_scatter``, ``broadcast``, ``gather``/``scatter``/``reduce``, ``barrier``) and of
+its functional collectives (``torch.distributed._functional_collectives``: ``all_to_all_single``,
+``all_gather_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``broadcast`` and their autograd variants; what
+PyTorch's context parallel and DTensor call), on the module objects where callers look them up. One wrapper for
+distattn, DeepSpeed, megatron-core, PyTorch CP and yunchang alike::
 
     with count_bytes() as c:
         out = system(q, k, v)
     c.sent, c.recv            # bytes this rank sent / received
-    c.calls                   # {"alltoall_base_": 2, ...}
-    c.by_op                   # {"alltoall_base_": (sent, recv), ...}
+    c.calls                   # {"all_to_all_single": 2, ...}
+    c.by_op                   # {"all_to_all_single": [sent, recv], ...}
+
+Only the outermost call counts (``all_gather_into_tensor`` delegating to ``all_gather_single`` is one call). Why not
+a dispatch mode on the ``c10d`` operators: a dispatch mode is switched off while an operator it saw runs, so it misses
+every collective issued inside a registered op (distattn's ``torch.ops.distattn.attention``) or inside a tensor
+subclass's dispatch (DTensor: PyTorch CP's ring). A caller that bound a function at import time
+(``from torch.distributed import send``) is not seen: none of the peers measured here does.
 
 What a collective moves per rank is the bandwidth-optimal (ring) algorithm's figure, the convention of nccl-tests'
 "bus bandwidth", on a group of ``P`` ranks: ``all_reduce`` of ``n`` bytes sends and receives ``2 (P-1) n / P``;
 ``all_gather`` (``n`` in) and ``reduce_scatter`` (``n`` out) ``(P-1) n``; ``all_to_all`` everything but the block
-that stays on this rank (uneven splits included); ``broadcast``/``scatter`` the root sends ``n`` per peer and a peer
-receives ``n``, ``reduce``/``gather`` the mirror; point-to-point the tensor's bytes. A ``barrier`` moves nothing but
-is a call. An operator of the family this table does not know is counted in ``unknown`` (a peer that starts using
-one shows up instead of vanishing).
+that stays on this rank (uneven splits included); ``broadcast``/``scatter``: the root sends ``n`` per peer and a peer
+receives ``n``; ``reduce``/``gather`` the mirror; point-to-point the tensor's bytes. A ``barrier`` moves nothing but
+is a call.
 
-**Memory.** ``measure_memory()``: distattn's own measures (``distattn.memory.measure``), the same for every system:
-``saved`` (bytes of the distinct allocations autograd keeps between forward and backward, the inputs excluded) and
-``peak`` (the peak of live bytes allocated inside the region, seen at the dispatch level: any device, CPU included).
+**Memory.** ``measure_memory()``: ``saved`` is distattn's ``saved_activations`` (bytes of the distinct allocations
+autograd keeps between forward and backward, the inputs excluded); ``peak`` the rise of the CPU allocator's live bytes
+above the level at entry, from the profiler's allocation events (``profile_memory``): every allocation of the process's
+thread, inside registered ops and tensor subclasses included, which ``distattn.memory.measure.live_bytes`` (a
+dispatch mode, like the counter above) cannot see.
 
 Imports: torch and ``distattn.memory.measure`` only (the harness and ``train_step.py`` import this module).
 """
@@ -32,145 +41,165 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
+import threading
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
 from torch.utils._pytree import tree_leaves
 
 from distattn.memory.measure import live_bytes, saved_activations
 
-__all__ = ["ByteCounter", "count_bytes", "MemoryMeasure", "measure_memory", "mark_forward_done", "COMM_NAMESPACES",
-           "live_bytes", "saved_activations"]
+__all__ = ["ByteCounter", "count_bytes", "MemoryMeasure", "measure_memory", "mark_forward_done", "DIST_FUNCTIONS",
+           "FUNCOL_FUNCTIONS", "live_bytes", "saved_activations"]
 
-# The operator namespaces of torch.distributed: c10d (the process group's ops, what dist.* calls),
-# _c10d_functional (functional collectives) and its autograd variant.
-COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-_NO_BYTES = {"barrier", "monitored_barrier_", "wait_tensor", "_wrap_tensor_autograd"}
+DIST_FUNCTIONS = ("send", "recv", "isend", "irecv", "all_reduce", "all_to_all_single", "all_to_all",
+                  "all_gather_into_tensor", "all_gather_single", "all_gather", "_all_gather_base",
+                  "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "_reduce_scatter_base",
+                  "broadcast", "gather", "scatter", "reduce", "barrier")
+FUNCOL_FUNCTIONS = ("all_to_all_single", "all_to_all_single_autograd", "all_gather_tensor",
+                    "all_gather_tensor_autograd", "all_gather_single", "reduce_scatter_tensor",
+                    "reduce_scatter_tensor_autograd", "all_reduce", "broadcast")
 
 
 def _nbytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
 
 
-def _group(args, kwargs):
-    """``(size, rank)`` of the process group an operator runs on (a ProcessGroup object or a group name)."""
-    for a in list(args) + list((kwargs or {}).values()):
-        if isinstance(a, torch.ScriptObject):
-            a = dist.ProcessGroup.unbox(a)  # the operator's boxed form of the group
-        if isinstance(a, dist.ProcessGroup):
-            return a.size(), a.rank()
-    name = [a for a in args if isinstance(a, str)]
-    if name:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        pg = _resolve_process_group(name[-1])
-        return pg.size(), pg.rank()
-    return dist.get_world_size(), dist.get_rank()
+def _group_of(group, functional: bool):
+    """``(size, rank)`` of a call's group: a ProcessGroup/None, or any group form functional collectives take."""
+    if functional and group is not None and not isinstance(group, dist.ProcessGroup):
+        group = c10d._resolve_process_group(funcol._resolve_group_name(group))
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _split_bytes(t: torch.Tensor, splits, p: int, rank: int) -> tuple[int, int]:
+def _a2a(t, splits, p, rank, along_rows=True) -> tuple[int, int]:
     """``(total, own)`` bytes of an all-to-all buffer: the whole, and the block that stays on this rank."""
     total = _nbytes(t)
-    if t.numel() == 0:
+    if not t.numel():
         return 0, 0
-    row = total // t.shape[0]
-    splits = list(splits or [])
-    own = splits[rank] * row if splits else total // p
-    return total, own
+    return total, (splits[rank] * (total // t.shape[0]) if splits else total // p)
 
 
-def _bytes_of(name: str, args, kwargs) -> tuple[int, int]:
-    """``(sent, received)`` by this rank for one operator (see the module docstring's convention)."""
-    if name in _NO_BYTES:
+def _bytes_of(name: str, a: dict, functional: bool) -> tuple[int, int]:
+    """``(sent, received)`` by this rank for one call with bound arguments ``a`` (the module docstring's rule)."""
+    if name == "barrier":
         return 0, 0
-    if name == "send":
-        return _nbytes(args[0]), 0
-    if name in ("recv_", "recv_any_source_"):
-        return 0, _nbytes(args[0])
-    p, rank = _group(args, kwargs)
-    if name in ("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced",
-                "all_reduce_coalesced_"):
-        n = 2 * (p - 1) * _nbytes(args[0]) // p
+    if name in ("send", "isend"):
+        return _nbytes(a["tensor"]), 0
+    if name in ("recv", "irecv"):
+        return 0, _nbytes(a["tensor"])
+    p, rank = _group_of(a.get("group"), functional)
+    if functional:
+        x = a["self"]
+        if name == "all_reduce":
+            n = 2 * (p - 1) * _nbytes(x) // p
+            return n, n
+        if name.startswith("all_gather"):
+            return (p - 1) * _nbytes(x), (p - 1) * _nbytes(x)
+        if name.startswith("reduce_scatter"):
+            return (p - 1) * _nbytes(x) // p, (p - 1) * _nbytes(x) // p
+        if name.startswith("all_to_all_single"):
+            in_total, in_own = _a2a(x, a["input_split_sizes"], p, rank)
+            row = in_total // x.shape[0] if x.numel() else 0
+            outs = a["output_split_sizes"]
+            out_rows = sum(outs) if outs else x.shape[0]
+            return in_total - in_own, (out_rows - (outs[rank] if outs else out_rows // p)) * row
+        if name == "broadcast":
+            return ((p - 1) * _nbytes(x), 0) if rank == a["src"] else (0, _nbytes(x))
+    if name == "all_reduce":
+        n = 2 * (p - 1) * _nbytes(a["tensor"]) // p
         return n, n
-    if name in ("allgather_", "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_"):
-        n = (p - 1) * _nbytes(args[1])  # args: (outputs, inputs, ...)
-        return n, n
-    if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out"):
-        n = (p - 1) * _nbytes(args[0])  # functional: (input, group_size, group_name)
-        return n, n
-    if name in ("reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
-        n = (p - 1) * _nbytes(args[0])  # args: (outputs, inputs, ...)
-        return n, n
-    if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
-        n = (p - 1) * _nbytes(args[0]) // p  # functional: (input, op, group_size, group_name)
-        return n, n
-    if name == "alltoall_base_":  # (output, input, pg, output_split_sizes, input_split_sizes, ...)
-        out_total, out_own = _split_bytes(args[0], args[3], p, rank)
-        in_total, in_own = _split_bytes(args[1], args[4], p, rank)
+    if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
+        return (p - 1) * _nbytes(a["input_tensor"]), (p - 1) * _nbytes(a["input_tensor"])
+    if name == "all_gather":
+        return (p - 1) * _nbytes(a["tensor"]), (p - 1) * _nbytes(a["tensor"])
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter"):
+        return (p - 1) * _nbytes(a["output"]), (p - 1) * _nbytes(a["output"])
+    if name == "all_to_all_single":
+        out_total, out_own = _a2a(a["output"], a["output_split_sizes"], p, rank)
+        in_total, in_own = _a2a(a["input"], a["input_split_sizes"], p, rank)
         return in_total - in_own, out_total - out_own
-    if name == "all_to_all_single":  # functional: (input, output_split_sizes, input_split_sizes, group_name)
-        in_total, in_own = _split_bytes(args[0], args[2], p, rank)
-        out_rows = sum(args[1]) if args[1] else args[0].shape[0]
-        row = in_total // args[0].shape[0] if args[0].numel() else 0
-        out_own = (args[1][rank] if args[1] else out_rows // p) * row
-        return in_total - in_own, out_rows * row - out_own
-    if name == "alltoall_":  # (outputs, inputs, pg, ...)
-        return (_nbytes(args[1]) - _nbytes(args[1][rank]), _nbytes(args[0]) - _nbytes(args[0][rank]))
-    if name in ("broadcast_", "broadcast"):
-        root = args[2] if name == "broadcast_" else args[1]
-        n = _nbytes(args[0])
-        return ((p - 1) * n, 0) if rank == root else (0, n)
-    if name in ("scatter_", "gather_", "reduce_"):
-        return _rooted(name, args, p, rank)
-    raise KeyError(name)
+    if name == "all_to_all":
+        ins, outs = a["input_tensor_list"], a["output_tensor_list"]
+        return _nbytes(ins) - _nbytes(ins[rank]), _nbytes(outs) - _nbytes(outs[rank])
+    return _rooted(name, a, p, rank)
 
 
-def _rooted(name, args, p, rank) -> tuple[int, int]:
-    if name == "reduce_":  # (tensors, pg, op, root, root_tensor, ...)
-        n = _nbytes(args[0])
-        return (0, (p - 1) * n) if rank == args[3] else (n, 0)
-    root = args[3]  # scatter_/gather_: (outputs, inputs, pg, root, ...)
-    if name == "scatter_":
-        n = _nbytes(args[0])
+def _rooted(name, a, p, rank) -> tuple[int, int]:
+    """broadcast/scatter (root sends to each peer), reduce/gather (root receives from each peer)."""
+    group = a.get("group")
+    root_key = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}[name]
+    root = a.get("group_" + root_key)
+    if root is None:
+        root = a.get(root_key)
+        root = dist.get_group_rank(group, root) if group is not None and root is not None else root
+    n = _nbytes(a["tensor"])
+    if name in ("broadcast", "scatter"):
         return ((p - 1) * n, 0) if rank == root else (0, n)
-    n = _nbytes(args[1])
     return (0, (p - 1) * n) if rank == root else (n, 0)
 
 
-class ByteCounter(TorchDispatchMode):
+class ByteCounter:
     """Bytes sent and received by this rank through ``torch.distributed`` inside the region (module docstring)."""
 
     def __init__(self):
-        super().__init__()
         self.sent = 0
         self.recv = 0
         self.calls: dict[str, int] = defaultdict(int)
         self.by_op: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        self.unknown: list[str] = []
+        self._depth = threading.local()
+        self._restore: list[tuple[object, str, object]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in COMM_NAMESPACES:
-            name = func.__name__.split(".")[0]
+    def _wrap(self, fn, name: str, functional: bool):
+        sig = inspect.signature(fn)
+        key = ("funcol." if functional else "") + name
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                sent, recv = _bytes_of(name, bound.arguments, functional)
+                self.calls[key] += 1
+                self.sent += sent
+                self.recv += recv
+                self.by_op[key][0] += sent
+                self.by_op[key][1] += recv
+            self._depth.n = depth + 1
             try:
-                sent, recv = _bytes_of(name, args, kwargs)
-            except KeyError:
-                self.unknown.append(f"{func.namespace}.{name}")
-                sent = recv = 0
-            if name not in ("wait_tensor", "_wrap_tensor_autograd"):
-                self.calls[name] += 1
-            self.sent += sent
-            self.recv += recv
-            self.by_op[name][0] += sent
-            self.by_op[name][1] += recv
-        return func(*args, **(kwargs or {}))
+                return fn(*args, **kwargs)
+            finally:
+                self._depth.n = depth
 
-    def snapshot(self) -> tuple[int, int]:
-        return self.sent, self.recv
+        return counted
+
+    def __enter__(self) -> ByteCounter:
+        for module, names, functional in ((c10d, DIST_FUNCTIONS, False), (funcol, FUNCOL_FUNCTIONS, True)):
+            for name in names:
+                fn = getattr(module, name, None)
+                if fn is None:
+                    continue
+                wrapped = self._wrap(fn, name, functional)
+                targets = [module] + ([dist] if not functional and getattr(dist, name, None) is fn else [])
+                for target in targets:
+                    self._restore.append((target, name, fn))
+                    setattr(target, name, wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for target, name, fn in reversed(self._restore):
+            setattr(target, name, fn)
+        self._restore.clear()
 
     def p2p(self) -> tuple[int, int]:
-        """Bytes of point-to-point transfers only (``send``/``recv``, batched or not)."""
-        return self.by_op["send"][0], self.by_op["recv_"][1] + self.by_op["recv_any_source_"][1]
+        """Bytes of point-to-point transfers only (``send``/``isend``, ``recv``/``irecv``; batched or not)."""
+        return (self.by_op["send"][0] + self.by_op["isend"][0], self.by_op["recv"][1] + self.by_op["irecv"][1])
 
 
 def count_bytes() -> ByteCounter:
@@ -180,30 +209,44 @@ def count_bytes() -> ByteCounter:
 
 @dataclasses.dataclass
 class MemoryMeasure:
-    """What ``measure_memory`` found: ``saved`` (bytes kept for backward), ``peak`` (peak live bytes)."""
+    """What ``measure_memory`` found: ``saved`` (bytes kept for backward), ``peak`` (rise of live bytes)."""
 
     saved: int = 0
     peak: int = 0
+    _saved_ctx: object = None
+    _forward_open: bool = False
+
+
+def allocator_peak(prof) -> int:
+    """The largest rise of live CPU bytes above the level at the start, from a profiler's allocation events."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    now = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
 
 
 @contextlib.contextmanager
 def measure_memory(ignore=()):
-    """Measure the enclosed forward (saved bytes, ``ignore``'s storages excluded) and the peak of live bytes.
+    """Measure what the enclosed forward saves for backward (``ignore``'s storages excluded) and the peak rise of
+    live bytes over the region (forward and backward).
 
-    Put the forward and the backward inside; ``saved`` is read at the moment the region's forward ends, which is
-    when ``mark_forward_done(m)`` is called (after the forward, before the backward); without it, at the exit.
+    ``saved`` is read when ``mark_forward_done(m)`` is called (after the forward, before the backward, while its graph
+    holds what it saved); without that call, at the exit.
     """
+    from torch.profiler import ProfilerActivity, profile
+
     m = MemoryMeasure()
-    live = live_bytes()
     saved = saved_activations(ignore=list(ignore))
-    m._saved_ctx = saved  # read by mark_forward_done
-    with live:
+    m._saved_ctx = saved
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with saved:
             m._forward_open = True
             yield m
             if m._forward_open:
-                m.saved = saved.bytes
-    m.peak = live.peak
+                mark_forward_done(m)
+    m.peak = allocator_peak(prof)
 
 
 def mark_forward_done(m: MemoryMeasure) -> None:

@@ -55,6 +55,8 @@ class Setup:
     tile: int = 256
     """Tokens per tile of the MLP and of the LM head + loss, both stacks (ArcticTraining's MLP default: hidden)."""
     lr: float = 1e-3
+    optimizer: str = "adamw"
+    """``adamw`` (the runs), or ``sgd`` (tests: a gradient off by a factor moves its loss; AdamW's barely)."""
     seed: int = 0
 
     def config(self, attn: str = "sdpa"):
@@ -76,7 +78,8 @@ def _model(setup: Setup, attn: str = "sdpa", dtype=torch.float32):
     torch.manual_seed(setup.seed)  # the same weights in every stack and on every rank
     model = LlamaForCausalLM(setup.config(attn)).to(dtype)
     model.train()
-    return model, torch.optim.AdamW(model.parameters(), lr=setup.lr)
+    opt = torch.optim.SGD if setup.optimizer == "sgd" else torch.optim.AdamW
+    return model, opt(model.parameters(), lr=setup.lr)
 
 
 def _steps(setup: Setup, model, optimizer, step_fn) -> list[dict]:
@@ -168,9 +171,12 @@ def alst_rank(rank: int, world: int, setup: Setup):
                 loss = train_alst.tiled_loss(model, batch, group, setup.tile)
                 loss.backward()
                 offloaded.append(ctx.stats.offloaded_bytes)
-            for p in model.parameters():  # each rank holds its share: the full-sequence gradient is their sum
+            # all_gather's backward sums every rank's d(loss) into each rank's copy: each rank holds P times its
+            # share; DeepSpeed's engine averages over its data-parallel ranks (these ranks), which undoes it
+            for p in model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=group)
+                    p.grad.div_(world)
             return loss
 
         steps = _steps(setup, model, optimizer, step)

@@ -1,0 +1,226 @@
+"""One adapter per system: its real entry point called the way its users call it, on a workload's shard.
+
+An adapter runs inside one rank of the harness's process group. ``prepare(w)`` does what a user does once (import,
+init, patches; raises :class:`Refused` with the system's own constraint when it cannot run the workload),
+``shard(w, full)`` cuts this rank's inputs from the global tensors in the system's own layout and sets ``rows`` (the
+global positions of this rank's tokens, to put results back), ``forward(q, k, v)`` is the system's call (the harness
+runs backward on its output), ``work(w)`` the visible (query, key) pairs x heads this rank computes. The patches a
+peer needs on CPU are named functions in :mod:`bench.peers.patches`, listed in ``patches`` (and in the results).
+
+Imports: torch, distattn, the peers' packages (lazily, in ``prepare``), ``bench.peers.workload`` and ``.patches``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from bench.peers import patches
+from bench.peers.workload import Workload, visible, work_area
+
+__all__ = ["Refused", "Adapter", "ADAPTERS", "adapter"]
+
+
+class Refused(Exception):
+    """The system does not run this workload (its constraint, in its words where it has some)."""
+
+
+class Adapter:
+    name = ""
+    package = ""  # the distribution whose version the row reports ("" : none needed)
+    patches: tuple[str, ...] = ()  # names of bench.peers.patches functions this adapter applies
+    forward_only = False  # the system has no backward here (its gradients are not compared)
+
+    def version(self) -> str | None:
+        """The installed version of ``package``, or ``None`` when it is not installed."""
+        try:
+            return importlib.metadata.version(self.package) if self.package else torch.__version__
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def applies(self, w: Workload) -> bool:
+        return True
+
+    def prepare(self, w: Workload) -> None:
+        pass
+
+    def contiguous_shard(self, w: Workload, full: dict) -> dict:
+        rank, n = dist.get_rank(), w.tokens_per_rank
+        self.rows = torch.arange(rank * n, (rank + 1) * n)
+        return {k: t[:, rank * n:(rank + 1) * n].contiguous() for k, t in full.items()}
+
+    def work(self, w: Workload) -> int:
+        """Visible pairs x heads this rank computes: its query rows, all heads (sequence-split systems)."""
+        return work_area(w, self.rows)
+
+
+# -- distattn ------------------------------------------------------------------------------------------------
+class DistAttn(Adapter):
+    package = "distattn"
+
+    def __init__(self, schedule: str):
+        self.schedule = schedule
+        self.name = f"distattn ({schedule})"
+
+    def version(self):
+        import distattn
+        return distattn.__version__
+
+    def applies(self, w):
+        return self.schedule != "placed" or w.mask == "docs"  # the placement is for packed documents
+
+    def prepare(self, w):
+        import distattn
+        self.da = distattn
+        self.layout = None
+        if self.schedule == "placed":
+            from distattn.sharding import placement
+            self.layout = placement(w.cu_seqlens(), w.tokens_per_rank)
+
+    def shard(self, w, full):
+        kw = {"layout": self.layout} if self.layout is not None else {"schedule": self.schedule}
+        pos = torch.arange(w.total)[None]
+        self.rows = self.da.shard_sequence(pos, **kw)[0]
+        return {k: self.da.shard_sequence(t, **kw).contiguous() for k, t in full.items()}
+
+    def forward(self, q, k, v, w):
+        kw = dict(causal=True, schedule=self.schedule)
+        if w.mask == "window":
+            kw["window_size"] = (w.window, 0)
+        if w.mask == "docs":
+            cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32)
+            lens = cu[1:] - cu[:-1]
+            out = self.da.dist_flash_attn_varlen_func(q[0], k[0], v[0], cu, int(lens.max()), **kw)
+            return out[None]
+        return self.da.dist_flash_attn_func(q, k, v, **kw)
+
+    def work(self, w):
+        """From the plan the executor runs (``distattn.schedule``): each rank's tasks, helpers included."""
+        import numpy as np
+
+        from distattn.schedule import MaskSpec, make_plan
+        mask = MaskSpec(causal=True, window=(w.window, 0) if w.mask == "window" else (-1, -1),
+                        cu_seqlens=tuple(w.cu_seqlens()) if w.mask == "docs" else None)
+        kw = {"layout": self.layout} if self.layout is not None else {}
+        plan = make_plan(w.world, True, self.schedule, mask=None if mask.dense else mask, chunk=w.tokens_per_rank,
+                         **kw)
+        rt = plan.run_table
+        per_rank = np.zeros(w.world)
+        for start, stop, cost in zip(rt.start, rt.stop, rt.cost):
+            per_rank[start:stop] += cost
+        # cost: units of one full n x n pair; the dense causal diagonal counts n(n+1)/2 / n^2 in the plan as 1/2
+        return int(round(per_rank[dist.get_rank()] * w.tokens_per_rank ** 2 * w.heads_q * w.batch))
+
+
+# -- DeepSpeed-Ulysses -----------------------------------------------------------------------------------------
+def _local_sdpa(w: Workload):
+    """The local attention a DeepSpeed user hands ``DistributedAttention``: SDPA on the whole sequence, its heads."""
+    mask = None if w.mask == "causal" else visible(w)
+
+    def attn(q, k, v, *args, **kwargs):  # (b, T, h/P, d) after the all-to-all
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = qt.shape[1] != kt.shape[1]
+        out = (F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa) if mask is None else
+               F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa))
+        return out.transpose(1, 2)
+
+    return attn
+
+
+class DeepSpeedUlysses(Adapter):
+    name = "DeepSpeed-Ulysses"
+    package = "deepspeed"
+    patches = ("deepspeed_no_shm_build",)
+
+    def prepare(self, w):
+        import os
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_BUILD_OPS", "0")
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+        if w.heads_kv % w.world and w.world % w.heads_kv:
+            raise Refused(f"heads_kv ({w.heads_kv}) and P ({w.world}): Ulysses splits kv heads over the ranks")
+        with patches.deepspeed_no_shm_build():
+            deepspeed.init_distributed(dist_backend="gloo")  # wraps torch's process group, made by the harness
+        self.attn = DistributedAttention(_local_sdpa(w), dist.group.WORLD, scatter_idx=2, gather_idx=1)
+
+    def shard(self, w, full):
+        return self.contiguous_shard(w, full)
+
+    def forward(self, q, k, v, w):
+        return self.attn(q, k, v, 0)  # batch_dim_idx=0: (b, s, h, d)
+
+    def work(self, w):
+        return work_area(w) // w.world  # every token, 1/P of the heads
+
+
+# -- PyTorch context parallel ------------------------------------------------------------------------------------
+class TorchCP(Adapter):
+    package = "torch"
+    patches = ("torch_cp_cpu_sdpa",)
+
+    def __init__(self, rotate: str):
+        self.rotate = rotate
+        self.name = f"PyTorch CP ({rotate})"
+
+    def prepare(self, w):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401  (fails if moved)
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+        if w.mask != "causal":
+            raise Refused("context_parallel's SDPA takes no attn_mask (its input_fn shards every tensor argument): "
+                          "no packed documents, no sliding window")
+        if w.tokens_per_rank % 2:
+            raise Refused(f"causal load balancing needs the sequence ({w.total}) to be a multiple of 2P "
+                          f"({2 * w.world})")
+        patches.torch_cp_cpu_sdpa()
+        set_rotate_method(self.rotate)
+        self.mesh = init_device_mesh("cpu", (w.world,))
+
+    def shard(self, w, full):
+        from torch.distributed.tensor.experimental import context_parallel
+        # (b, h, T, d) as SDPA takes it; torchtitan's llama repeats k/v to h_q heads before SDPA (CP's ring moves
+        # those). Sharded in place by the context manager, with its causal load balancer (head-tail chunks).
+        rep = w.heads_q // w.heads_kv
+        bufs = [full["q"].transpose(1, 2).contiguous(),
+                full["k"].repeat_interleave(rep, dim=2).transpose(1, 2).contiguous(),
+                full["v"].repeat_interleave(rep, dim=2).transpose(1, 2).contiguous(),
+                full["dout"].transpose(1, 2).contiguous(), torch.arange(w.total)]
+        self.ctx = context_parallel(self.mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2, 0])
+        self.ctx.__enter__()  # left by the harness's finish()
+        self.rows = bufs[4].clone()
+        self.rep = rep
+        return {"q": bufs[0], "k": bufs[1], "v": bufs[2], "dout": bufs[3]}
+
+    def forward(self, q, k, v, w):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def to_bshd(self, name, t):
+        """(b, h, n, d) -> (b, n, h, d); dk/dv summed over the repeated heads (the chain rule of repeat_kv)."""
+        t = t.transpose(1, 2)
+        if name in ("dk", "dv") and self.rep > 1:
+            b, n, h, d = t.shape
+            t = t.reshape(b, n, h // self.rep, self.rep, d).sum(3)
+        return t
+
+    def finish(self):
+        self.ctx.__exit__(None, None, None)
+
+
+ADAPTERS = {
+    "distattn-balanced": lambda: DistAttn("balanced"),
+    "distattn-zigzag": lambda: DistAttn("zigzag"),
+    "distattn-placed": lambda: DistAttn("placed"),
+    "deepspeed-ulysses": DeepSpeedUlysses,
+    "torch-cp-alltoall": lambda: TorchCP("alltoall"),
+    "torch-cp-allgather": lambda: TorchCP("allgather"),
+}
+
+
+def adapter(key: str) -> Adapter:
+    if key not in ADAPTERS:
+        raise ValueError(f"unknown system {key!r}; choose from {sorted(ADAPTERS)}")
+    return ADAPTERS[key]()

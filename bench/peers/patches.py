@@ -1,0 +1,108 @@
+"""The patches a peer needs to run here (CPU, gloo), each one small named function, listed beside its results.
+
+Every patch checks that what it replaces is still where it was and raises :class:`PatchBroken` naming the peer,
+the version and what moved otherwise, so a peer's new release that breaks a patch says so (tests/test_peers.py runs
+every installed adapter, hence every patch, at P = 2).
+
+* ``deepspeed_no_shm_build`` — DeepSpeed-Ulysses reaches ``torch.distributed`` through ``deepspeed.comm``, whose
+  backend object exists only after ``deepspeed.init_distributed`` (``deepspeed.comm.all_to_all_single`` calls
+  ``cdb.all_to_all_single`` on a module global that is ``None`` before). ``init_distributed`` adopts the process group
+  torch made, but its ``TorchBackend`` first JIT-compiles ``deepspeed_shm_comm_op`` on CPU (a shared-memory
+  all-reduce: minutes of C++ on a small machine), which Ulysses' all-to-all never uses. The patch makes that build
+  return ``None`` (DeepSpeed's own "op not compatible" path) while ``init_distributed`` runs.
+* ``torch_cp_cpu_sdpa`` — ``context_parallel`` routes SDPA's CUDA ops (flash, efficient, cuDNN) through its ring
+  code; on CPU SDPA dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``, which CP does not know
+  (``NotImplementedError``/sharding errors). The patch registers that op and its backward with CP's DTensor op
+  handlers, calling CP's own ``_templated_ring_attention(_backward)`` (private APIs: pinned to torch 2.13).
+* ``megatron_cpu`` and ``yunchang_cpu`` live beside their adapters (:mod:`bench.peers.adapters_more`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+
+import torch
+
+__all__ = ["PatchBroken", "deepspeed_no_shm_build", "torch_cp_cpu_sdpa", "PATCHES"]
+
+
+class PatchBroken(RuntimeError):
+    """A peer's release moved what a patch replaces: the patch needs updating for that version."""
+
+
+def _broken(package: str, what: str) -> PatchBroken:
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    return PatchBroken(f"{package} {version}: {what}; bench/peers/patches.py needs updating for this version")
+
+
+@contextlib.contextmanager
+def deepspeed_no_shm_build():
+    """While active, ``deepspeed.comm``'s ``TorchBackend`` builds no shared-memory comm op (see the module doc)."""
+    import importlib
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import a.b.torch as x` would give torch itself
+    if not callable(getattr(ds_torch, "build_shm_op", None)):
+        raise _broken("deepspeed", "deepspeed.comm.torch.build_shm_op is gone")
+    original = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = original
+
+
+def torch_cp_cpu_sdpa() -> None:
+    """Route CPU SDPA (``_scaled_dot_product_flash_attention_for_cpu`` and backward) through CP's ring code."""
+    from torch.distributed.tensor import DTensor, Shard
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        ring, ring_bwd, handlers = cp._templated_ring_attention, cp._templated_ring_attention_backward, cp.custom_ops
+    except (ImportError, AttributeError) as exc:
+        raise _broken("torch", f"context parallel's ring functions or op handlers moved ({exc})") from exc
+    aten = torch.ops.aten
+    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu
+    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def local(args, kwargs):
+        args = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+        kwargs = {k: (a.to_local() if isinstance(a, DTensor) else a) for k, a in kwargs.items()}
+        return args, kwargs
+
+    def wrap(mesh, tensors):
+        return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in tensors)
+
+    def forward(op_call, args, kwargs):
+        mesh = args[0].device_mesh
+        (q, k, v, *rest), kwargs = local(args, kwargs)
+        dropout_p = rest[0] if rest else kwargs.pop("dropout_p", 0.0)
+        is_causal = rest[1] if len(rest) > 1 else kwargs.pop("is_causal", False)
+        if kwargs.get("attn_mask") is not None:
+            raise NotImplementedError("attn_mask is not supported by context parallel")
+        out, lse = ring(mesh.get_group(), 2, fwd_op.default, q, k, v, is_causal=is_causal, dropout_p=dropout_p,
+                        scale=kwargs.get("scale"))
+        return wrap(mesh, (out, lse))
+
+    def backward(op_call, args, kwargs):
+        mesh = args[0].device_mesh
+        names = ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal")
+        bound = dict(zip(names, local(args, {})[0]))
+        bound.update(local((), kwargs)[1])
+        grads = ring_bwd(mesh.get_group(), 2, bwd_op.default, grad_out=bound["grad_out"], grad_out_name="grad_out",
+                         query=bound["query"], key=bound["key"], value=bound["value"], out=bound["out"],
+                         logsumexp=bound["logsumexp"], is_causal=bound["is_causal"], dropout_p=bound["dropout_p"],
+                         scale=bound.get("scale"))
+        return wrap(mesh, grads[:3])
+
+    handlers[fwd_op.default] = forward
+    handlers[bwd_op.default] = backward
+
+
+PATCHES = {
+    "deepspeed_no_shm_build": "deepspeed.init_distributed on CPU JIT-builds a shm all-reduce op Ulysses never uses "
+                              "(minutes); its build returns None while init runs",
+    "torch_cp_cpu_sdpa": "CP knows only CUDA SDPA ops; CPU flash SDPA fwd/bwd registered with CP's handlers, "
+                         "calling CP's own ring functions (private, torch 2.13)",
+}
