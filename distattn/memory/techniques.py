@@ -116,7 +116,7 @@ def _mlp_flops(model: ModelSpec, batch: int, n: int) -> float:
 def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard: int = 1,
                    precision: str = "bf16", strategy: str = "full", impl: str = "distattn",
                    tech: Techniques = Techniques(), schedule: str = "balanced", partials: str = "fp32",
-                   pinned: bool = True) -> TechniquePeak:
+                   pinned: bool = True, mode: str | None = None, device: str = "cuda") -> TechniquePeak:
     """The step's device peak, host bytes, traffic and FLOPs on one rank (see the module doc).
 
     Args:
@@ -125,6 +125,12 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         schedule, partials: the attention call's (``DistAttnConfig``): its executor's buffers
             (``distattn.memory.executor``) are part of the moments in a layer's attention forward and backward.
         pinned: host buffers are pinned (CUDA), so PyTorch's pinned caching allocator rounds each to a power of two.
+        mode: how the parameters are held, as ``launch/train_model.shard`` does: ``fsdp2`` (sharded ``shard`` ways,
+            the root and the layer computed unsharded), ``ddp`` or ``none`` (every rank holds all); ``None``: FSDP2
+            when ``precision`` is bf16/fp16 (train.py on CUDA), else ``shard``-way sharded state without FSDP2's
+            extra buffers.
+        device: ``cuda``, or ``cpu`` (where the tests measure): there an offloaded checkpoint is used from its host
+            copy, no device copy is fetched.
     """
     if tech.offload_checkpoints and strategy not in ("full", "remat"):
         raise ValueError(f"offload_checkpoints moves what full or remat checkpointing keeps; strategy={strategy!r} "
@@ -134,19 +140,29 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     n = seq // sp
     lay = model.layer
     kw = dict(impl=impl, precision=precision, sp=sp)
-    fsdp = fsdp2_items(model, A) if precision in ("bf16", "fp16") else {}
+    fsdp_on = precision in ("bf16", "fp16") if mode is None else mode == "fsdp2"
+    if mode in ("none", "ddp"):  # every rank holds every parameter, gradient and AdamW state
+        shard = 1
+    fsdp = fsdp2_items(model, A) if fsdp_on else {}
     steady = steady_state_bytes(model, shard=shard, gather_bytes=A)
-    if fsdp:  # FSDP2 (launch/train.py on CUDA, one GPU included): the layer computed and the one prefetched, in bf16
-        steady["gathered"] = 2 * A * lay.params
+    # gradients are made in backward (train.py zeroes them with set_to_none): one layer's fp32 shard each, and the
+    # head and final norm's (FSDP2: the head's unsharded gradient, reduced with the root's at the end of backward)
+    grad_layer = -(-4 * lay.params // shard)
+    head_params = (0 if model.tie_embeddings else model.vocab * lay.hidden) + lay.hidden
+    grad_head = fsdp.get("head_grad", 0) if fsdp_on else 4 * head_params
     host: dict[str, int] = {}
     traffic = 0
+    resident = {"weights+adam": steady["weights"] + steady["adam"] + steady["buffers"]}
     if tech.offload_optimizer:  # fp32 params + grads + AdamW on the host; the device holds the gathered half
         # parameters of the layer computed and the one prefetched, and the root's (embeddings, head) throughout
         host.update(optimizer_host_bytes(model, shard, pinned))
         traffic += 2 * steady["weights"] + steady["grads"]  # params to the device (forward, backward), grads back
-        steady = {"gathered": 2 * A * lay.params, "buffers": steady["buffers"]}
-    steady_total = sum(steady.values())
-    root = {"FSDP2 root (embeddings, head: unsharded)": fsdp.get("root", 0)}
+        resident, grad_layer = {}, 0
+    gathered = {}
+    if fsdp_on:  # FSDP2: the root's parameters unsharded throughout; in a layer's forward or backward that layer's and
+        # (CUDA: prefetched on a side stream) the next one's, in the compute dtype; none at the loss backward
+        resident["FSDP2 root (embeddings, head: unsharded)"] = fsdp["root"]
+        gathered = {"gathered params (layers)": (2 if device == "cuda" else 1) * A * lay.params}
 
     layer_list = layer_saved_tensors(lay, batch, seq, strategy=strategy, **kw)
     full_list = layer_saved_tensors(lay, batch, seq, strategy="none", **kw)
@@ -155,16 +171,22 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         if strategy == "none":
             layer_list = full_list
     layer_kept = sum(t.nbytes for t in layer_list)
-    kept_on_device = layer_kept * model.layers
+    layer_full = sum(t.nbytes for t in full_list)
+    cuda = device == "cuda"
     if tech.offload_checkpoints:
         host["checkpoints"] = model.layers * sum(host_block(t.nbytes, pinned) for t in layer_list)
         traffic += 2 * layer_kept * model.layers  # out in forward, back in backward
-        kept_on_device = layer_kept * min(model.layers, 2)  # the layer in flight and the one prefetched
-    others = kept_on_device - (layer_kept if not tech.offload_checkpoints else 0)  # every layer but the one computed
+
+    def others(i: int) -> int:
+        """Kept bytes on the device of every layer but layer ``i`` during its backward (layers < i are waiting; on
+        CUDA an offloaded layer i - 1 is prefetched, on the CPU the host copy is used as it is)."""
+        if tech.offload_checkpoints:
+            return layer_kept if cuda and i > 0 else 0
+        return i * layer_kept
 
     rest_list = model_saved_tensors(model, batch, seq, precision=precision, strategy=strategy, sp=sp, impl=impl)
     shared = {"rope tables, ids": sum(t.nbytes for t in rest_list if t.name.startswith(_SHARED))}
-    logits = batch * n * model.vocab * (A + 4 + 4)  # half logits + fp32 log-softmax grad + fp32 logit grad
+    logits = batch * n * model.vocab * 8  # the fp32 log-softmax grad + the fp32 logit grad (train.py holds no logits)
     if tech.loss_tile:  # distattn.tiling's own byte model: one tile's working set, the fp32 weight-gradient sum
         rest_list = [t for t in rest_list if not t.name.startswith("loss.log_softmax")]
         tb = tiled_loss_bytes(batch * n, lay.hidden, model.vocab, tech.loss_tile, A)
@@ -176,23 +198,29 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
                              kind="swiglu" if lay.family == "llama" else "gelu")
         mlp_tile_ws = mb.tile_working + mb.backward_fixed
 
-    steady_name = "gathered params" if tech.offload_optimizer else "weights+grads+adam"
-    base = {steady_name: steady_total, **root}
-    begin = {**base, "layer activations": kept_on_device, "head/loss saved": rest, "logits + logit grads": logits}
+    kept_all = 0 if tech.offload_checkpoints else model.layers * layer_kept
+    begin = {**resident, "layer activations": kept_all, "head/loss saved": rest, "logits + logit grads": logits}
     moments = [(begin, "at the loss backward")]
-    in_backward = {"head grad (unsharded, to the end of backward)": fsdp.get("head_grad", 0),
-                   "reduce-scatter (a layer's grads, bf16 + fp32)": fsdp.get("reduce_scatter", 0), **shared}
-    grads = 2 * batch * n * lay.hidden * 4  # two fp32 gradients of the residual stream (an upper bound in bf16)
-    if strategy != "none":
-        during = {**base, "layer activations": others, **in_backward,
-                  "recomputed layer": sum(t.nbytes for t in full_list) + grads + mlp_tile_ws}
-        moments.append((during, "in a recomputed layer's backward"))
-    elif tech.mlp_tile:
-        begin["mlp tile"] = mlp_tile_ws
-    if impl == "distattn":
-        resid_grads = 2 * batch * n * lay.hidden * _dtypes(precision)[1].itemsize  # in the residual stream's dtype
-        moments += _attention_moments(model, batch, n, sp, act, full_list, base, others, in_backward, shared,
-                                      resid_grads, strategy, schedule, partials)
+    resid_grads = 2 * batch * n * lay.hidden * _dtypes(precision)[1].itemsize  # in the residual stream's dtype
+    on_host_ckpt = layer_kept if tech.offload_checkpoints and not cuda else 0  # CPU: the layer's kept stay host
+    for i, when in ((model.layers - 1, "the last layer's"), (0, "the first layer's")):
+        in_backward = {"grads made (head, later layers)": grad_head + (model.layers - 1 - i) * grad_layer,
+                       "reduce-scatter (a layer's grads, bf16 + fp32)": fsdp.get("reduce_scatter", 0), **shared}
+        during = {**resident, **gathered, "layer activations": others(i), **in_backward,
+                  ("recomputed layer" if strategy != "none" else "the layer's saved tensors"):
+                  layer_full - on_host_ckpt + resid_grads + mlp_tile_ws}
+        moments.append((during, f"in {when} backward" + (" (recomputed)" if strategy != "none" else "")))
+        if impl == "distattn":
+            moments += _attention_moments(model, batch, n, sp, act, full_list, {**resident, **gathered}, others(i),
+                                          in_backward,
+                                          shared, resid_grads, strategy, schedule, partials, on_host_ckpt, when)
+    if fsdp_on:  # the root's reduction at the end of backward: its unsharded gradients, their fp32 copy (the
+        # reduce-scatter's input), the division by the group's factor (one rank: a copy of it) and the sharded result
+        root_params = model.params - model.layers * lay.params
+        reduce = (A + 4 + (4 if shard == 1 else 0)) * root_params + -(-4 * root_params // shard)
+        end = {**resident, "grads made (every layer)": model.layers * grad_layer,
+               "the root's reduce-scatter (grads, fp32 input, output)": reduce}
+        moments.append((end, "at the root's gradient reduction, the end of backward"))
     parts, moment = max(moments, key=lambda m: sum(m[0].values()))
     parts = {k: v for k, v in parts.items() if v}
 
@@ -212,7 +240,7 @@ _BEFORE_ATTENTION = ("ln1.", "qkv_proj.", "attn.q", "attn.k", "attn.v")  # a lay
 
 
 def _attention_moments(model, batch, n, sp, act, full_list, base, others, in_backward, shared, grads, strategy,
-                       schedule, partials) -> list:
+                       schedule, partials, on_host=0, when="a layer's") -> list:
     """The step inside a layer's attention call: its executor's buffers (the plan's replay, with the call's outputs)
     on top of every other layer's kept tensors and this layer's saved tensors up to attention.
 
@@ -229,13 +257,13 @@ def _attention_moments(model, batch, n, sp, act, full_list, base, others, in_bac
     qkv = sum(t.nbytes for t in full_list if t.name.startswith(_BEFORE_ATTENTION))
     dout = batch * n * lay.heads * lay.head_dim * act.itemsize
     backward = {**base, "layer activations": others, **in_backward,
-                "layer up to attention + grads": upto + dout + grads,
+                "layer up to attention + grads": upto + dout + grads - on_host,
                 f"attention backward buffers ({schedule})": bwd.total}
     recompute_fwd = strategy == "full"  # remat keeps attention's outputs: its forward is never recomputed
     forward = {**base, "layer activations": others, **(in_backward if recompute_fwd else shared),
-               "layer up to attention": qkv, f"attention forward buffers ({schedule})": fwd.total}
-    return [(backward, f"in a layer's attention backward ({bwd.moment})"),
-            (forward, f"in a layer's attention forward ({fwd.moment})")]
+               "layer up to attention": qkv - on_host, f"attention forward buffers ({schedule})": fwd.total}
+    return [(backward, f"in {when} attention backward ({bwd.moment})"),
+            (forward, f"in {when} attention forward ({fwd.moment})")]
 
 
 def fsdp2_items(model: ModelSpec, A: int = 2) -> dict[str, int]:
