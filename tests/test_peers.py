@@ -91,3 +91,80 @@ def test_byte_counter_counts_known_collectives_exactly():
                 assert got_calls == calls, (name, rank, got_calls)
     assert r0["send_recv"][2] == {"send": 1} and r1["send_recv"][2] == {"recv": 1}
     assert r0["barrier"][2] == {"barrier": 1}
+
+
+# -- adapters: each installed peer exact at P = 2 on a tiny case, with its bytes counted ------------------------------
+def _tiny(mask="causal"):
+    from bench.peers.workload import Workload
+    kw = {"window": 9} if mask == "window" else {}
+    return Workload(name=f"tiny-{mask}", world=WORLD, tokens_per_rank=16, heads_q=4, heads_kv=2, head_dim=16,
+                    mask=mask, **kw)
+
+
+def _installed(system):
+    from bench.peers.adapters import adapter
+    a = adapter(system)
+    if a.version() is None:
+        pytest.skip(f"{a.package} is not installed (pip install -e '.[peers]')")
+    return a
+
+
+@pytest.mark.parametrize("system,mask", [
+    ("distattn-balanced", "causal"), ("distattn-zigzag", "window"), ("distattn-placed", "docs"),
+    ("deepspeed-ulysses", "causal"), ("deepspeed-ulysses", "docs"), ("torch-cp-alltoall", "causal"),
+    ("torch-cp-allgather", "causal")])
+def test_adapter_exact_at_p2(system, mask):
+    from bench.peers.harness import run_one
+    _installed(system)
+    row = run_one(system, _tiny(mask), timeout=150, reps=1)
+    assert row.status == "ok", row.note
+    assert row.exact, (row.err_out, row.err_dq, row.err_dk, row.err_dv)
+    assert row.sent_max > 0 and row.recv_max > 0, row.calls  # the counter saw the system's transfers
+    assert row.peak_max > 0 and row.work_max > 0
+    if system.startswith("distattn"):
+        assert row.crosscheck == "own counters equal, simulator equal", row.crosscheck
+
+
+def test_refusal_is_a_row_with_its_reason():
+    from bench.peers.harness import run_one
+    _installed("torch-cp-alltoall")
+    row = run_one("torch-cp-alltoall", _tiny("docs"), timeout=60, reps=1)
+    assert row.status == "refused" and "attn_mask" in row.note
+
+
+# -- a peer that hangs or raises: its error row within the deadline ------------------------------------------------
+class _Hangs:
+    """An adapter whose rank 1 never joins the collective rank 0 waits in (a peer's deadlock)."""
+
+    name, package, patches, forward_only = "hangs", "", (), False
+
+    def version(self):
+        return "test"
+
+    def applies(self, w):
+        return True
+
+    def prepare(self, w):
+        import time
+        if dist.get_rank() == 1:
+            time.sleep(3600)
+        dist.barrier()
+
+
+class _Raises(_Hangs):
+    name = "raises"
+
+    def prepare(self, w):
+        raise RuntimeError("peer exploded on purpose")
+
+
+def test_hang_and_raise_give_error_rows_within_the_deadline():
+    import time
+
+    from bench.peers.harness import run_one
+    t0 = time.monotonic()
+    row = run_one(_Hangs, _tiny(), timeout=8, reps=1)
+    assert time.monotonic() - t0 < 30
+    assert row.status == "error" and "timed out after 8 s" in row.note, row
+    row = run_one(_Raises, _tiny(), timeout=60, reps=1)
+    assert row.status == "error" and "peer exploded on purpose" in row.note, row

@@ -104,9 +104,7 @@ class DistAttn(Adapter):
         from distattn.schedule import MaskSpec, make_plan
         mask = MaskSpec(causal=True, window=(w.window, 0) if w.mask == "window" else (-1, -1),
                         cu_seqlens=tuple(w.cu_seqlens()) if w.mask == "docs" else None)
-        kw = {"layout": self.layout} if self.layout is not None else {}
-        plan = make_plan(w.world, True, self.schedule, mask=None if mask.dense else mask, chunk=w.tokens_per_rank,
-                         **kw)
+        plan = make_plan(w.world, True, self.schedule, mask=None if mask.dense else mask, chunk=w.tokens_per_rank)
         rt = plan.run_table
         per_rank = np.zeros(w.world)
         for start, stop, cost in zip(rt.start, rt.stop, rt.cost):

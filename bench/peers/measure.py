@@ -1,7 +1,7 @@
 """One byte counter and one memory measure, the same for every system the peers harness runs.
 
 **Bytes.** ``count_bytes()`` wraps, for the length of the region, every point-to-point and collective function of
-``torch.distributed`` (``send``/``recv``, ``isend``/``irecv`` — which is what ``batch_isend_irecv``'s ``P2POp`` calls —,
+``torch.distributed`` (``send``/``recv``, ``isend``/``irecv``: what ``batch_isend_irecv``'s ``P2POp`` calls;
 ``all_reduce``, ``all_to_all_single``, ``all_to_all``, ``all_gather_into_tensor``/``all_gather``,
 ``reduce_scatter_tensor``/``reduce_scatter``, ``broadcast``, ``gather``/``scatter``/``reduce``, ``barrier``) and of
 its functional collectives (``torch.distributed._functional_collectives``: ``all_to_all_single``,
