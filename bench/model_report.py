@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from bench._util import pyplot_or_note
-from bench.model import (A100_ASSUMED, DISTATTN_METHODS, IB_100G, IB_400G, MODELS, NVLINK, Cluster, Compute,
-                         Workload, balance_speedup, method_bytes, paper_comm_ratio, paper_units, predict,
-                         wire_comm_ratio)
+from bench.cost_model import (A100_ASSUMED, DISTATTN_METHODS, IB_100G, IB_400G, MODELS, NVLINK, Cluster, Compute,
+                              Workload, balance_speedup, method_bytes, paper_comm_ratio, paper_units, predict,
+                              wire_comm_ratio)
 from distattn._plotstyle import figure_legend, log_ticks, style as plot_style, tight_with_legend
 from distattn.schedule import make_plan
 
