@@ -17,10 +17,12 @@ The pieces, called the way ArcticTraining's ``Trainer``/``SFTTrainer`` call them
 * the batch: contiguous sequence shards of ``input_ids``, global ``position_ids`` and ``shift_labels`` (labels
   shifted on the whole sequence, ``-100`` last), what ``UlyssesSPDataLoaderAdapter`` hands each rank.
 
-Not used: the DeepSpeed engine (ZeRO); gradients are summed over the group with one all-reduce per parameter and a
-plain ``torch.optim.AdamW`` steps, as in the distattn stack, so both are measured with the same optimizer.
+Not used: the DeepSpeed engine (ZeRO); gradients are averaged over the group as the engine averages over its
+data-parallel ranks (one all-reduce per parameter, then / P: the all_gather's backward has already summed every rank's
+share into each) and a plain ``torch.optim.AdamW`` steps, as in the distattn stack (the same optimizer for both).
 
-Patch (one, listed in the results): on a CPU accelerator DeepSpeed's offload engine skips every tensor
+Patches (two, listed in the results; ``fix_head_grad`` says the second): on a CPU accelerator DeepSpeed's offload
+engine skips every tensor
 (``deepspeed/runtime/activation_checkpointing/offload_activations.py``, ``_ActivationOffloadEngine._should_skip``:
 ``get_accelerator().is_synchronized_device()`` is True for the CPU accelerator; "cpu-like accelerators have no
 streams; offload_input never offloads there"). ``offload_on_cpu`` gives the engine instance a ``_should_skip`` without
@@ -41,6 +43,9 @@ import torch.distributed as dist
 PATCHES = {
     "alst-offload-on-cpu": "DeepSpeed's _ActivationOffloadEngine._should_skip without is_synchronized_device() (True "
                            "on the CPU accelerator, where it would offload nothing); deepspeed 0.19.8",
+    "alst-head-grad": "the LM head's gradient from TiledFusedLogitsLoss (computed in its forward, never scaled by the "
+                      "gradient that reaches the loss) times P / (target tokens): as shipped it is the gradient of the "
+                      "token sum, (target tokens) times the mean's (fix_head_grad); deepspeed 0.19.8",
 }
 
 
@@ -107,7 +112,17 @@ def tiled_loss(model, batch: dict, group, loss_tile: int) -> torch.Tensor:
     loss = total / max(good, 1)
     losses = dist_fn.all_gather(loss, group=group)
     goods = dist_fn.all_gather(good, group=group)
-    return sum(lo * g for lo, g in zip(losses, goods)) / sum(goods)
+    return sum(lo * g for lo, g in zip(losses, goods)) / sum(goods), int(sum(goods))
+
+
+def fix_head_grad(model, world: int, good_tokens: int) -> None:
+    """The second listed patch, applied after ``backward``: ``TiledFusedLogitsLoss`` computes the head's weight
+    gradient inside its forward (``torch.autograd.backward`` per shard with an incoming gradient of 1 for
+    ``output_reduction="sum"``) and its backward scales only the hidden states' gradient (``x_grad *= grads[0]``), so
+    the head gets the gradient of the token *sum*, not of the mean that ``SFTTrainer.loss`` returns: ``good_tokens``
+    times too large. Scaled here to the same convention as every other parameter's gradient on this rank (``P`` times
+    its share, which the engine's average over the ``P`` ranks undoes)."""
+    model.lm_head.weight.grad.mul_(world / good_tokens)
 
 
 def offload_on_cpu(engine) -> None:

@@ -58,6 +58,8 @@ class Setup:
     optimizer: str = "adamw"
     """``adamw`` (the runs), or ``sgd`` (tests: a gradient off by a factor moves its loss; AdamW's barely)."""
     seed: int = 0
+    alst_head_fix: bool = True
+    """Apply ``train_alst.fix_head_grad`` (without it ALST's LM head trains on a gradient (tokens) times too large)."""
 
     def config(self, attn: str = "sdpa"):
         from transformers import LlamaConfig
@@ -168,8 +170,10 @@ def alst_rank(rank: int, world: int, setup: Setup):
         def step():
             ctx = train_alst.offload_context()
             with ctx:  # saved_tensors_hooks.__enter__ returns None: keep the object
-                loss = train_alst.tiled_loss(model, batch, group, setup.tile)
+                loss, good_tokens = train_alst.tiled_loss(model, batch, group, setup.tile)
                 loss.backward()
+                if setup.alst_head_fix:
+                    train_alst.fix_head_grad(model, world, good_tokens)
                 offloaded.append(ctx.stats.offloaded_bytes)
             # all_gather's backward sums every rank's d(loss) into each rank's copy: each rank holds P times its
             # share; DeepSpeed's engine averages over its data-parallel ranks (these ranks), which undoes it
