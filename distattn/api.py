@@ -32,7 +32,7 @@ from distattn._validate import (check_causal, check_global_documents, check_qkv,
                                 check_window, resolve_scale)
 from distattn.choose import choose_schedule, resolve_auto
 from distattn.attention import DistAttnConfig, reject_call
-from distattn.comm import DEFAULT_TIMEOUT_S, default_timeout
+from distattn.comm import DEFAULT_TIMEOUT_S, backend_name, default_timeout
 from distattn.schedule import PARTIALS, SCHEDULES, layout_of, ulysses_heads
 from distattn.topology import split as split_group
 from distattn.topology import topology
@@ -402,9 +402,9 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         raise ValueError(f"q is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
                          f"call torch.cuda.set_device({q.device.index}) on this rank (NCCL hangs otherwise)")
-    backend_name = str(dist.get_backend(ring_group))
-    if "nccl" in backend_name and not q.is_cuda and "gloo" not in backend_name:
-        raise ValueError(f"the process group's backend is {backend_name!r}, which cannot send tensors on "
+    group_backend = backend_name(ring_group)  # a constant to torch.compile (comm.backend_name)
+    if "nccl" in group_backend and not q.is_cuda and "gloo" not in group_backend:
+        raise ValueError(f"the process group's backend is {group_backend!r}, which cannot send tensors on "
                          f"{q.device}; move q, k, v to this rank's CUDA device or use a gloo group")
     kernels.check_backend(backend, q.device)  # unknown/unavailable backend: same error on every rank
     if not isinstance(overlap, bool):

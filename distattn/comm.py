@@ -40,7 +40,16 @@ from distattn.communicators import Communicator, communicator
 
 __all__ = ["PeerExchange", "CommCounters", "COUNTERS", "reset_counters", "DistAttnError", "Communicator",
            "communicator", "default_timeout", "message_tag", "ROUNDS_PER_CALL", "bounded_wait", "all_gather_text",
-           "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV"]
+           "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "backend_name"]
+
+
+@torch.compiler.assume_constant_result
+def backend_name(group) -> str:
+    """``str(dist.get_backend(group))``, a constant to ``torch.compile``: traced, ``get_backend`` reads c10d's
+    table of every process group and guards on its size, and the library opens its own groups at its first call
+    (``distattn.communicators``), so a frame compiled at the first call recompiled at the second. A group's
+    backend never changes while the group lives."""
+    return str(dist.get_backend(group))
 
 
 # -- message tags -----------------------------------------------------------------------------------------

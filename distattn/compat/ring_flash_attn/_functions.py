@@ -12,8 +12,10 @@ import numbers
 import torch
 import torch.distributed as dist
 
+from distattn._ops import group_key, group_of, padded_documents
 from distattn.api import (check_causal, check_cu_seqlens, check_softcap, check_timeout, check_unsupported,
-                          check_window, dist_flash_attn_func, dist_flash_attn_varlen_func, validated_everywhere)
+                          check_window, dist_attn_with_documents, dist_flash_attn_func, dist_flash_attn_varlen_func,
+                          validated_everywhere)
 from distattn.compat._llama3 import global_cu, prepare
 from distattn.compat._relayout import TokenLayout, agree_on_move, gather_call_texts, relayout, relayout_many
 from distattn.topology import is_2d
@@ -348,9 +350,33 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     """
     kw = _distattn_kw(dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, group, softcap,
                       backend, timeout)
+    if torch.compiler.is_compiling():
+        # Traced: the local views are data, read when the graph runs. One opaque op validates them, gathers every
+        # rank's and returns the global documents as a tensor (no data-dependent guard, no collective traced);
+        # the attention op reads it when it runs, so new document boundaries compile nothing.
+        _check_options(dropout_p, alibi_slopes, deterministic, causal, window_size, softcap)  # static: constants
+        span = (local_k_slice.start, local_k_slice.stop) if isinstance(local_k_slice, slice) else (None, None)
+        documents = _llama3_documents(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
+                                      span[0], span[1], bool(causal), group_key(kw["group"]), timeout)
+        out, lse = dist_attn_with_documents(q[None], k[None], v[None], documents, softmax_scale=softmax_scale,
+                                            causal=causal, window_size=window_size, softcap=softcap, group=kw["group"],
+                                            schedule="balanced", backend=backend, timeout=timeout, return_lse=True)
+        return _returns(out[0], lse[0], return_attn_probs)
+    cu = _llama3_global_cu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
+                           local_k_slice, causal, kw["group"], timeout,
+                           lambda: _check_options(dropout_p, alibi_slopes, deterministic, causal, window_size, softcap))
+    cu_t = torch.tensor(cu, dtype=cu_seqlens_q.dtype, device=cu_seqlens_q.device)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    out, lse = dist_flash_attn_varlen_func(q, k, v, cu_t, longest, return_lse=True, schedule="balanced", **kw)
+    return _returns(out, lse, return_attn_probs)
 
+
+def _llama3_global_cu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride,
+                      local_k_slice, causal, group, timeout, check_options=lambda: None) -> list[int]:
+    """The global ``cu_seqlens`` of a llama3 call: this rank's arguments validated (the same error on every rank),
+    every rank's gathered, the stream rebuilt and each view checked against it (module doc, (**)). Host work."""
     def validate():
-        _check_options(dropout_p, alibi_slopes, deterministic, causal, window_size, softcap)
+        check_options()
         _check_tokens(q, k, v, 3, 0)
         check_heads_k_stride(heads_k_stride, k.shape[1])
         if not (isinstance(local_k_slice, slice) and all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -367,13 +393,30 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         _check_max("max_seqlen_k", max_seqlen_k, cu_k)
         return json.dumps({"cu_q": cu_q, "cu_k": cu_k, "k_slice": span}), check_timeout(timeout)
 
-    text, wait = validated_everywhere(validate, kw["group"], timeout, q)
-    texts = gather_call_texts({"q": q, "k": k, "v": v}, text, kw["group"], wait, "llama3_flash_attn_varlen_func")
-    cu = global_cu(texts, q.shape[0], causal)
-    cu_t = torch.tensor(cu, dtype=cu_seqlens_q.dtype, device=cu_seqlens_q.device)
-    longest = max(b - a for a, b in zip(cu, cu[1:]))
-    out, lse = dist_flash_attn_varlen_func(q, k, v, cu_t, longest, return_lse=True, schedule="balanced", **kw)
-    return _returns(out, lse, return_attn_probs)
+    text, wait = validated_everywhere(validate, group, timeout, q)
+    texts = gather_call_texts({"q": q, "k": k, "v": v}, text, group, wait, "llama3_flash_attn_varlen_func")
+    return global_cu(texts, q.shape[0], causal)
+
+
+@torch.library.custom_op("distattn::llama3_documents", mutates_args=())
+def _llama3_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, heads_k_stride: int,
+                      k_start: int | None, k_stop: int | None, causal: bool, group: str,
+                      timeout: float | None) -> torch.Tensor:
+    """:func:`_llama3_global_cu` as an op for traced callers: the global documents as ``padded_documents``,
+    ``(P*n + 1,)`` int64 on the CPU (``group``: the ``distattn._ops.group_key`` of the process group)."""
+    span = slice(k_start, k_stop) if k_start is not None and k_stop is not None else None
+    cu = _llama3_global_cu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, span,
+                           causal, group_of(group), timeout)
+    return padded_documents(cu, dist.get_world_size(group_of(group)) * q.shape[0])
+
+
+@_llama3_documents.register_fake
+def _llama3_documents_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+    world = dist.get_world_size(group_of(options[-2]))
+    return torch.empty(world * q.shape[0] + 1, dtype=torch.int64, device="cpu")
+
+
 
 
 def llama3_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
