@@ -11,7 +11,12 @@ memory, so a storage is *host-resident* when it was allocated inside an offloade
 ``host_site`` marks (distattn's ``CheckpointOffload._offload``, DeepSpeed's
 ``_ActivationOffloadEngine._empty_cpu_like``: in both, the only allocation is the host buffer the checkpointed
 tensor is copied into); every other storage is device-resident. Each kind's peak is its own largest total over the
-step (the two peaks need not fall at the same moment). Imports: torch and ``distattn.memory.measure`` only.
+step (the two peaks need not fall at the same moment).
+
+Blind spot, and its cross-check: a dispatch mode does not see what an op allocates and frees inside itself (SDPA's
+scratch; distattn's attention is a registered op, so its executor's transient buffers). ``allocator_peak`` (the
+harness's profiler measure, ``bench/peers/measure.py``) sees every allocation, device and host together, and is
+reported beside. Imports: torch, ``distattn.memory.measure`` and ``bench.peers.measure``.
 """
 
 from __future__ import annotations
@@ -140,6 +145,10 @@ class StepPeak:
     """Peak host-resident bytes allocated during the step (offloaded checkpoints)."""
     at_peak: dict
     """Live device-resident bytes at the device peak by the op that allocated them (the largest few)."""
+    allocator_peak: int = 0
+    """Cross-check: the rise of the CPU allocator's live bytes over the step (``bench/peers/measure.allocator_peak``,
+    the profiler's allocation events): every allocation, scratch inside ops included (a registered op's, such as
+    distattn's attention, and SDPA's), device and host together."""
 
     @property
     def device_total(self) -> int:
@@ -149,11 +158,16 @@ class StepPeak:
 def measure_step(model, optimizer, step_fn, device_type: str = "cpu") -> StepPeak:
     """Run ``loss = step_fn()`` (forward + backward + gradient sum) then ``optimizer.step()`` and ``zero_grad()``
     under one ``SplitLiveBytes``; returns the loss and the peaks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.peers.measure import allocator_peak
+
     resident = resident_bytes(_state_tensors(model, optimizer))
-    with SplitLiveBytes(device_type) as live:
-        loss = step_fn()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = float(loss.detach())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with SplitLiveBytes(device_type) as live:
+            loss = step_fn()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = float(loss.detach())
     device_peak, host_peak = live.peaks()
-    return StepPeak(loss, resident, device_peak, host_peak, live.device_breakdown())
+    return StepPeak(loss, resident, device_peak, host_peak, live.device_breakdown(), allocator_peak(prof))

@@ -258,7 +258,9 @@ def summarize(setup: Setup, world: int, results: dict, ref64: list[float]) -> li
         row.update(losses=losses, loss_err=[c[0] for c in checks], loss_allowed=[c[1] for c in checks],
                    loss_ok=all(c[2] for c in checks), resident=last["resident"],
                    device_peak=last["resident"] + last["device_peak"], step_peak=last["device_peak"],
-                   host_peak=host, at_peak=last["at_peak"], offloaded=max(r.get("offloaded", 0) for r in ranks),
+                   host_peak=host, at_peak=last["at_peak"],
+                   allocator=max(r["steps"][-1]["resident"] + r["steps"][-1]["allocator_peak"] for r in ranks),
+                   offloaded=max(r.get("offloaded", 0) for r in ranks),
                    pred_device=pred[name]["device"], pred_host=pred[name]["host"], pred_moment=pred[name]["moment"])
         rows.append(row)
     return rows
@@ -271,8 +273,8 @@ def _mib(x) -> str:
 def write(rows: list[dict], setup: Setup, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = ["stack", "P", "seq", "loss_ok", "losses", "loss_err", "loss_allowed", "resident", "step_peak",
-              "device_peak", "host_peak", "offloaded", "pred_device", "pred_host", "pred_moment", "at_peak",
-              "seconds", "error"]
+              "device_peak", "host_peak", "allocator", "offloaded", "pred_device", "pred_host", "pred_moment",
+              "at_peak", "seconds", "error"]
     with open(out / "train_step.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -292,16 +294,20 @@ def write(rows: list[dict], setup: Setup, out: Path, command: str) -> None:
              "MiB per rank, measured in the last step (the first also creates AdamW's states), largest rank. "
              "resident: parameters + AdamW states when a step begins; step peak: the most device-resident bytes "
              "allocated during the step on top (gradients, activations, buffers); device = resident + step peak; "
+             "allocator (all): resident + the rise of the CPU allocator's live bytes over the step, every allocation "
+             "(op scratch included; device and host together; the harness's `allocator_peak`); "
              "predicted: `technique_peak` (fp32, unpinned).",
              "", "| stack | P | loss = fp64 ref (rule) | resident | step peak | device peak | host peak | "
-             "predicted device | predicted host | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "allocator (all) | predicted device | predicted host | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['stack']} | {r['P']} | error: {r['error'][:200]} | | | | | | | {r['seconds']} |")
+            lines.append(f"| {r['stack']} | {r['P']} | error: {r['error'][:200]} | | | | | | | | {r['seconds']} |")
             continue
         ok = "yes" if r["loss_ok"] else "**no**"
         lines.append(f"| {r['stack']} | {r['P']} | {ok} (max err {max(r['loss_err']):.1e}) | {_mib(r['resident'])} | "
                      f"{_mib(r['step_peak'])} | {_mib(r['device_peak'])} | {_mib(r['host_peak'])} | "
+                     f"{_mib(r['allocator'])} | "
                      f"{_mib(r['pred_device'])} | {_mib(r['pred_host'])} | {r['seconds']} |")
     lines += ["", "Live device-resident bytes at each device peak (last step, largest rank) by the op that allocated "
               "them, MiB (the largest six; parameters and AdamW states are in resident):", ""]
