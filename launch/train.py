@@ -127,7 +127,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -320,6 +320,7 @@ class Job:
     first_step: int = 0  # the step this run starts after (a resumed run: the checkpoint's)
     predicted_activations: int = 0  # the memory model's saved-activation bytes of one forward per rank
     predicted_peak: int = 0  # the memory model's peak bytes of one step per rank
+    step_memory: dict = field(default_factory=dict)  # the step's predicted and measured peaks (train_memory)
     hf_files: dict | None = None  # rank 0: the model's config and tokenizer files (checkpoints' hf/, --export-hf)
 
 
@@ -344,7 +345,8 @@ def start(cfg: RunConfig, config, dataset, tokenizer_name: str) -> Job:
     return Job(cfg=cfg, device=device, group=group, model=model, mode=mode, optimizer=optimizer, state=state,
                damaged=damaged, first_step=progress["step"],
                predicted_activations=train_memory.predicted_activation_bytes(cfg, config),
-               predicted_peak=train_memory.predicted_peak(cfg, config).total,
+               predicted_peak=train_memory.step_prediction(cfg, config, mode).total,
+               step_memory=train_memory.prediction_fields(cfg, config, mode),
                hf_files=train_export.files(cfg, config))
 
 
@@ -359,7 +361,12 @@ def run_step(job: Job, dataset, step: int) -> dict:
     batch = dataset.batch(progress["samples"] + dp_rank * cfg.args.batch_size, cfg.args.batch_size)
     batch = tuple(t.to(job.device) for t in batch) if cfg.args.pack else batch.to(job.device)
     measured = {} if step == job.first_step + 1 else None  # what the first step's forward saves, once
-    loss, grad_norm = train_step(job.model, job.optimizer, batch, cfg, job.group, job.mode, measured)
+    # the whole step's peak, device and host, once AdamW holds its states (the second step; a one-step run: the first)
+    step_mem = train_memory.StepMeasure(job) if step == min(job.first_step + 2, cfg.args.steps) else None
+    with step_mem or contextlib.nullcontext():
+        loss, grad_norm = train_step(job.model, job.optimizer, batch, cfg, job.group, job.mode, measured)
+    if step_mem is not None:
+        job.step_memory.update(step_mem.fields)
     loss_value, peak = train_report.gather_stats(loss, cfg.device_type, job.device)  # a collective: every rank is done
     dt = time.perf_counter() - t0
     progress.update(step=step, samples=progress["samples"] + cfg.args.batch_size * cfg.dp_size, loss=loss_value)

@@ -134,3 +134,57 @@ def host_tensors(model, optimizer, cfg: RunConfig):
         return params + [p.grad for p in params if p.grad is not None] + optimizer_tensors(optimizer)
 
     return host, host_compute
+
+
+def prediction_fields(cfg: RunConfig, config, mode: str) -> dict:
+    """The JSON summary's predicted side: the step's device peak, its moment, its host bytes (``step_prediction``)."""
+    pred = step_prediction(cfg, config, mode)
+    return {"predicted_peak_device_bytes": pred.total, "predicted_peak_host_bytes": pred.host_total,
+            "predicted_peak_moment": pred.moment}
+
+
+class StepMeasure:
+    """The measured side of one step, from the same accounting as ``step_prediction``: on CUDA the allocator's
+    ``max_memory_allocated``/``max_memory_reserved`` and the pinned host allocator's peak (``host_memory_stats``); on
+    the CPU ``distattn.memory.tiers.step_bytes`` (device and host live bytes, the model's state counted). The largest
+    over the job's ranks (one all-reduce at the end)."""
+
+    def __init__(self, job):
+        self.job, self.fields, self._mem = job, {}, None
+
+    def __enter__(self):
+        if self.job.cfg.device_type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+                torch.cuda.reset_peak_host_memory_stats()
+            return self
+        from distattn.memory.tiers import step_bytes
+
+        model, optimizer = self.job.model, self.job.optimizer
+        host, host_compute = host_tensors(model, optimizer, self.job.cfg)
+        self._mem = step_bytes(host=host, host_compute=host_compute, model=model).__enter__()
+        self._mem.count([list(model.parameters()), list(model.buffers()), optimizer_tensors(optimizer)])
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        if self._mem is not None:
+            self._mem.__exit__(*exc)
+            device, host, moment = self._mem.device_peak, self._mem.host_peak, str(self._mem.moment)
+            reserved = device
+        else:
+            torch.cuda.synchronize()
+            device, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+            host = int(stats.get("allocated_bytes.all.peak", stats.get("allocations.all.peak", 0)))
+            moment = ""
+        if exc[0] is not None:
+            return False
+        peaks = torch.tensor([device, reserved, host], dtype=torch.int64, device=self.job.device)
+        if dist.is_initialized():
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        self.fields = {"measured_peak_device_bytes": int(peaks[0]), "measured_peak_reserved_bytes": int(peaks[1]),
+                       "measured_peak_host_bytes": int(peaks[2]), "measured_peak_moment": moment}
+        return False

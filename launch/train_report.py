@@ -73,7 +73,8 @@ def summary(job, progress: dict, tokens_per_s: float | None, peak: list[int], sa
            "world_size": cfg.env.world_size, "seq_len": args.seq_len, "sp_size": cfg.sp_size, "ulysses": cfg.ulysses,
            "schedule": args.schedule, "model": args.model, "device": cfg.device_type, "params": job.mode,
            "peak_mem_bytes": peak, "pack": bool(args.pack), "predicted_peak_bytes": job.predicted_peak,
-           "predicted_activation_bytes": job.predicted_activations, "saved_activation_bytes": saved_bytes}
+           "predicted_activation_bytes": job.predicted_activations, "saved_activation_bytes": saved_bytes,
+           **job.step_memory}  # the step's predicted and measured peaks, device and host (train_memory.StepMeasure)
     if evals:  # the last held-out evaluation (the last step's)
         out.update(eval_loss=evals[-1]["eval_loss"], eval_ppl=evals[-1]["eval_ppl"], eval_step=evals[-1]["step"])
     if args.pack and packed:  # real tokens only (no padding exists), and what document masking skipped

@@ -221,6 +221,12 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         end = {**resident, "grads made (every layer)": model.layers * grad_layer,
                "the root's reduce-scatter (grads, fp32 input, output)": reduce}
         moments.append((end, "at the root's gradient reduction, the end of backward"))
+    if not tech.offload_optimizer:  # AdamW's step: every gradient made, and its temporaries (sqrt, then the division):
+        # foreach on CUDA, one list of a whole group (the matrices: ~every parameter); on the CPU one tensor at a time
+        largest = max(model.vocab, lay.ffn, lay.heads * lay.head_dim) * lay.hidden
+        temp = 4 * -(-model.params // shard) if cuda else 2 * 4 * -(-largest // shard)
+        opt = {**resident, "grads (every parameter)": steady["grads"], "AdamW temporaries": temp}
+        moments.append((opt, "in the optimizer step"))
     parts, moment = max(moments, key=lambda m: sum(m[0].values()))
     parts = {k: v for k, v in parts.items() if v}
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from distattn.memory.measure import _ModuleStack
@@ -71,6 +71,14 @@ def _storage(t) -> torch.UntypedStorage | None:
     return storage if storage.nbytes() else None
 
 
+def _pinned(storage) -> bool:
+    """Whether ``storage`` is pinned host memory; asked with this mode off (``is_pinned`` makes a tensor)."""
+    if storage.device.type != "cpu" or not torch.cuda.is_available():
+        return False
+    with _disable_current_modes():
+        return storage.is_pinned()
+
+
 class StepBytes(TorchDispatchMode):
     """Device and host live bytes of a region (see the module docstring); ``device_peak``, ``host_peak``."""
 
@@ -109,7 +117,7 @@ class StepBytes(TorchDispatchMode):
         if ptr in self._live:
             return
         if tier is None:
-            tier = "host" if storage.is_pinned() else "device"
+            tier = "host" if _pinned(storage) else "device"
         self._live[ptr] = [StorageWeakRef(storage), storage.nbytes(), tier, where]
         self.now[_TOTAL[tier]] += storage.nbytes()
 
