@@ -98,10 +98,14 @@ class Workload:
         return [0] + np.cumsum(lens).tolist()
 
     def describe(self) -> str:
-        mask = {"causal": "causal", "window": f"causal window {self.window}",
-                "docs": f"packed docs ({self.docs}, {len(self.cu_seqlens()) - 1})"}[self.mask]
+        mask = ("causal" if self.mask == "causal" else f"causal window {self.window}" if self.mask == "window" else
+                f"packed docs ({self.docs}, lengths {_lengths(self.cu_seqlens())})")
         return (f"b={self.batch} n={self.tokens_per_rank}/rank h={self.heads_q}/{self.heads_kv} d={self.head_dim} "
                 f"{mask} P={self.world} {self.dtype}")
+
+
+def _lengths(cu) -> str:
+    return " ".join(str(b - a) for a, b in zip(cu, cu[1:]))
 
 
 def WORKLOADS(world: int, tokens_per_rank: int, dtype: str = "float32") -> list[Workload]:
