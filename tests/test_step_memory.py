@@ -131,3 +131,20 @@ def test_two_rank_fsdp2_step_equals_the_byte_model(cases):
     results = run_distributed(_cases, 2, cases, timeout=TIMEOUT_S)
     assert all(r[0]["mode"] == "fsdp2" for r in results)
     _check(results, cases)
+
+
+def test_train_json_summary_reports_predicted_and_measured_peaks(tmp_path):
+    """``launch/train.py``'s summary: the measured second step and the prediction from one accounting, within 3%."""
+    import json
+    import subprocess
+
+    argv = [sys.executable, str(ROOT / "launch" / "train.py"), "--model", "tiny", "--seq-len", str(SEQ),
+            "--batch-size", "1", "--steps", "2", "--tile-mlp", "64", "--no-progress", "--ckpt-dir", str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    pred, meas = summary["predicted_peak_device_bytes"], summary["measured_peak_device_bytes"]
+    assert summary["predicted_peak_bytes"] == pred and meas > 0
+    assert abs(pred - meas) <= REL_TOL * meas, summary
+    assert summary["predicted_peak_host_bytes"] == summary["measured_peak_host_bytes"] == 0  # nothing offloaded
+    assert summary["predicted_peak_moment"] and summary["measured_peak_moment"]
