@@ -341,8 +341,8 @@ def main(argv=None) -> int:
         for r in rows[-3:]:
             print({k: r.get(k) for k in ("stack", "P", "loss_ok", "device_peak", "host_peak", "pred_device",
                                          "error")}, flush=True)
-    command = "python -m bench.peers.train_step " + " ".join(argv if argv is not None else os.sys.argv[1:])
-    write(rows, setup, args.out, command.strip())
+        command = "python -m bench.peers.train_step " + " ".join(argv if argv is not None else os.sys.argv[1:])
+        write(rows, setup, args.out, command.strip())  # after each P: a long run keeps what it has measured
     return 0 if all(r.get("loss_ok") for r in rows) else 1
 
 
