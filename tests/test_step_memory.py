@@ -148,3 +148,26 @@ def test_train_json_summary_reports_predicted_and_measured_peaks(tmp_path):
     assert abs(pred - meas) <= REL_TOL * meas, summary
     assert summary["predicted_peak_host_bytes"] == summary["measured_peak_host_bytes"] == 0  # nothing offloaded
     assert summary["predicted_peak_moment"] and summary["measured_peak_moment"]
+
+
+def test_memory_package_has_no_import_circles():
+    """No room of ``distattn.memory`` imports the package face, and no two rooms import each other as they load
+    (module-level imports, ``TYPE_CHECKING`` blocks included)."""
+    import ast
+
+    rooms = {p.stem: p for p in (ROOT / "distattn" / "memory").glob("*.py") if p.stem not in ("__init__", "__main__")}
+    imports = {}
+    for name, path in rooms.items():
+        found = set()
+        for node in ast.parse(path.read_text()).body:
+            for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try, ast.ImportFrom, ast.Import)) else ():
+                if isinstance(sub, ast.ImportFrom) and sub.module:
+                    found.add(sub.module)
+                    found.update(f"{sub.module}.{a.name}" for a in sub.names)
+                elif isinstance(sub, ast.Import):
+                    found.update(a.name for a in sub.names)
+        assert "distattn.memory" not in {m for m in found if m == "distattn.memory"}, f"{name} imports the face"
+        imports[name] = {m.split(".")[2] for m in found if m.startswith("distattn.memory.")} & set(rooms)
+    for a, deps in imports.items():
+        for b in deps:
+            assert a not in imports[b], f"distattn.memory.{a} and .{b} import each other"

@@ -1,5 +1,5 @@
 import sys
 
-from distattn.memory.plan import main
+from distattn.memory.cli import main
 
 sys.exit(main())

@@ -295,7 +295,7 @@ def _auto(args, model: ModelSpec, cluster: Cluster) -> str:
 
 
 def _plot(args, model, results, limit) -> str:
-    from distattn.memory import plot
+    import distattn.memory.plot as plot  # the room, not the package face
 
     top = max([seq for _, seq in results] + [8192]) * 4
     lines = plot.curves([strat for strat, _ in results], model, batch=args.batch, precision=args.precision,

@@ -23,8 +23,8 @@ from distattn.memory.model import ModelSpec, StepPeak, get_preset, spec_from_hf_
 from distattn.memory.techniques import host_limit_bytes  # noqa: F401  (handed on: callers read it here)
 from distattn.memory.techniques import Techniques, TechniquePeak, technique_peak
 
-__all__ = ["Strategy", "STRATEGY_NAMES", "strategies_for", "longest_sequence", "predicted_peak_bytes", "check_fits",
-           "main"]
+__all__ = ["Strategy", "STRATEGY_NAMES", "strategies_for", "longest_sequence", "predicted_peak_bytes",
+           "check_fits"]  # main: distattn.memory.cli's (handed on lazily)
 
 GIB = 2 ** 30
 MAX_SEQ = 1 << 27
@@ -280,4 +280,9 @@ def check_fits(model, *, device_bytes: int, reserve_bytes: int = 0, **kwargs) ->
 
 
 # The command line (python -m distattn.memory plan) lives in distattn.memory.cli; handed on here.
-from distattn.memory.cli import EXIT_BAD_ARGS, main  # noqa: E402,F401
+def __getattr__(name):  # lazily: cli imports this module, so this one must not import cli as it loads
+    if name in ("main", "EXIT_BAD_ARGS"):
+        import distattn.memory.cli as cli
+
+        return getattr(cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,15 +1,12 @@
 """The published activation-memory formulas the byte model is checked against (``tests/test_memory.py``).
 
+Imports nothing of ``distattn.memory``: ``model`` hands these names on, and a ``ModelSpec`` argument is only read.
+
 Korthikanti et al.'s per-layer bytes with tensor/sequence parallelism and recomputation, the padding-free note's
 per-layer bytes and their expectation over random lengths, and the memory-arithmetic post's nanoGPT formulas.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from distattn.memory.model import ModelSpec
 
 __all__ = ["korthikanti_layer_bytes", "padding_free_layer_bytes", "expected_padding_bytes", "nanogpt_activation_bytes",
            "nanogpt_steady_state_bytes"]
@@ -65,7 +62,7 @@ def expected_padding_bytes(N: int, b: int, h: int, a: int, impl: str, layer_byte
     return out
 
 
-def nanogpt_activation_bytes(model: ModelSpec, batch: int, seq: int) -> int:
+def nanogpt_activation_bytes(model, batch: int, seq: int) -> int:
     """The memory-arithmetic post's activation formula: ``L (36 Ne + 6 Na) + 6 Ne + 6 Nl`` (fp16 autocast,
     eager attention without dropout; it leaves out the LayerNorm statistics and the half weight copies)."""
     h, a, L = model.layer.hidden, model.layer.heads, model.layers
@@ -73,7 +70,7 @@ def nanogpt_activation_bytes(model: ModelSpec, batch: int, seq: int) -> int:
     return L * (36 * ne + 6 * na) + 6 * ne + 6 * nl
 
 
-def nanogpt_steady_state_bytes(model: ModelSpec, batch: int, seq: int, cublas_workspaces: int = 2) -> dict[str, int]:
+def nanogpt_steady_state_bytes(model, batch: int, seq: int, cublas_workspaces: int = 2) -> dict[str, int]:
     """The memory-arithmetic post's steady state: 4N + 4N_buf (weights + causal-mask buffers, one (T, T)
     fp32 per layer), 4N grads, 8N Adam, two 8,519,680-byte cuBLAS workspaces, int64 inputs and targets."""
     n = model.params
