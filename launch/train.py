@@ -438,6 +438,7 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.Do
     config = train_model.hf_config(cfg, tokenizer.vocab_size)
     train_export.rope_guard(cfg, config)  # --rope-scaling applied, or a --seq-len past the model's positions warned
     train_config.check_heads(cfg, config)  # --ulysses: the heads must split over the Ulysses ranks
+    train_memory.plan(cfg, config, log, dataset)  # --memory auto: checkpointing, tiles, offload and schedule
     train_config.resolve_schedule(cfg, config, dataset)  # --schedule auto: the cost model's pick, before sharding
     train_data.check_vocab(dataset, config.vocab_size)
     if dataset.eval_set is not None:
@@ -446,7 +447,6 @@ def prepare(argv) -> tuple[RunConfig, train_data.PackedSequences | train_data.Do
     train_resume.check_checkpoint_dir(cfg, config, log)
     train_log.check_json_log(cfg.args.log_json)  # its folder created; rank 0 opens it after the first step
     train_export.preflight(cfg, config)  # --export-hf: a new or empty, writable directory with room
-    train_memory.plan(cfg, config, log)  # --memory auto: the planner's pick of checkpointing, tiles and offload
     train_memory.check(cfg, config)  # a job predicted not to fit the GPU stops here, before any allocation
     train_model.check_weights(cfg)  # --model DIR: safetensors present (rank 0 alone reads them, after this)
     train_offload.check(cfg, config)  # offload: pinned memory on CUDA, and the node's host memory

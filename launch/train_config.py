@@ -208,14 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("model")
     a.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face "
                    "checkpoint directory (config.json + safetensors weights)")
-    a.add_argument("--schedule", default="balanced", choices=("balanced", "ring", "zigzag", "placed", "auto"),
-                   help="distattn causal schedule (default: balanced); zigzag lays each sequence out as chunks r "
-                   "and 2P-1-r of 2P (--seq-len a multiple of twice the sequence-parallel size); placed (with "
-                   "--pack; with --ulysses, of the ring's shards): every step's stream on the work-balanced placement of its "
-                   "documents; "
-                   "auto: the cost model's pick for this model and group (distattn.choose_schedule; "
-                   "DISTATTN_LINK=ib|nvlink); with --pack placed is a candidate too, judged on the first batch's "
-                   "documents")
+    a.add_argument("--schedule", default=None, choices=("balanced", "ring", "zigzag", "placed", "auto"),
+                   help="distattn causal schedule (default: balanced; with --memory auto: auto, weighed with the "
+                   "memory plan); zigzag lays each sequence out as chunks r and 2P-1-r of 2P (--seq-len a multiple "
+                   "of twice the sequence-parallel size); placed (with --pack; with --ulysses, of the ring's "
+                   "shards): every step's stream on the work-balanced placement of its documents; auto: the cost "
+                   "model's pick for this model and group (distattn.choose_schedule; DISTATTN_LINK=ib|nvlink); with "
+                   "--pack placed is a candidate too, judged on the first batch's documents")
     a.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                    help="distattn kernel backend (auto: triton on CUDA, torch on CPU)")
     a.add_argument("--remat", action="store_true",
@@ -237,9 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GiB of host memory per node that offload may use (default: MemAvailable)")
     a.add_argument("--memory", choices=("manual", "auto"), default="manual",
                    help="auto: the planner (python -m distattn.memory plan) picks remat or offloaded checkpoints, "
-                   "tiled loss and MLP and optimizer offload, the cheapest combination that fits --seq-len on this GPU "
-                   "and host (--gpu-mem overrides the GPU's memory; needed on CPU); refused if nothing fits")
-    a.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU for --memory auto (default: the device's)")
+                   "tiled loss and MLP (tile sizes searched), optimizer offload and, unless --schedule is given, the "
+                   "schedule: the cheapest in modelled step time that fits --seq-len on this GPU and host; prints "
+                   "its pick, predicted peak and the runner-up; refused, naming the closest fit, if nothing fits")
+    a.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU that --memory auto plans for, as given "
+                   "(default: the total the device reports less --gpu-reserve; needed on CPU)")
+    a.add_argument("--gpu-reserve", type=float, default=None, metavar="GIB", help="GiB per GPU kept out of the "
+                   "plan and the memory check (default 2: CUDA context, NCCL buffers, fragmentation: see README)")
     a.add_argument("--no-memory-check", action="store_true",
                    help="start even if the memory model predicts the step will not fit the GPU")
     a.add_argument("--sp-size", type=int, default=0,
@@ -340,10 +343,10 @@ def _check_ranges(args) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of tokens per tile, got "
                              f"{getattr(args, name)}; e.g. 4096 (a tile longer than the shard is one tile)")
-    if args.gpu_mem is not None and not args.gpu_mem > 0:
-        raise UsageError(f"--gpu-mem must be > 0 GiB, got {args.gpu_mem}")
-    if args.host_mem is not None and not args.host_mem > 0:
-        raise UsageError(f"--host-mem must be > 0 GiB, got {args.host_mem}")
+    for name, least in (("gpu_mem", "> 0"), ("gpu_reserve", ">= 0"), ("host_mem", "> 0")):  # GiB
+        value = getattr(args, name)
+        if value is not None and not (value > 0 or value == 0 and least == ">= 0"):
+            raise UsageError(f"--{name.replace('_', '-')} must be {least} GiB, got {value}")
     if args.offload_optimizer and args.shard == "ddp":
         raise UsageError("--offload-optimizer needs FSDP2 (CPUOffloadPolicy); drop --shard ddp")
     if not args.lr > 0:
@@ -353,6 +356,7 @@ def _check_ranges(args) -> None:
 
 
 def _resolve_parallel(args, env: Env) -> tuple[int, int]:
+    args.schedule = args.schedule or ("auto" if args.memory == "auto" else "balanced")  # auto: weighed in train_plan
     world = env.world_size
     sp = args.sp_size or world
     if world % sp:

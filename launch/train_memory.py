@@ -15,7 +15,6 @@ import torch
 import train_plan
 from train_config import RunConfig, UsageError
 
-_RESERVE = 1 << 30  # CUDA context, allocator fragmentation: not in the byte model
 GIB = 1 << 30
 
 
@@ -41,10 +40,22 @@ def predicted_peak(cfg: RunConfig, config):
                                 shard_size=_shard(cfg), precision=_precision(cfg), remat=cfg.args.remat)
 
 
-def plan(cfg: RunConfig, config, log) -> None:
-    """``--memory auto``: apply the planner's cheapest combination that fits (``train_plan``)."""
+def plan(cfg: RunConfig, config, log, dataset=None) -> None:
+    """``--memory auto``: apply the planner's cheapest combination that fits (``train_plan``; ``dataset``: the first
+    batch's documents place the ``placed`` schedule when the job packs)."""
     if cfg.args.memory == "auto":
-        log(train_plan.apply_auto(cfg, config, _precision(cfg), ddp=cfg.args.shard == "ddp"))
+        log(train_plan.apply_auto(cfg, config, _precision(cfg), ddp=cfg.args.shard == "ddp", dataset=dataset))
+
+
+def host_bytes(cfg: RunConfig, config) -> dict[str, int]:
+    """Host bytes one rank of this job offloads, by kind: ``step_prediction``'s, the planner's accounting (on CUDA
+    each pinned block rounded up to a power of two, as PyTorch's pinned allocator allocates it)."""
+    a = cfg.args
+    if not (a.offload_checkpoints or a.offload_optimizer):
+        return {}
+    host = step_prediction(cfg, config).host
+    names = {"checkpoints": "checkpoints", "weights+grads (pinned)": "optimizer params+grads", "adam": "AdamW states"}
+    return {names.get(k, k): host[k] for k in sorted(host, key=lambda k: k != "checkpoints") if host[k]}
 
 
 def check(cfg: RunConfig, config) -> None:
@@ -53,7 +64,8 @@ def check(cfg: RunConfig, config) -> None:
         return
     peak = predicted_peak(cfg, config)
     # gloo ranks sharing a GPU share its memory
-    limit = torch.cuda.get_device_properties(cfg.cuda_index).total_memory // cfg.ranks_per_gpu - _RESERVE
+    reserve = (train_plan.RESERVE_GIB if cfg.args.gpu_reserve is None else cfg.args.gpu_reserve) * GIB
+    limit = (torch.cuda.get_device_properties(cfg.cuda_index).total_memory - reserve) // cfg.ranks_per_gpu
     if peak.total > limit:
         raise UsageError(f"predicted peak {peak.total / GIB:.1f} GiB per rank (mostly {peak.dominant}: "
                          f"{peak.parts[peak.dominant] / GIB:.1f} GiB) does not fit the {limit / GIB:.1f} GiB of this "
@@ -130,7 +142,9 @@ def host_tensors(model, optimizer, cfg: RunConfig):
     def host_compute():
         if not cfg.args.offload_optimizer:
             return []
-        params = list(model.parameters())
+        # the sharded parameters (DTensors); inside a forward or backward FSDP2 swaps in unsharded plain tensors,
+        # which live on the device
+        params = [p for p in model.parameters() if hasattr(p, "_local_tensor")]
         return params + [p.grad for p in params if p.grad is not None] + optimizer_tensors(optimizer)
 
     return host, host_compute

@@ -7,13 +7,12 @@ backward (``distattn.offload``): the layer input with layer-boundary checkpointi
 the optimizer steps on the CPU.
 
 Before anything is allocated (``check``, before the process group exists): pinned memory must be available on
-CUDA, and the host bytes the byte model predicts for every rank of this node (``distattn.offload``'s
-``offload_bytes`` and ``optimizer_offload_bytes``) must fit ``--host-mem`` GiB or, by default, MemAvailable.
+CUDA, and the host bytes the byte model predicts for every rank of this node (``distattn.memory.techniques``, the
+planner's own accounting: on CUDA each pinned block rounded up to a power of two, as PyTorch's pinned allocator
+allocates it) must fit ``--host-mem`` GiB or, by default, MemAvailable.
 """
 
 from __future__ import annotations
-
-import torch
 
 from train_config import RunConfig, UsageError
 
@@ -21,22 +20,11 @@ GIB = 1 << 30
 
 
 def host_bytes(cfg: RunConfig, config) -> dict[str, int]:
-    """Host bytes one rank of this job offloads, by kind (``checkpoints``, ``optimizer``)."""
-    from distattn.offload import offload_bytes, optimizer_offload_bytes
-    from train_model import count_params
+    """Host bytes one rank of this job offloads, by kind: the planner's accounting (``train_memory.host_bytes``:
+    on CUDA every pinned block rounded up to a power of two, as PyTorch's pinned allocator really allocates it)."""
+    import train_memory
 
-    args, need = cfg.args, {}
-    if args.offload_checkpoints:
-        wide = 4 if cfg.dtype == torch.float32 or args.shard == "ddp" else 2  # autocast keeps the residual fp32
-        heads = config.num_attention_heads
-        need["checkpoints"] = offload_bytes(
-            batch=args.batch_size, tokens=args.seq_len // cfg.sp_size, hidden=config.hidden_size, heads_q=heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            layers=config.num_hidden_layers, remat=args.remat, act_bytes=wide,
-            attn_bytes=4 if cfg.dtype == torch.float32 else 2).host_per_step
-    if args.offload_optimizer:
-        need["optimizer"] = optimizer_offload_bytes(count_params(config), cfg.env.world_size)["host"]
-    return need
+    return train_memory.host_bytes(cfg, config)
 
 
 def check(cfg: RunConfig, config) -> None:
@@ -61,7 +49,8 @@ def check(cfg: RunConfig, config) -> None:
     parts = " + ".join(f"{kind} {format_bytes(n)}" for kind, n in need.items())
     try:
         check_host_memory(per_node, None if args.host_mem is None else int(args.host_mem * GIB),
-                          what=f"offload ({cfg.env.local_world_size} ranks on this node x ({parts}))")
+                          what=f"offload ({cfg.env.local_world_size} ranks on this node x ({parts})"
+                          + (", pinned blocks rounded up to powers of two)" if cfg.device_type == "cuda" else ")"))
     except ValueError as exc:
         raise UsageError(f"{exc} (--host-mem)") from exc
 

@@ -23,8 +23,8 @@ from distattn.memory.model import ModelSpec, StepPeak, get_preset, spec_from_hf_
 from distattn.memory.techniques import host_limit_bytes  # noqa: F401  (handed on: callers read it here)
 from distattn.memory.techniques import Techniques, TechniquePeak, technique_peak
 
-__all__ = ["Strategy", "STRATEGY_NAMES", "strategies_for", "longest_sequence", "predicted_peak_bytes",
-           "check_fits"]  # main: distattn.memory.cli's (handed on lazily)
+__all__ = ["Strategy", "STRATEGY_NAMES", "strategies_for", "longest_sequence", "predicted_peak_bytes", "check_fits",
+           "Option", "weigh", "choose", "runner_up", "why_not"]  # main: distattn.memory.cli's (handed on lazily)
 
 GIB = 2 ** 30
 MAX_SEQ = 1 << 27
@@ -115,6 +115,8 @@ class Cluster:
     """Sustained bf16 FLOP/s per GPU for the step's compute (H100: ~40% of 989 TFLOP/s dense)."""
     pinned: bool = True
     """Offloaded bytes live in pinned host memory (CUDA), each block rounded up to a power of two."""
+    shard: int = 0
+    """Ranks that shard weights, gradients and AdamW states (FSDP2; 1: DDP); 0: ``gpus``."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +172,8 @@ def combos(loss_tile, mlp_tile, *, schedules=("balanced",), partials=("fp32",)) 
 
 
 def combo_peak(model: ModelSpec, combo: Combo, seq: int, *, gpus: int, batch: int = 1, precision: str = "bf16",
-               pinned: bool = True) -> TechniquePeak:
-    return technique_peak(model, batch, seq, sp=gpus, shard=gpus, precision=precision, strategy=combo.strategy,
+               pinned: bool = True, shard: int = 0) -> TechniquePeak:
+    return technique_peak(model, batch, seq, sp=gpus, shard=shard or gpus, precision=precision, strategy=combo.strategy,
                           tech=combo.tech, schedule=combo.schedule, partials=combo.partials, pinned=pinned)
 
 
@@ -208,26 +210,137 @@ def cost(result: ComboResult, cluster: Cluster) -> float:
     return recompute + exposed
 
 
-def choose(model: ModelSpec, seq: int, cluster: Cluster, *, loss_tile, mlp_tile, batch: int = 1,
-           precision: str = "bf16", allow=None, schedules=("balanced",), partials=("fp32",)
-           ) -> tuple[Combo, TechniquePeak] | None:
-    """The cheapest combination (least recomputation and exposed traffic) that fits ``seq``; ``None``: none fits.
+@dataclass(frozen=True)
+class Option:
+    """One combination weighed at one sequence length: its peak, what it lacks, and its modelled step seconds."""
 
-    ``loss_tile``/``mlp_tile``: a tile size or sizes to search; ``schedules``/``partials``: the attention options to
-    weigh. ``allow``: a predicate on ``Combo`` (e.g. what a launcher can run)."""
-    fitting = []
+    combo: Combo
+    peak: TechniquePeak
+    gpu_short: int
+    """Bytes of the device peak over the cluster's ``gpu_bytes`` (0: it fits)."""
+    host_short: int
+    """Host bytes (pinned blocks rounded as allocated) over the cluster's ``host_bytes`` (0: it fits)."""
+    recompute_s: float
+    """Seconds of recomputation per step (checkpointing, tiles; attention's forward is in ``attention_s``)."""
+    copies_s: float
+    """Seconds of offload copies per step that do not hide behind compute."""
+    attention_s: float = 0.0
+    """Seconds of the step's attention calls with this schedule (``distattn.schedule.cost``; 0: not weighed)."""
+    attention: object = None
+    """The cost model's ``Candidate`` of this schedule (per layer), when weighed."""
+
+    @property
+    def fits(self) -> bool:
+        return not (self.gpu_short or self.host_short)
+
+    @property
+    def seconds(self) -> float:
+        return self.recompute_s + self.copies_s + self.attention_s
+
+    @property
+    def techniques(self) -> int:
+        t = self.combo.tech
+        return sum(x not in (None, False) for x in (t.loss_tile, t.mlp_tile, t.offload_checkpoints,
+                                                      t.offload_optimizer))
+
+    def order(self) -> tuple:
+        """Cheapest first; ties: fewer bytes moved to the host, fewer techniques, larger tiles (fewer launches, not
+        modelled), a lower peak, then the schedules' fixed order (``distattn.schedule.cost.TIE_ORDER``)."""
+        from distattn.schedule.cost import TIE_ORDER
+
+        t = self.combo.tech
+        sched = TIE_ORDER.index(self.combo.schedule) if self.combo.schedule in TIE_ORDER else len(TIE_ORDER)
+        return (round(self.seconds, 9), self.peak.traffic, self.techniques, -(t.loss_tile or 0), -(t.mlp_tile or 0),
+                self.peak.total, sched, self.combo.partials)
+
+
+def weigh(model: ModelSpec, seq: int, cluster: Cluster, *, loss_tile, mlp_tile, batch: int = 1,
+          precision: str = "bf16", allow=None, schedules=("balanced",), partials=("fp32",), attention=None
+          ) -> list[Option]:
+    """Every combination (``combos``; ``allow``: a predicate on ``Combo``) at ``seq``: those that fit first, cheapest
+    first (``Option.order``), then the others, closest first (fewest bytes short on device and host together).
+
+    ``attention``: ``{schedule: cost-model Candidate}`` (per layer, ``distattn.schedule.cost.predict``) to weigh the
+    schedules by their attention time (with full checkpointing the attention forward runs twice); ``None``: the
+    schedules differ only in their executors' buffers (the peak)."""
+    from distattn.memory.techniques import step_flops
+
+    att_flops = step_flops(model, batch, seq, cluster.gpus)[1] * model.layers
+    out = []
     for combo in combos(loss_tile, mlp_tile, schedules=schedules, partials=partials):
         if allow is not None and not allow(combo):
             continue
         peak = combo_peak(model, combo, seq, gpus=cluster.gpus, batch=batch, precision=precision,
-                          pinned=cluster.pinned)
-        if peak.total <= cluster.gpu_bytes and peak.host_total <= cluster.host_bytes:
-            fitting.append((cost(ComboResult(combo, seq, peak, ""), cluster), combo, peak))
-    if not fitting:
+                          pinned=cluster.pinned, shard=cluster.shard)
+        recompute, copies = peak.recompute_flops / cluster.flops_s, 0.0
+        copies = cost(ComboResult(combo, seq, peak, ""), cluster) - recompute
+        att_s, cand = 0.0, None
+        if attention is not None:
+            cand = attention[combo.schedule]
+            again = combo.strategy == "full"  # full checkpointing recomputes the layer, attention's forward too
+            att_s = model.layers * (cand.total + (cand.forward if again else 0.0))
+            if again:  # counted once, by the cost model
+                recompute -= att_flops / cluster.flops_s
+        out.append(Option(combo, peak, max(0, int(peak.total - cluster.gpu_bytes)),
+                          max(0, int(peak.host_total - cluster.host_bytes)), recompute, copies, att_s, cand))
+    fitting = sorted((o for o in out if o.fits), key=Option.order)
+    return fitting + sorted((o for o in out if not o.fits), key=lambda o: (o.gpu_short + o.host_short, o.order()))
+
+
+def choose(model: ModelSpec, seq: int, cluster: Cluster, *, loss_tile, mlp_tile, batch: int = 1,
+           precision: str = "bf16", allow=None, schedules=("balanced",), partials=("fp32",), attention=None
+           ) -> tuple[Combo, TechniquePeak] | None:
+    """The cheapest combination (least recomputation and exposed traffic, and attention time when ``attention`` is
+    given) that fits ``seq``; ``None``: none fits. Arguments as :func:`weigh`."""
+    options = weigh(model, seq, cluster, loss_tile=loss_tile, mlp_tile=mlp_tile, batch=batch, precision=precision,
+                    allow=allow, schedules=schedules, partials=partials, attention=attention)
+    if not options or not options[0].fits:
         return None
-    # ties (copies that hide behind compute): less traffic, then fewer techniques
-    _, combo, peak = min(fitting, key=lambda f: (f[0], f[2].traffic, f[1].tech.label().count(",")))
-    return combo, peak
+    return options[0].combo, options[0].peak
+
+
+def runner_up(options: list[Option]) -> Option | None:
+    """The best fitting option after the first that is not the same choice with other tile sizes."""
+    win = options[0]
+    def same(o):  # the choice without its tile sizes
+        c, t = o.combo, o.combo.tech
+        return c.strategy, c.schedule, c.partials, t.loss_tile is None, t.mlp_tile is None, t.offload_checkpoints, \
+            t.offload_optimizer
+
+    return next((o for o in options[1:] if o.fits and same(o) != same(win)), None)
+
+
+def why_not(win: Option, other: Option) -> str:
+    """Why ``other`` lost to ``win`` (both fit), in a few words: the part of the modelled time that separates them,
+    else the tie-break that did."""
+    if round(other.seconds, 9) > round(win.seconds, 9):
+        diffs = {"recompute": other.recompute_s - win.recompute_s, "copies": other.copies_s - win.copies_s,
+                 "attention": other.attention_s - win.attention_s}
+        key = max(diffs, key=diffs.get)
+        head = f"{other.seconds - win.seconds:.3g} s more per step"
+        if key == "recompute":
+            return (f"{head}: it recomputes {other.peak.recompute_flops / 1e12:.3g} vs "
+                    f"{win.peak.recompute_flops / 1e12:.3g} TFLOP")
+        if key == "copies":
+            return (f"{head}: its offload copies ({other.peak.traffic / GIB:.3g} GiB per step vs "
+                    f"{win.peak.traffic / GIB:.3g}) do not hide behind compute")
+        if other.combo.schedule == win.combo.schedule:  # the same schedule: full checkpointing runs it again
+            return (f"{head}: full checkpointing runs attention's forward again in backward: {other.attention_s:.3g} "
+                    f"vs {win.attention_s:.3g} s of attention per step")
+        a, b = other.attention, win.attention
+        moved = lambda c: (c.bytes_fwd + c.bytes_bwd) / 2 ** 20  # noqa: E731  (MiB, the busiest rank, per layer)
+        return (f"{head}: its attention ({other.combo.schedule}) takes {other.attention_s:.3g} vs "
+                f"{win.attention_s:.3g} s per step (the cost model, per layer: {moved(a):.4g} vs {moved(b):.4g} MiB "
+                f"moved by the busiest rank, {a.compute * 1e3:.4g} vs {b.compute * 1e3:.4g} ms of compute)")
+    if other.peak.traffic > win.peak.traffic:
+        return (f"the same modelled time, more bytes moved: {other.peak.traffic / GIB:.3g} vs "
+                f"{win.peak.traffic / GIB:.3g} GiB of offload copies per step")
+    if other.techniques > win.techniques:
+        return "the same modelled time with more techniques"
+    if other.peak.total > win.peak.total:
+        return (f"the same modelled time, a higher peak: {other.peak.total / GIB:.3g} vs "
+                f"{win.peak.total / GIB:.3g} GiB")
+    return "the same modelled time and peak: a tie, broken by the fixed order (balanced, zigzag, ring, placed)"
 
 
 # -- for launch/train.py --------------------------------------------------------------------------------

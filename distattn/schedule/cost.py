@@ -41,7 +41,7 @@ Override any of them: ``Cluster(intra=Link(...), inter=Link(...), flops=...)``. 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from distattn.schedule.cluster import (  # noqa: F401  (handed on)
     Cluster,
     Link,
 )
+from distattn.schedule.heads import head_groups
 from distattn.schedule.layouts import Layout
 from distattn.schedule.masks import MaskSpec
 from distattn.schedule.plan import SCHEDULES, Plan
@@ -102,6 +103,12 @@ class Candidate:
     helper_tasks: int = 0
     """tasks computed by a kv owner for a query owner (q travels there, a partial back)"""
     ring_link: str = ""
+    head_groups: int = 1
+    """passes of the plan the executor makes, one per group of kv heads (``distattn.schedule.heads``): every ring
+    message travels in this many pieces, the same bytes, and each slot pays its latency this many times"""
+    messages_fwd: int = 0
+    """the busiest rank's ring messages posted (sent + received), forward, every head group's"""
+    messages_bwd: int = 0
 
     @property
     def runnable(self) -> bool:
@@ -215,6 +222,13 @@ def predict(world_size: int, shapes: Shapes, schedule: str, ulysses: int = 1, *,
     report = simulate(world_size, causal, schedule, shapes, mask=mask, ulysses=ulysses, partials=partials)
     link = cluster.ring_link(world_size)
     a2a_link = cluster.a2a_link(ulysses)
+    rs = ring_shapes  # the executor runs the plan once per head group (G), as the call's shapes decide
+    groups = head_groups(rs.batch, rs.seq_per_rank, rs.heads_q, rs.heads_kv, rs.head_dim, rs.dtype_bytes,
+                         4 if partials == "fp32" else rs.dtype_bytes)
+    # G passes of 1/G of the bytes and of the compute each: the same time but every message's latency paid G times
+    lat = lambda each: replace(each, latency=each.latency * groups)  # noqa: E731
+    cluster = replace(cluster, intra=lat(cluster.intra), inter=lat(cluster.inter))
+    link, messages = cluster.ring_link(world_size), {}
     times = {}
     for phase in ("forward", "backward"):
         compute, ring_time = _phase(plan, phase, ring_shapes, link, cluster.flops, partials, cluster, ulysses)
@@ -222,6 +236,13 @@ def predict(world_size: int, shapes: Shapes, schedule: str, ulysses: int = 1, *,
         if ulysses > 1:
             a2a = a2a_bytes(phase, shapes, ulysses) / a2a_link.bandwidth + (ulysses - 1) * a2a_link.latency
         times[phase] = (compute, ring_time - compute, a2a)
+        count = np.zeros(plan.world_size + 1, dtype=np.int64)  # ring messages per rank: sent (src) + received (dst)
+        for which in ("fetch", "return"):
+            spans = transfer_spans(plan, phase, which, dict.fromkeys(("kv", "q", "out", "dkv", "dq"), 0))
+            for first in (spans.src, spans.dst):
+                np.add.at(count, first, 1)
+                np.add.at(count, first + spans.length, -1)
+        messages[phase] = int(np.cumsum(count)[:-1].max(initial=0)) * groups
     busiest = lambda sent, recv: max(max(sent), max(recv))  # noqa: E731  (the larger direction of the busiest rank)
     return Candidate(
         world_size=world_size, schedule=schedule, ulysses=ulysses, steps=plan.num_steps(),
@@ -230,7 +251,8 @@ def predict(world_size: int, shapes: Shapes, schedule: str, ulysses: int = 1, *,
         compute_fwd=times["forward"][0], exposed_fwd=times["forward"][1], a2a_fwd=times["forward"][2],
         compute_bwd=times["backward"][0], exposed_bwd=times["backward"][1], a2a_bwd=times["backward"][2],
         helper_tasks=_helper_tasks(plan),
-        ring_link=link.name if plan.world_size > 1 else "none",
+        ring_link=link.name if plan.world_size > 1 else "none", head_groups=groups,
+        messages_fwd=messages["forward"], messages_bwd=messages["backward"],
     )  # fmt: skip
 
 
@@ -362,6 +384,9 @@ class Choice:
                 lines.append(f"| {cand.label} | - | - | - | - | - | - | - | - | - | cannot run: {cand.reason} |")
                 continue
             note = "winner" if cand is self.best else ""
+            if cand.head_groups > 1:  # distattn.schedule.heads: the plan runs once per group of kv heads
+                g = cand.head_groups
+                note += f"{'; ' if note else ''}{g} head groups: {g}x messages, same bytes"
             lines.append(
                 f"| {cand.label} | {cand.forward * 1e3:.3f} | {cand.backward * 1e3:.3f} | {cand.total * 1e3:.3f} "
                 f"| {cand.steps} | {cand.bytes_fwd / _MIB:.0f} | {cand.bytes_bwd / _MIB:.0f} "
