@@ -17,10 +17,18 @@ a layout of kind ``"placed"`` (``distattn.schedule.layouts``) in which
   short piece (at most half a rank's blocks) of a document cut across groups, whose blocks go to one rank
   together: its keys then travel to one rank of the next group (or come from one), not to all ``k`` of them.
 
-``k`` is the smallest divisor of ``P`` whose dealt blocks leave every rank's work within :data:`BALANCE_TOLERANCE` of
-the mean: a rank pairs with every rank of its group, so small groups keep a document's blocks on few ranks (little
-traffic; the busiest rank's bytes grow about linearly with ``k``), and ``k = P`` (one group, every document dealt
-over every rank) always balances.
+``k`` is chosen by the plan it produces: for each divisor of ``P``, smallest first, the solver deals the blocks, builds
+the placed plan (``distattn.schedule.masked``) and times one training step of it on the per-pair timeline
+(``distattn.schedule.timeline``: the executor's own synchronisation, each message on its link) on the cluster
+``schedule="auto"`` assumes (``DISTATTN_LINK`` / ``DISTATTN_GPUS_PER_NODE``, ``distattn.schedule.cluster``), with
+:data:`ASSUMED_SHAPES`; it keeps the fastest. Small groups keep a document's blocks on few ranks (few bytes, and on
+nodes of 8 the traffic stays on NVLink), large groups balance the work; the timeline weighs one against the other in
+step time, so on InfiniBand the solver gives up balance for bytes where that is faster. A candidate is dropped early
+when a rank's own rows' work already passes the best time (a rank computes its own rows, so that bounds the makespan
+from below). The search starts at the smallest group whose dealt work balances within :data:`BALANCED` (so it is never
+worse than that rule), climbs down and up the divisors while the step improves, and always tries a node's size. The placement is solved
+from the documents alone (causal), so the shards made from them match a windowed call's plan too; the window is not
+weighed.
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
@@ -36,8 +44,9 @@ Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement 
 ``r``'s tokens in position order (``distattn.schedule.layouts.layout_of("placed", R, U, mask=, n=)``), so the
 all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 
-Cost: O(documents x log + blocks) per divisor tried, most refused early; 4-6.5 ms of CPU for 64 ranks x 4096 tokens,
-16 ms for 256 (``bench/placement_sim.py``: ``solver ms``). Pure Python + numpy.
+Cost: a deal, a plan and its timeline per group size tried; at 4096 tokens per rank the median over 20 seeds is
+100-120 ms of CPU at P = 64 and 0.4-1.7 s at 256 on NVLink (uniform / the Pile's mixture; worst seed 8.6 s), 40-230 ms
+on IB (``bench/results/placement-sim/SWEEP.md``, solver time). Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from distattn.schedule.masks import MaskSpec
 from distattn.schedule.timeline import step_timeline
 from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "STOP_ABOVE", "place", "block_size"]
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "place", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -65,9 +74,9 @@ ASSUMED_SHAPES = Shapes(heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
 """The attention shapes a candidate's plan is timed with (LLaMA-3-8B's: 32 query / 8 kv heads, d = 128, bf16): the
 layout must follow from ``cu_seqlens`` and ``n`` alone, before the model is known. Only the ratio of a pair's FLOPs to
 its bytes matters, ``(h_q / h_kv) * n``: grouped-query attention of ratio 4."""
-STOP_ABOVE = 1.25
-"""The search over group sizes (ascending) stops at the first one whose modelled step time passes the best by this
-factor: balance gains flatten as ``k`` grows while the bytes keep growing, so the time past its minimum only rises."""
+BALANCED = 1.04
+"""Where the search starts: the smallest group size whose dealt blocks leave every rank's work within this factor of the
+mean (the former rule, which the timeline then improves on)."""
 _INF = 1 << 62
 
 
@@ -114,28 +123,49 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     causal = MaskSpec(causal=True, cu_seqlens=spec.cu_seqlens)  # the plan the layout is judged by
     shapes = dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=n)
     per_key = 4 * shapes.heads_q * shapes.head_dim * (1 + BWD_FLOP_FACTOR) / cluster.flops  # s per visible key
-    best, best_time = None, float("inf")
-    for k in _divisors(p) if group is None else [group]:
-        # a rank computes its own rows' work, so the busiest rank's work bounds the makespan from below: k is refused
-        # as soon as a rank must exceed the best time so far (a document that fits a group, never cut; a group's
-        # documents above k ranks' share; then a dealt rank above its own); loads only grow
-        limit = best_time / per_key * k  # per group
+
+    def dealt(k: int, limit: float = float("inf")) -> Layout | None:
+        """Groups of ``k``, or ``None`` as soon as a group's (then a dealt rank's) work passes ``limit`` per group: a
+        document that fits a group (never cut), a group's documents, then a rank's blocks; loads only grow."""
         if whole[lengths <= k * n].max(initial=0) > limit:
-            continue
+            return None
         pieces = _assign_groups(starts, lengths, rows, p // k, k * n, limit)
         segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k)  # per rank
         if segments is None:
-            continue
-        lay = Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
-                                                                      f"tokens")
-        if group is not None:
-            return lay
-        plan = make_masked_plan.__wrapped__(p, "placed", causal, n, lay)  # uncached: most candidates are dropped
-        time = step_timeline(plan, shapes, cluster, stride=stride)["makespan"]
-        if time < best_time * (1 - 1e-9):  # a tie keeps the smaller group (fewer bytes)
-            best, best_time = lay, time
-        elif time > STOP_ABOVE * best_time:  # past the trade-off's minimum: larger groups only add bytes
-            break
+            return None
+        return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
+                                                                       f"tokens")
+
+    if group is not None:
+        return dealt(group)
+    divisors = _divisors(p)
+    times: dict[int, tuple[float, Layout | None]] = {}
+
+    def timed(k: int) -> float:
+        """The modelled step of groups of ``k`` (``inf`` when a rank's own rows' work, a lower bound of the makespan,
+        already passes the best time so far: then the plan is never built)."""
+        if k not in times:
+            best = min((t for t, _ in times.values()), default=float("inf"))
+            lay = dealt(k, best / per_key * k)
+            plan = None if lay is None else make_masked_plan.__wrapped__(p, "placed", causal, n, lay)  # uncached
+            times[k] = (float("inf") if plan is None else step_timeline(plan, shapes, cluster, stride=stride)
+                        ["makespan"], lay)
+        return times[k][0]
+
+    # start from the smallest group whose dealt blocks balance (never worse than that rule), then climb down and up
+    # the divisors while the modelled step improves; a node's size is always tried (on InfiniBand it keeps a group's
+    # traffic on NVLink, a minimum the climb could miss)
+    mean = whole.sum() / p
+    at = next(i for i, k in enumerate(divisors) if k == p or dealt(k, BALANCED * mean * k) is not None)
+    timed(divisors[at])
+    for step in (-1, 1):
+        i = at + step
+        while 0 <= i < len(divisors) and timed(divisors[i]) < times[divisors[i - step]][0] * (1 - 1e-9):
+            i += step
+    if p % cluster.gpus_per_node == 0:
+        timed(cluster.gpus_per_node)
+    k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: fewer bytes
+    best_time, best = times[k]
     return dataclasses.replace(best, note=f"{best.note}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
 
