@@ -30,7 +30,7 @@ SCHEDULES = ("ring", "balanced", "zigzag", "placed")
 LARGE_P, LARGE_N, LARGE_DOCS = 4096, 4096, "uniform:8192"
 LARGE_HEADROOM_BYTES = 768 << 20  # address space above the imports: the plans take ~350 MiB of it
 LARGE_TIMEOUT_S = 90  # a generous bound: ~12 s of CPU since issue 39 (the placement times 3-4 candidate plans of
-# 4096 ranks on the per-pair timeline; plans and simulation took ~3-6 s before), minutes of wall time on a loaded machine
+# 4096 ranks on the per-pair timeline; plans and simulation took ~3-6 s before), more wall time on a loaded machine
 
 
 # -- the cases ------------------------------------------------------------------------------------------------------

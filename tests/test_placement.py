@@ -148,8 +148,9 @@ LINKS = ("nvlink", "ib")
 def test_placement_properties_over_seeds(docs, p):
     """On every seed, on both link profiles: the placement is deterministic (two uncached solves agree), its group has
     the least modelled step time (per-pair timeline) of its neighbouring group sizes and of the former rule's group
-    (the smallest whose dealt work balances within BALANCED), and placed is the fastest of ring, balanced, zigzag and placed on NVLink (the CI form of the
-    issue's sweep, ``bench/placement_sweep.py``; its worst seeds are the figures, ``bench/results/placement-sim``)."""
+    (the smallest whose dealt work balances within BALANCED), and placed is the fastest of ring, balanced, zigzag and
+    placed on NVLink (the CI form of the issue's sweep, ``bench/placement_sweep.py``; its worst seeds are the figures,
+    ``bench/results/placement-sim``)."""
     from distattn.schedule import Shapes
     from distattn.schedule.cluster import Cluster
     from distattn.schedule.masked import make_masked_plan

@@ -1,5 +1,6 @@
 """Which plan and layout a schedule runs on: :func:`make_plan` (the schedule, causal flag and mask to a cached
-:class:`~distattn.schedule.plan.Plan`) and :func:`layout_of` (a schedule to its :class:`~distattn.schedule.layouts.Layout`).
+:class:`~distattn.schedule.plan.Plan`) and :func:`layout_of` (a schedule to its
+:class:`~distattn.schedule.layouts.Layout`).
 
 The registry above the rooms it picks from: the plan object and dense runs (``plan``), the masked plans (``masked``),
 the placement solver (``placement``) and the layouts (``layouts``) never import it, so nothing here closes an import

@@ -26,9 +26,9 @@ nodes of 8 the traffic stays on NVLink), large groups balance the work; the time
 step time, so on InfiniBand the solver gives up balance for bytes where that is faster. A candidate is dropped early
 when a rank's own rows' work already passes the best time (a rank computes its own rows, so that bounds the makespan
 from below). The search starts at the smallest group whose dealt work balances within :data:`BALANCED` (so it is never
-worse than that rule), climbs down and up the divisors while the step improves, and always tries a node's size. The placement is solved
-from the documents alone (causal), so the shards made from them match a windowed call's plan too; the window is not
-weighed.
+worse than that rule), climbs down and up the divisors while the step improves, and always tries a node's size.
+The placement is solved from the documents alone (causal), so the shards made from them match a windowed call's plan
+too; the window is not weighed.
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
@@ -37,7 +37,8 @@ ranks x 4096 tokens the simulator's makespan is 1.05-1.07x of perfect with 64-to
 ``bench/results/placement-sim``). When ``n`` is not a multiple of 64 the largest power of two dividing ``n`` is used
 (a stream of fewer than ``P * 64`` tokens gets smaller blocks); when that leaves more than
 :data:`MAX_BLOCKS_PER_RANK` blocks per rank (e.g. an odd ``n`` in the thousands) the solver falls back to the
-contiguous layout and says why in the layout's ``note``. A dense mask (one causal document) also falls back: the balanced schedule is already optimal.
+contiguous layout and says why in the layout's ``note``. A dense mask (one causal document) also falls back: the
+balanced schedule is already optimal.
 
 Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement is solved for the ring level,
 ``place(mask, R, U * n)`` over the ``R`` ring ranks, and rank ``(r, u)`` holds the ``u``-th ``n`` of ring shard
@@ -164,7 +165,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             i += step
     if p % cluster.gpus_per_node == 0:
         timed(cluster.gpus_per_node)
-    k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: fewer bytes
+    k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: small k
     best_time, best = times[k]
     return dataclasses.replace(best, note=f"{best.note}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")

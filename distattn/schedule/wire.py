@@ -1,5 +1,6 @@
 """What travels, and its size: the shard shapes (:class:`Shapes`), the bytes of every transfer kind (the wire
-contract the comm layer's byte counters meet), and a plan's transfers read off its runs as arrays (:func:`transfer_spans`).
+contract the comm layer's byte counters meet), and a plan's transfers read off its runs as arrays
+(:func:`transfer_spans`).
 
 The ground floor the simulator (``distattn.schedule.sim``), the per-pair timeline (``distattn.schedule.timeline``)
 and the cost model stand on; it imports only the plan object (``distattn.schedule.plan``). Pure Python + numpy.
