@@ -14,6 +14,9 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    from slow_tests import mark_slow  # the slow tier, measured (tests/slow_tests.py)
+
+    mark_slow(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
