@@ -72,11 +72,14 @@ def outputs_router_logits(model) -> bool:
                if c is not None)
 
 
+_OWN_LOSSES = ("loss", "aux_loss", "loss_sum")  # loss_sum: the tiled loss's own sum (_hf_tiling)
+
+
 def refuse_other_losses(model, outputs) -> None:
     """Raise for a loss in the model's output other than ``loss`` and ``aux_loss`` (a router z-loss, ...): one
     process would add it to the loss, and distattn does not know how to form it over the whole sequence."""
     items = outputs.items() if hasattr(outputs, "items") else ()  # a ModelOutput (a tuple output has no names)
-    others = [key for key, value in items if "loss" in key and key not in ("loss", "aux_loss") and value is not None]
+    others = [key for key, value in items if "loss" in key and key not in _OWN_LOSSES and value is not None]
     if others:
         raise ValueError(f"{type(model).__name__} returns {others}, losses that distattn cannot form over the whole "
                          f"sequence (sequence parallelism computes the cross-entropy and the MoE load-balancing "

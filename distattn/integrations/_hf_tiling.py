@@ -17,6 +17,7 @@ forward, where the root's parameters are gathered.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -68,21 +69,39 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, head, labels: torch.Tensor, group
 
 
 # -- the loss inside the model's forward --------------------------------------------------------------------
+@functools.cache
+def _output_class():
+    """``CausalLMOutputWithPast`` plus ``loss_sum``: this rank's summed loss (what a training loop that forms its own
+    mean, such as ``SequenceParallelTrainer``'s over a step's micro-batches, needs)."""
+    from dataclasses import dataclass
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    @dataclass
+    class TiledCausalLMOutput(CausalLMOutputWithPast):
+        loss_sum: torch.FloatTensor | None = None
+
+    return TiledCausalLMOutput
+
+
 def _loss_forward(model, tokens: int, group, *args, shift_labels=None, **kwargs):
     """The causal LM's forward; with ``shift_labels``: its loss over tiles, and no logits."""
     if shift_labels is None:
         return type(model).forward(model, *args, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     if kwargs.pop("labels", None) is not None:
         raise ValueError("pass shift_labels= (already shifted, sharded: shard_batch(...)['shift_labels']) or "
                          "labels=, not both")
     kwargs.pop("logits_to_keep", None)
     outputs = model.base_model(*args, **kwargs)
-    loss = tiled_causal_lm_loss(outputs.last_hidden_state, model.get_output_embeddings(), shift_labels, group,
-                                tokens=tokens)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    hidden, head = outputs.last_hidden_state, model.get_output_embeddings()
+    if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
+        raise ValueError(f"hidden must be (batch, n, hidden) and labels (batch, n) of this rank, got hidden "
+                         f"{tuple(hidden.shape)} and labels {tuple(shift_labels.shape)}")
+    labels = shift_labels.to(hidden.device)
+    local_sum = tiled_head_loss_sum(hidden, head.weight, labels, tokens=tokens, bias=getattr(head, "bias", None))
+    return _output_class()(loss=global_mean(local_sum, labels, group), loss_sum=local_sum, logits=None,
+                           past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+                           attentions=outputs.attentions)
 
 
 def tile_loss(model, tokens: int | None, group=None):
@@ -113,8 +132,19 @@ def tile_loss(model, tokens: int | None, group=None):
                          f"causal_lm_loss(model(...).logits, ...)")
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise TypeError(f"tile_loss needs a transformers causal LM with an LM head, got {type(model).__name__}")
-    model.forward = functools.partial(_loss_forward, model, tokens, group)
+    forward = functools.partial(_loss_forward, model, tokens, group)
+    forward.__signature__ = _signature_with_shift_labels(model)  # what Trainer reads to keep a dataset's columns
+    model.forward = forward
     return model
+
+
+def _signature_with_shift_labels(model) -> inspect.Signature:
+    """The model's own ``forward`` signature plus a keyword-only ``shift_labels`` (before its ``**kwargs``)."""
+    sig = inspect.signature(type(model).forward.__get__(model))
+    params = [p for p in sig.parameters.values() if p.name != "shift_labels"]
+    extra = inspect.Parameter("shift_labels", inspect.Parameter.KEYWORD_ONLY, default=None)
+    at = next((i for i, p in enumerate(params) if p.kind == inspect.Parameter.VAR_KEYWORD), len(params))
+    return sig.replace(parameters=params[:at] + [extra] + params[at:])
 
 
 # -- MLP ----------------------------------------------------------------------------------------------------

@@ -13,10 +13,15 @@ another ``Trainer`` subclass: ``class MyTrainer(SequenceParallelMixin, SFTTraine
    (``get_batch_samples`` counts the step's targets; ``compute_loss`` sums the cross-entropy over the group), plus
    an MoE model's router load-balancing loss (``output_router_logits=True``) over each micro-batch's whole sequence,
    as one process adds it (``_hf_router``: the shards' expert counts and router-probability sums are all-reduced);
-4. **the gradient**: DDP (what ``Trainer`` wraps the model in under ``torchrun``) sums over the group and averages
-   over the replicas (``distattn.register_ddp_gradient_hook``, registered on the wrapped model before its first
-   backward);
+4. **the gradient**: DDP (what ``Trainer`` wraps the model in under ``torchrun``) or FSDP2 (``fsdp_config=
+   {"fsdp_version": 2}``, where accelerate runs it: GPUs) sums over the group and averages over the replicas
+   (``_hf_techniques.reduce_over_group``, before the first backward; under ``torch_compile=True`` on the wrapper
+   inside the compiled module);
 5. **the logged loss** is that mean (each rank of a group returns the same value; ``Trainer`` averages the ranks).
+
+The length techniques (``tile_loss=``, ``tile_mlp=``, ``remat=``, ``offload_checkpoints=``; ``_hf_techniques``) are
+applied to the model at construction; with ``tile_loss`` the loss is the model's tiled head + cross-entropy
+(``compute_loss`` passes the shard's ``shift_labels`` and sums ``loss_sum``), so no logits are made.
 
 The groups: by default the world is one sequence-parallel group (``D = 1``); ``sequence_parallel_size=P`` makes
 ``D = world / P`` groups of ``P`` consecutive ranks; ``group=`` takes any distattn group (a ``ProcessGroup``, a
@@ -32,11 +37,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
-from distattn.gradients import register_ddp_gradient_hook
+from distattn.integrations._hf_attention import use_distattn
 from distattn.integrations._hf_data import (IGNORE_INDEX, ReplicaSampler, bounded_all_reduce, check_same_batches,
                                             replica_of_ranks, shard_inputs)
 from distattn.integrations._hf_router import (balancing_loss, balancing_sums, model_aux_mismatch, outputs_router_logits,
                                               refuse_other_losses, router_loss_terms)
+from distattn.integrations._hf_techniques import (TrainerTechniques, apply_techniques, reduce_over_group,
+                                                  refuse_ignored_fsdp)
 from distattn.integrations._hf_tiling import global_mean
 from distattn.sharding import _world
 
@@ -73,17 +80,26 @@ class SequenceParallelMixin:
         backend: kernel backend for ``use_distattn`` (``None``: the best on the model's device).
         pad_id: token id of the padding ``shard_inputs`` appends (``None``: the processing class's pad token,
             else 0; no real token ever sees it).
+        tile_loss: tokens per tile of the LM head + loss (``_hf_tiling.tile_loss``): the ``(tokens, vocab)`` logits
+            never exist (a model the user wrapped with ``tile_loss`` keeps its tile); ``None``: untiled.
+        tile_mlp: tokens per tile of every decoder layer's MLP (``_hf_tiling.tile_mlp``); ``None``: untiled.
+        remat: checkpoint every decoder layer at attention's output (``enable_remat_checkpointing``).
+        offload_checkpoints: what each layer's checkpoint keeps waits in host memory (``offload_checkpoints``;
+            layer-boundary checkpointing, or remat's with ``remat=True``).
 
     Raises (on every rank, before any step): ``ValueError`` for a ``sequence_parallel_size`` that does not divide
     the world, both ``group`` and ``sequence_parallel_size``, a model whose heads do not split over a
     two-dimensional group's Ulysses ranks, a ``compute_loss_func``, label smoothing, a sampling strategy other than
-    ``"random"``/``"sequential"``, an ``IterableDataset``, or an ``eval_strategy`` (evaluation is not supported);
-    at the first step (before its forward), if the ranks
-    of a group hold different batches.
+    ``"random"``/``"sequential"``, an ``IterableDataset``, an ``eval_strategy`` (evaluation is not supported), a
+    technique that cannot run (``_hf_techniques.apply_techniques``), or ``fsdp`` that accelerate ignores (CPU);
+    at the first step (before its forward), if the ranks of a group hold different batches.
     """
 
     def __init__(self, *args, group=None, sequence_parallel_size: int | None = None, schedule: str = "balanced",
-                 backend: str | None = None, pad_id: int | None = None, **kwargs):
+                 backend: str | None = None, pad_id: int | None = None, tile_loss: int | None = None,
+                 tile_mlp: int | None = None, remat: bool = False, offload_checkpoints: bool = False, **kwargs):
+        techniques = TrainerTechniques(tile_loss=tile_loss, tile_mlp=tile_mlp, remat=remat,
+                                       offload_checkpoints=offload_checkpoints)  # checked before the Trainer is built
         super().__init__(*args, **kwargs)
         self._check_arguments()
         world = self.args.world_size  # the process group exists now (TrainingArguments set it up)
@@ -95,9 +111,9 @@ class SequenceParallelMixin:
         elif sequence_parallel_size not in (None, 1):
             raise ValueError(f"sequence_parallel_size={sequence_parallel_size} needs that many ranks, but this run "
                              f"has 1 process: launch with torchrun --nproc-per-node N")
-        from distattn.integrations.hf import use_distattn
-
         use_distattn(self.model, group, schedule, backend=backend)  # refuses heads that do not split, every rank
+        self.techniques = apply_techniques(self.model, techniques, group, self.args)
+        refuse_ignored_fsdp(self.args, self.is_fsdp_enabled)
         self.sequence_parallel_group, self.schedule = group, schedule
         self.sequence_parallel_size = _world(group)[1]
         self.pad_id = self._default_pad_id() if pad_id is None else pad_id
@@ -219,18 +235,10 @@ class SequenceParallelMixin:
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _reduce_gradients_over_the_group(self, model) -> None:
-        """Before the first backward of a wrapped model: DDP sums over the group, averages over replicas."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        if isinstance(model, DistributedDataParallel):
-            if self._hooked_ddp is not model:
-                register_ddp_gradient_hook(model, self.sequence_parallel_group)
-                self._hooked_ddp = model
-        elif self.args.world_size > 1:
-            raise TypeError(f"SequenceParallelTrainer supports DistributedDataParallel (Trainer's wrapper under "
-                            f"torchrun), but the model is wrapped in {type(model).__name__}: run without "
-                            f"FSDP/DeepSpeed (for those, see distattn.set_fsdp_gradient_divide_factor and the "
-                            f"(loss * P) rule)")
+        """Before the first backward of a wrapped model: DDP or FSDP2 sum over the group, average over replicas
+        (``_hf_techniques.reduce_over_group``; under ``torch_compile=True`` the wrapper inside the compiled one)."""
+        self._hooked_ddp = reduce_over_group(model, self.sequence_parallel_group, self.args.world_size,
+                                             self._hooked_ddp)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The step's token-mean loss: every rank of a group returns its replica's share, the same value; the
@@ -238,10 +246,16 @@ class SequenceParallelMixin:
         if "shift_labels" not in inputs:  # a batch that did not come through get_batch_samples
             inputs = shard_inputs(inputs, self.sequence_parallel_group, schedule=self.schedule, pad_id=self.pad_id,
                                   token_mask=outputs_router_logits(self.model))
-        outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
-        labels = inputs["shift_labels"].to(outputs.logits.device)
-        local_sum = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(),
-                                    ignore_index=IGNORE_INDEX, reduction="sum")
+        labels = inputs["shift_labels"]
+        if self.techniques.tile_loss is not None:  # the model's tiled head + loss: no logits, this rank's loss sum
+            outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], shift_labels=labels)
+            local_sum = outputs.loss_sum
+        else:
+            outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+            labels = labels.to(outputs.logits.device)
+            local_sum = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(),
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
+        labels = labels.to(local_sum.device)
         across = (num_items_in_batch is not None and self.args.average_tokens_across_devices
                   and self.args.world_size > 1)
         router = self._router_loss(model, outputs, inputs.get("token_mask"), across)
@@ -275,7 +289,9 @@ class SequenceParallelMixin:
         by ``D``; ``Trainer`` averages over the ranks); else this group's tokens, each replica its own ``aux``.
         The gradient is this rank's share either way. The model's own ``aux_loss`` (of this rank's rows) is held to
         the same formula on them: a model that computes another loss is refused on every rank."""
-        unwrapped = self.accelerator.unwrap_model(model)
+        # keep_torch_compile=False: with it True, accelerate (1.15) sets a compiled model's _orig_mod to the model
+        # it unwrapped, dropping the DDP between them (no gradient reduction from the next step on)
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         refuse_other_losses(unwrapped, outputs)
         if getattr(outputs, "aux_loss", None) is None:
             return 0.0
