@@ -1,0 +1,110 @@
+"""The planner's step peak for a ``SequenceParallelTrainer`` configuration against the step's measured live bytes.
+
+Each configuration (the Trainer's length techniques) trains 2 SGD steps of a small LLaMA on 2 ranks over gloo (CPU,
+fp32); the second step runs inside ``distattn.memory.measure.live_bytes`` (the peak of the bytes allocated in the
+step, dispatch level) on rank 0. Measured = that peak + the parameters (allocated before the step; the gradients are
+made inside it: ``Trainer`` zeroes them to ``None``). Predicted = ``distattn.memory.techniques.technique_peak`` for the
+same model, tokens, P, precision, checkpointing and techniques (``mode="ddp", device="cpu"``), without AdamW's states
+(SGD has none); on CPU the offloaded checkpoints' "host" copies are CPU tensors too, so the host bytes are added to
+the device prediction.
+
+    python bench/hf_trainer_memory.py            # writes bench/results/hf-trainer-memory/{results.csv,README.md}
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import pathlib
+import platform
+import sys
+import tempfile
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]  # this checkout's distattn, its tests' helpers
+SIZES = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, attention_dropout=0.0)
+SEQ, P = 1024, 2
+CONFIGS = {"none": {}, "tile_loss 128": dict(tile_loss=128), "tile_mlp 128": dict(tile_mlp=128),
+           "remat": dict(remat=True), "remat + offload": dict(remat=True, offload_checkpoints=True),
+           "all": dict(tile_loss=128, tile_mlp=128, remat=True, offload_checkpoints=True)}
+
+
+def _measure(rank, world, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from distattn.integrations.hf import SequenceParallelTrainer
+    from distattn.memory.measure import live_bytes
+
+    peaks = {}
+    for name, kw in CONFIGS.items():
+        class Measured(SequenceParallelTrainer):
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                if self.state.global_step == 0:
+                    return super().training_step(model, inputs, num_items_in_batch)
+                with live_bytes() as live:
+                    loss = super().training_step(model, inputs, num_items_in_batch)
+                peaks[name] = live.peak
+                return loss
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SIZES))
+        rows = torch.randint(0, SIZES["vocab_size"], (4, SEQ), generator=torch.Generator().manual_seed(1))
+        data = [{"input_ids": r, "labels": r.clone()} for r in rows]
+        args = TrainingArguments(output_dir=str(out / name.replace(" ", "")), use_cpu=True, max_steps=2,
+                                 per_device_train_batch_size=1, report_to=[], optim="sgd", learning_rate=0.1,
+                                 save_strategy="no", disable_tqdm=True, logging_steps=1)
+        stack = lambda fs: {k: torch.stack([f[k] for f in fs]) for k in fs[0]}  # noqa: E731
+        Measured(model=model, args=args, train_dataset=data, data_collator=stack, **kw).train()
+        peaks[name] += sum(p.numel() * p.element_size() for p in model.parameters())
+    return peaks
+
+
+def _predicted(kw) -> tuple[int, dict, str]:
+    from transformers import LlamaConfig
+
+    from distattn.memory import model_spec, steady_state_bytes
+    from distattn.memory.techniques import Techniques, technique_peak
+
+    spec = model_spec(LlamaConfig(**SIZES))
+    strategy = "remat" if kw.get("remat") else ("full" if kw.get("offload_checkpoints") else "none")
+    tech = Techniques(loss_tile=kw.get("tile_loss"), mlp_tile=kw.get("tile_mlp"),
+                      offload_checkpoints=bool(kw.get("offload_checkpoints")))
+    peak = technique_peak(spec, 1, SEQ, sp=P, precision="fp32", strategy=strategy, tech=tech, pinned=False,
+                          mode="ddp", device="cpu")  # DDP: what Trainer wraps the model in on CPU
+    total = peak.total - steady_state_bytes(spec)["adam"] + peak.host_total
+    return total, peak.parts, peak.moment
+
+
+def main() -> None:
+    from dist_utils import run_distributed
+
+    measured = run_distributed(_measure, P, pathlib.Path(tempfile.mkdtemp()), timeout=900)[0]
+    out = HERE / "results" / "hf-trainer-memory"
+    rows = []
+    for name, kw in CONFIGS.items():
+        predicted, parts, moment = _predicted(kw)
+        rows.append(dict(config=name, measured_bytes=measured[name], predicted_bytes=predicted,
+                         ratio=round(predicted / measured[name], 3), predicted_moment=moment,
+                         predicted_parts="; ".join(f"{k}={v}" for k, v in parts.items())))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"# SequenceParallelTrainer step peak: planner vs measured (rank 0 of {P}, CPU gloo, fp32)", "",
+             f"Machine: {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}. Command: "
+             f"`python bench/hf_trainer_memory.py`. Model: {SIZES}, {SEQ} tokens, batch 1, P = {P}, SGD.", "",
+             "| config | measured MiB | predicted MiB | predicted / measured | predicted moment |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['config']} | {r['measured_bytes'] / 2**20:.2f} | {r['predicted_bytes'] / 2**20:.2f} | "
+              f"{r['ratio']} | {r['predicted_moment']} |" for r in rows]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
