@@ -17,8 +17,8 @@ from pathlib import Path
 
 from distattn.memory.executor import ATTENTION_SCHEDULES
 from distattn.memory.model import PRECISIONS, PRESETS, ModelSpec, get_preset, spec_from_hf_config, steady_state_bytes
-from distattn.memory.plan import (GIB, STRATEGY_NAMES, Cluster, choose, combos, longest_sequence, longest_with,
-                                  strategies_for)
+from distattn.memory.plan import (GIB, STRATEGY_NAMES, Cluster, combos, longest_sequence, longest_with, runner_up,
+                                  strategies_for, weigh, why_not)
 from distattn.memory.techniques import host_limit_bytes
 
 __all__ = ["main", "EXIT_BAD_ARGS", "GPUS"]
@@ -277,21 +277,49 @@ def _auto(args, model: ModelSpec, cluster: Cluster) -> str:
         seq = best.seq
     if seq < 1 or seq % args.gpus:
         raise _Usage(f"--seq-len ({seq}) must be a positive multiple of --gpus ({args.gpus})")
-    pick = choose(model, seq, cluster, loss_tile=tiles[0], mlp_tile=tiles[1], batch=args.batch,
-                  precision=args.precision, schedules=schedules, partials=partials)
-    if pick is None:
+    attention = _attention_times(args, model, seq)
+    if attention is not None:
+        schedules = tuple(s for s in schedules if s in attention)
+    options = weigh(model, seq, cluster, loss_tile=tiles[0], mlp_tile=tiles[1], batch=args.batch,
+                    precision=args.precision, schedules=schedules, partials=partials, attention=attention)
+    if not options[0].fits:
         raise _Usage(f"{model.name}: no combination fits {_fmt_tokens(seq)} tokens on {args.gpus} GPU(s) of "
                      f"{args.gpu_mem:g} GiB with {cluster.host_bytes / GIB:.0f} GiB of host memory per GPU; "
                      f"use more GPUs or a shorter sequence")
-    combo, peak = pick
+    win = options[0]
+    combo, peak = win.combo, win.peak
+    second = runner_up(options)
+    why = (f"runner-up {second.combo.label} (schedule {second.combo.schedule}, partials {second.combo.partials}): "
+           f"{why_not(win, second)}") if second else "nothing else fits"
     return (f"auto for {model.name} at {_fmt_tokens(seq)} tokens on {args.gpus} GPU(s): {combo.label} "
             f"(schedule {combo.schedule}, partials {combo.partials}); searched: schedules {', '.join(schedules)}, "
-            f"partials fp32/input, loss and MLP tiles {', '.join(map(str, TILE_SEARCH))}; why: the least "
-            f"recomputation and exposed offload time among the combinations that fit (ties: less traffic, fewer "
-            f"techniques); peak {peak.total / GIB:.1f} GiB per GPU (mostly {peak.dominant}, {peak.moment}), host "
+            f"partials fp32/input, loss and MLP tiles {', '.join(map(str, TILE_SEARCH))}; why: the least modelled "
+            f"time (recomputation, exposed offload copies, the cost model's attention time: {win.recompute_s:.3g} + "
+            f"{win.copies_s:.3g} + {win.attention_s:.3g} s per step) among the combinations that fit; {why}; peak "
+            f"{peak.total / GIB:.1f} GiB per GPU (mostly {peak.dominant}, {peak.moment}), host "
             f"{peak.host_total / GIB:.0f} GiB per GPU, recompute "
             f"{peak.recompute_flops / (peak.flops - peak.recompute_flops):.0%}, offload {peak.traffic / GIB:.1f} GiB "
             f"per step")
+
+
+def _attention_times(args, model: ModelSpec, seq: int):
+    """``{schedule: cost-model Candidate}`` of one layer's attention at ``seq`` tokens on ``--gpus`` ranks (dense
+    causal, bf16 inputs; NVLink inside nodes of ``--gpus-per-node``, ``DISTATTN_LINK``: ``ib`` (default) or
+    ``nvlink`` across); ``None`` on one GPU."""
+    if args.gpus == 1:
+        return None
+    import os
+
+    from distattn.schedule.cost import Cluster as Links
+    from distattn.schedule.cost import choose
+    from distattn.schedule.sim import Shapes
+
+    lay = model.layer
+    shapes = Shapes(batch=args.batch, seq_per_rank=seq // args.gpus, heads_q=lay.heads, heads_kv=lay.kv_heads,
+                    head_dim=lay.head_dim, dtype_bytes=2)
+    links = Links.preset(os.environ.get("DISTATTN_LINK", "ib"), gpus_per_node=args.gpus_per_node)
+    choice = choose(args.gpus, shapes, causal=True, cluster=links, allow=set(ATTENTION_SCHEDULES), ulysses=1)
+    return {c.schedule: c for c in choice.candidates if c.runnable}
 
 
 def _plot(args, model, results, limit) -> str:

@@ -300,11 +300,13 @@ def choose(model: ModelSpec, seq: int, cluster: Cluster, *, loss_tile, mlp_tile,
 
 
 def runner_up(options: list[Option]) -> Option | None:
-    """The best fitting option after the first that is not the same choice with other tile sizes."""
+    """The best fitting option after the first that is not the same choice with other tile sizes or partials (the
+    cost model's attention time is the fp32 partials'; the partials' dtype is an accuracy choice, fp32 first)."""
     win = options[0]
-    def same(o):  # the choice without its tile sizes
+
+    def same(o):  # the choice without its tile sizes and partials
         c, t = o.combo, o.combo.tech
-        return c.strategy, c.schedule, c.partials, t.loss_tile is None, t.mlp_tile is None, t.offload_checkpoints, \
+        return c.strategy, c.schedule, t.loss_tile is None, t.mlp_tile is None, t.offload_checkpoints, \
             t.offload_optimizer
 
     return next((o for o in options[1:] if o.fits and same(o) != same(win)), None)
