@@ -94,7 +94,7 @@ def test_tiles_lower_the_peak_where_logits_and_mlp_dominate():
     rest = dict(loss_tile=4096, offload_checkpoints=True, offload_optimizer=True)
     big = technique_peak(model, 1, 2 ** 21, tech=Techniques(**rest), **kw)
     tiled = technique_peak(model, 1, 2 ** 21, tech=Techniques(mlp_tile=4096, **rest), **kw)
-    assert big.moment == "in a recomputed layer's backward" and tiled.total < big.total
+    assert big.moment.endswith("layer's backward (recomputed)") and tiled.total < big.total
 
 
 def test_offloaded_checkpoints_put_every_layer_on_the_host_and_two_on_the_device():
@@ -102,10 +102,14 @@ def test_offloaded_checkpoints_put_every_layer_on_the_host_and_two_on_the_device
     kw = dict(sp=4, shard=4, strategy="full")
     on = technique_peak(model, 1, 65536, tech=Techniques(offload_checkpoints=True), **kw)
     off = technique_peak(model, 1, 65536, **kw)
-    per_layer = off.parts["layer activations"] // model.layers
+    from distattn.memory.model import layer_saved_tensors
+
+    per_layer = sum(t.nbytes for t in layer_saved_tensors(model.layer, 1, 65536, impl="distattn", precision="bf16",
+                                                          strategy="full", sp=4))
     assert on.host["checkpoints"] == model.layers * per_layer
     assert on.traffic == 2 * model.layers * per_layer
-    assert on.parts["layer activations"] in (2 * per_layer, per_layer)  # loss moment / recomputed-layer moment
+    # on the device: none at the loss backward and the optimizer step, the prefetched layer in a layer's backward
+    assert on.parts.get("layer activations", 0) in (0, per_layer) and off.total >= on.total
 
 
 def test_auto_picks_the_cheapest_combination_that_fits():
@@ -119,8 +123,8 @@ def test_auto_picks_the_cheapest_combination_that_fits():
     # which the pick at that length needs as much as any (ring's buffers are as small then)
     fits = plan.choose(model, 4_030_464, cluster, loss_tile=4096, mlp_tile=4096)
     assert fits is not None and (fits[0].schedule, fits[0].partials) == ("balanced", "fp32")
-    assert plan.choose(model, 4_194_304 + 65_536, cluster, loss_tile=4096, mlp_tile=4096, schedules=("balanced", "ring"),
-                       partials=("fp32", "input")) is None  # past the table's longest (bound by host memory)
+    assert plan.choose(model, 4_692_992 + 65_536, cluster, loss_tile=4096, mlp_tile=4096, schedules=("balanced", "ring"),
+                       partials=("fp32", "input")) is None  # past the table's longest
     assert plan.choose(model, 64 * 1024 * 1024, cluster, loss_tile=4096, mlp_tile=4096) is None
 
 

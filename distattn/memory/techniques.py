@@ -156,6 +156,9 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     if tech.offload_optimizer:  # fp32 params + grads + AdamW on the host; the device holds the gathered half
         # parameters of the layer computed and the one prefetched, and the root's (embeddings, head) throughout
         host.update(optimizer_host_bytes(model, shard, pinned))
+        # AdamW steps on the CPU one tensor at a time (no foreach for CPU tensors): sqrt and division of the largest
+        largest = max(model.vocab, lay.ffn, lay.heads * lay.head_dim) * lay.hidden
+        host["AdamW temporaries"] = 2 * 4 * -(-largest // shard)
         traffic += 2 * steady["weights"] + steady["grads"]  # params to the device (forward, backward), grads back
         resident, grad_layer = {}, 0
     gathered = {}

@@ -174,7 +174,8 @@ class StepBytes(TorchDispatchMode):
         # an op whose inputs all live where the host computes (an offloaded optimizer's step) runs on the host
         # (never inside a module's forward or an autograd node: there FSDP2 copies the offloaded shards to the device,
         # which on the CPU is no copy at all)
-        on_host = (bool(inputs) and not self._modules.current and torch._C._current_autograd_node() is None and all(self._live.get(p, (0, 0, ""))[2] == "host-compute" for p in inputs))
+        on_host = (bool(inputs) and not self._modules.current and torch._C._current_autograd_node() is None
+                   and all(self._live.get(p, (0, 0, ""))[2] == "host-compute" for p in inputs))
         for t in tree_leaves(out):
             storage = _storage(t)
             if storage is not None and storage.data_ptr() not in inputs:
