@@ -65,11 +65,8 @@ def measure_case(rank, world, flags, seq, schedule, vocab=VOCAB):
     from distattn.memory.tiers import step_bytes
 
     argv = _argv(flags, seq, schedule)
-    if schedule == "placed":
-        argv = [a for a in argv if a != "--pack"]
     cfg = train_config.resolve(train_config.build_parser().parse_args(argv),
                                train_config.Env(rank=rank, world_size=world, local_rank=rank, local_world_size=world))
-    cfg.args.pack = schedule == "placed"
     config = train_model.hf_config(cfg, vocab)
     torch.manual_seed(0)
     group = train.sequence_group(cfg)
@@ -131,11 +128,11 @@ def error(pred: int, meas: int) -> float:
     return (pred - meas) / meas if meas else 0.0
 
 
-def write(rows, out_dir: Path, command: str) -> None:
+def write(rows, out_dir: Path, command: str, name: str = "step_memory") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = ["combo", "schedule", "P", "seq", "mode", "predicted_device", "device", "predicted_host", "host",
             "predicted_moment", "moment"]
-    with open(out_dir / "step_memory.csv", "w", newline="") as f:
+    with open(out_dir / f"{name}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys + ["device_error", "host_error"])
         for r in rows:
@@ -157,7 +154,7 @@ def write(rows, out_dir: Path, command: str) -> None:
         lines.append(f"| {r['combo']} | {r['schedule']} | {r['P']} | {r['seq']} | {r['mode']} | "
                      f"{r['predicted_device']:,} | {r['device']:,} | {error(r['predicted_device'], r['device']):+.2%} "
                      f"| {r['predicted_host']:,} | {r['host']:,} | {r['predicted_moment']} | {r['moment']} |")
-    (out_dir / "README.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -166,13 +163,15 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", type=int, nargs="*", default=None)
     p.add_argument("--lengths", type=int, nargs="*", default=None)
     p.add_argument("--combos", nargs="*", default=list(COMBOS))
+    p.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
+    p.add_argument("--name", default="step_memory", help="file name of the table (CSV and markdown)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "step-memory")
     a = p.parse_args(argv)
     worlds = a.worlds or ([1, 2] if a.quick else [1, 2, 4])
     lengths = a.lengths or ([512] if a.quick else [512, 1024])
-    rows = run_grid(worlds, lengths, {c: COMBOS[c] for c in a.combos})
+    rows = run_grid(worlds, lengths, {c: COMBOS[c] for c in a.combos}, schedules=tuple(a.schedules))
     command = "python bench/step_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write(rows, a.out, command.strip())
+    write(rows, a.out, command.strip(), a.name)
     for r in rows:
         print(f"{r['combo']:>20} {r['schedule']:>8} P={r['P']} n={r['seq']:>5} device "
               f"{error(r['predicted_device'], r['device']):+.2%} host {r['host']:,}/{r['predicted_host']:,} "
