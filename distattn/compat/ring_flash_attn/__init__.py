@@ -31,7 +31,9 @@ avoid it.
 agreement all-reduce and two small all-gathers), rebuilds the global ``cu_seqlens``, and checks that each rank's
 arguments are exactly what ``llama3_flash_attn_prepare_cu_seqlens`` gives for it (a clear error on every rank
 otherwise). ``substitute_hf_flash_attn`` skips all of this: ``update_ring_flash_attn_params`` keeps the global
-``cu_seqlens``.
+``cu_seqlens``. Under ``torch.compile`` that host step is one opaque op (``distattn::llama3_documents``) whose
+result the attention op reads when it runs: the llama3 functions compile with ``fullgraph=True``
+(``tests/test_compile_cold.py``).
 
 Arguments, decided one by one:
     * ``dropout_p > 0``: ``ValueError`` (ring-flash-attention applies dropout per block without saving the RNG
