@@ -45,9 +45,9 @@ Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement 
 ``r``'s tokens in position order (``distattn.schedule.layouts.layout_of("placed", R, U, mask=, n=)``), so the
 all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 
-Cost: a deal, a plan and its timeline per group size tried; at 4096 tokens per rank the median over 20 seeds is
-100-120 ms of CPU at P = 64 and 0.4-1.7 s at 256 on NVLink (uniform / the Pile's mixture; worst seed 8.6 s), 40-230 ms
-on IB (``bench/results/placement-sim/SWEEP.md``, solver time). Pure Python + numpy.
+Cost: a deal, a plan and its timeline per group size tried (3-4 of them); at 4096 tokens per rank the median over 20
+seeds is 0.1-0.25 s of CPU at P = 64 and 0.4-2 s at P = 256 (``bench/results/placement-sim/SWEEP.md``, solver time,
+on a loaded 2-core machine), 3.4 s (NVLink) / 8.2 s (IB) at P = 4096. Pure Python + numpy.
 """
 
 from __future__ import annotations
