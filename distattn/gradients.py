@@ -34,9 +34,11 @@ from distattn.topology import split
 
 __all__ = ["reduce_gradients", "register_ddp_gradient_hook", "set_fsdp_gradient_divide_factor"]
 
-BUCKET_BYTES = 25 * 2**20
-"""Gradients are all-reduced in flat buckets of at most this size (DDP's default): few collectives, and one
-extra bucket of memory, not a copy of every gradient."""
+BUCKET_BYTES = 2**20
+"""Gradients smaller than this are all-reduced together in flat buckets of at most this size (few collectives for the
+norms and biases); a gradient of this size or more is all-reduced in place, alone. So the reduction holds at most this
+much beyond the gradients themselves (DDP's 25 MiB buckets were a model's largest extra item at the peak of a long
+sequence's step on a small model: ``bench/results/peers-train-step``), for one collective per large parameter."""
 
 
 def _ranks(process_group) -> list[int]:
@@ -100,6 +102,11 @@ def reduce_gradients(parameters, group=None, *, process_group=None) -> None:
         by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
     for grads in by_kind.values():
         for bucket in _buckets(grads):
+            if len(bucket) == 1 and bucket[0].is_contiguous():  # in place: no copy of a large gradient
+                dist.all_reduce(bucket[0], group=process_group)
+                if d > 1:
+                    bucket[0].div_(d)
+                continue
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=process_group)
             if d > 1:
@@ -109,11 +116,14 @@ def reduce_gradients(parameters, group=None, *, process_group=None) -> None:
 
 
 def _buckets(grads: list[torch.Tensor]):
-    """Consecutive runs of ``grads`` (one dtype and device) of at most ``BUCKET_BYTES`` each (a bigger gradient
-    goes alone)."""
+    """Consecutive runs of ``grads`` (one dtype and device) of at most ``BUCKET_BYTES`` each; a gradient of
+    ``BUCKET_BYTES`` or more goes alone (reduced in place)."""
     bucket, size = [], 0
     for g in grads:
         nbytes = g.numel() * g.element_size()
+        if nbytes >= BUCKET_BYTES:
+            yield [g]
+            continue
         if bucket and size + nbytes > BUCKET_BYTES:
             yield bucket
             bucket, size = [], 0

@@ -236,3 +236,29 @@ def test_wrappers_are_checked_before_any_communication():
         distattn.register_ddp_gradient_hook(model)
     with pytest.raises(TypeError, match=r"no module of TinyLM is an FSDPModule: call fully_shard"):
         distattn.set_fsdp_gradient_divide_factor(model)
+
+
+def _reduce_with_large_and_small(rank, world_size):
+    """Parameters larger and smaller than ``BUCKET_BYTES``, each rank's gradient ``rank + 1`` times a base: after
+    ``reduce_gradients`` every gradient is the sum; the reduction's own bytes, at most one small bucket."""
+    from distattn.gradients import BUCKET_BYTES
+    from distattn.memory.measure import live_bytes
+
+    torch.manual_seed(0)
+    shapes = [(7,), (640, 512), (33, 5), (300, 1000), (3,)]  # 1.25 MiB and 1.14 MiB matrices among small ones
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    base = [torch.randn(s) for s in shapes]
+    for p, b in zip(params, base):
+        p.grad = b * (rank + 1)
+    with live_bytes() as live:
+        distattn.reduce_gradients(params)
+    total = sum(range(1, world_size + 1))
+    exact = all(torch.equal(p.grad, b * total) for p, b in zip(params, base))
+    small = sum(b.numel() * 4 for b in base if b.numel() * 4 < BUCKET_BYTES)
+    return exact, live.peak, small, max(b.numel() * 4 for b in base)
+
+
+def test_large_gradients_are_reduced_in_place_and_small_ones_in_one_bucket():
+    for exact, peak, small, largest in run_distributed(_reduce_with_large_and_small, 2, timeout=TIMEOUT_S):
+        assert exact
+        assert peak <= small < largest  # no copy of a large gradient: the extra bytes are the small ones' bucket
