@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     from bench import model_report, scaling
     from bench.model import A100_ASSUMED
-    from distattn.memory import plan
+    from distattn.memory import cli as plan
 
     scaling.write_plots(scaling_rows(), out, cpu=True)
     model_report.write_plots(out, A100_ASSUMED)

@@ -89,6 +89,21 @@ def test_planner_predicts_the_measured_peak(tmp_path):
     assert measured == pytest.approx(predicted, rel=PEAK_RTOL), (measured, predicted)
 
 
+# CUDA-only: the step's byte model on CUDA (memory.techniques.technique_peak: a fetched offloaded checkpoint and the
+# prefetched FSDP2 layer are device bytes; launch/train_memory.step_prediction) against the CUDA side of its measure
+# (train_memory.StepMeasure: max_memory_allocated, host_memory_stats; memory.tiers._pinned), issue 36's GPU check.
+def test_step_peaks_predicted_and_measured_on_the_device_and_the_host(tmp_path):
+    rc, out, err = _torchrun(1, "--device", "cuda", "--model", "small", "--seq-len", "32768", "--batch-size", "1",
+                             "--steps", "2", "--remat", "--tile-mlp", "4096", "--offload-checkpoints", "--shard", "ddp",
+                             "--no-progress", "--no-memory-check", "--ckpt-dir", str(tmp_path / "c"),
+                             timeout=JOB_TIMEOUT_S)
+    assert rc == 0, err[-4000:]
+    s = _summary(out)
+    assert s["measured_peak_device_bytes"] > 1 << 30, s
+    assert s["measured_peak_device_bytes"] == pytest.approx(s["predicted_peak_device_bytes"], rel=PEAK_RTOL), s
+    assert s["measured_peak_host_bytes"] == pytest.approx(s["predicted_peak_host_bytes"], rel=PEAK_RTOL), s
+
+
 # CUDA-only: launch/train_offload.check (pinned memory on CUDA) and launch/train_model._fully_shard's pinned
 # CPUOffloadPolicy; distattn/offload.py's side streams and pinned buffers inside a real training step.
 def test_train_one_gpu_with_every_offload(tmp_path):

@@ -406,7 +406,7 @@ def _cli(*args, subprocess_run=False):
     import contextlib
     import io
     import types
-    from distattn.memory.plan import main
+    from distattn.memory.cli import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(list(args))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distattn.memory import plan
+from distattn.memory import cli, plan
 from distattn.memory.model import get_preset
 from distattn.memory.techniques import Techniques, technique_peak
 
@@ -64,7 +64,7 @@ def test_gpu_mem_defaults_to_the_gpus_real_capacity(capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert plan.main(["plan", "--model", "tiny", "--gpus", "2", "--strategy", "full"]) == 0
+    assert cli.main(["plan", "--model", "tiny", "--gpus", "2", "--strategy", "full"]) == 0
     assert "2 GPU x 79.65 GiB (h100's reported total" in capsys.readouterr().out
 
 
@@ -135,12 +135,12 @@ def test_host_memory_bounds_the_offloading_rows():
 
 
 def test_plan_cli_prints_every_combination_and_auto(capsys):
-    assert plan.main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80"]) == 0
+    assert cli.main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("full ckpt", "remat ckpt"))]
     assert len(rows) == len(plan.combos(4096, 4096))
     assert "longest:" in out and "copy/compute" in out
-    assert plan.main(["plan", "--model", "llama3-8b", "--gpus", "1", "--gpu-mem", "80", "--strategy", "auto",
+    assert cli.main(["plan", "--model", "llama3-8b", "--gpus", "1", "--gpu-mem", "80", "--strategy", "auto",
                       "--seq-len", "524288"]) == 0
     assert "offload optim" in capsys.readouterr().out  # one GPU: the optimizer state cannot stay on it
 
@@ -151,7 +151,7 @@ def test_plan_cli_prints_every_combination_and_auto(capsys):
     (["--strategy", "auto", "--seq-len", "1073741824"], "no combination fits"),
 ])
 def test_plan_cli_bad_input(capsys, argv, match):
-    assert plan.main(["plan", "--model", "llama3-8b", "--gpus", "8", *argv]) == plan.EXIT_BAD_ARGS
+    assert cli.main(["plan", "--model", "llama3-8b", "--gpus", "8", *argv]) == cli.EXIT_BAD_ARGS
     assert match in capsys.readouterr().err
 
 
@@ -162,7 +162,7 @@ def test_tile_sizes_must_be_positive_ints(tile):
 
 
 def test_plan_without_strategy_shows_optimizer_offload_when_the_states_do_not_fit(capsys):
-    assert plan.main(["plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40"]) == 0
+    assert cli.main(["plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40"]) == 0
     out = capsys.readouterr().out
     assert "only optimizer offload fits" in out and "offload optim" in out
 

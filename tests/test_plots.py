@@ -148,7 +148,7 @@ def test_paper_setups_plot(figures):
 
 # -- python -m distattn.memory plan --plot -------------------------------------------------------------------
 def test_planner_plot_styles_ticks_and_title(tmp_path, figures, capsys):
-    from distattn.memory import plan
+    from distattn.memory import cli as plan
 
     path = tmp_path / "plan.png"
     assert plan.main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-mem", "80", "--plot", str(path)]) == 0

@@ -24,7 +24,7 @@ from distattn.memory.techniques import host_limit_bytes  # noqa: F401  (handed o
 from distattn.memory.techniques import Techniques, TechniquePeak, technique_peak
 
 __all__ = ["Strategy", "STRATEGY_NAMES", "strategies_for", "longest_sequence", "predicted_peak_bytes", "check_fits",
-           "Option", "weigh", "choose", "runner_up", "why_not"]  # main: distattn.memory.cli's (handed on lazily)
+           "Option", "weigh", "choose", "runner_up", "why_not"]
 
 GIB = 2 ** 30
 MAX_SEQ = 1 << 27
@@ -393,11 +393,3 @@ def check_fits(model, *, device_bytes: int, reserve_bytes: int = 0, **kwargs) ->
                          f"use more sequence-parallel ranks, --remat, a shorter --seq-len or a smaller --batch-size")
     return peak
 
-
-# The command line (python -m distattn.memory plan) lives in distattn.memory.cli; handed on here.
-def __getattr__(name):  # lazily: cli imports this module, so this one must not import cli as it loads
-    if name in ("main", "EXIT_BAD_ARGS"):
-        import distattn.memory.cli as cli
-
-        return getattr(cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
