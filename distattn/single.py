@@ -59,8 +59,9 @@ def _local_attention_backward_fake(dout, q, k, v, *rest):
 
 def _kernel_kw(lo, hi, scale, causal, q_start, softcap, backend, device) -> dict:
     bounds = None if lo is None else kernels.KeyBounds(lo, hi)
+    obj = _INSTANCES.get(backend)
     return dict(softmax_scale=scale, q_start=q_start, k_start=0, causal=causal, bounds=bounds, softcap=softcap,
-                backend=kernels.get_backend(backend, device))
+                backend=obj if obj is not None else kernels.get_backend(backend, device))
 
 
 def _setup_context(ctx, inputs, output):
@@ -80,8 +81,17 @@ def _local_attention_backward(ctx, dout, _dlse):
 _local_attention.register_autograd(_local_attention_backward, setup_context=_setup_context)
 
 
+_INSTANCES: dict[str, object] = {}
+"""Backend objects passed as such that are not the registry's own (e.g. a ``TorchBackend`` with other tile sizes):
+the op takes a name, so each is registered here under ``"<name>#<id>"`` and found again when the op runs."""
+
+
 def _backend_name(backend) -> str:
-    return backend if isinstance(backend, str) else backend.name
+    if isinstance(backend, str) or backend is kernels._CACHE.get(backend.name):
+        return backend if isinstance(backend, str) else backend.name
+    key = f"{backend.name}#{id(backend)}"
+    _INSTANCES[key] = backend  # kept alive while registered, so the id is never reused for another backend
+    return key
 
 
 def attention(q, k, v, *, scale: float, causal: bool, window: tuple[int, int], softcap: float, backend):
