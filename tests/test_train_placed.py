@@ -33,7 +33,11 @@ def test_placed_follows_the_contiguous_loss_curve(tmp_path):
         assert abs(got - want) <= LOSS_RTOL_PLACED * abs(want), (losses, base_losses)
         assert abs(grid - want) <= LOSS_RTOL_PLACED * abs(want), (grid_losses, base_losses)
     assert placed["schedule"] == "placed" and 0 <= placed["predicted_compute_idle_per_step"] < 1
-    assert placed["predicted_compute_idle_per_step"] <= base["predicted_compute_idle_per_step"]
+    assert 0 <= base["predicted_compute_idle_per_step"] < 1
+    # No longer asserted: placed idle <= balanced idle. Since 3626444 the placement minimises the modelled step time
+    # on the per-pair timeline (communication included), not the work-only lockstep idle reported here; on this tiny
+    # stream (256 tokens per rank) it keeps documents on fewer ranks: idle 0.48 vs balanced 0.31 (issue 39, open).
+    # Its balance is held by tests/test_placement.py's property tests.
     assert placed["pairs_skipped_per_step"] >= 0
 
 
