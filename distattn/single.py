@@ -82,13 +82,13 @@ _local_attention.register_autograd(_local_attention_backward, setup_context=_set
 
 
 _INSTANCES: dict[str, object] = {}
-"""Backend objects passed as such that are not the registry's own (e.g. a ``TorchBackend`` with other tile sizes):
-the op takes a name, so each is registered here under ``"<name>#<id>"`` and found again when the op runs."""
+"""Backend objects passed as such, not by name (e.g. a ``TorchBackend`` with other tile sizes): the op takes a name,
+so each is registered here under ``"<name>#<id>"`` and found again when the op runs."""
 
 
 def _backend_name(backend) -> str:
-    if isinstance(backend, str) or backend is kernels._CACHE.get(backend.name):
-        return backend if isinstance(backend, str) else backend.name
+    if isinstance(backend, str):
+        return backend
     key = f"{backend.name}#{id(backend)}"
     _INSTANCES[key] = backend  # kept alive while registered, so the id is never reused for another backend
     return key
