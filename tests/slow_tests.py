@@ -3,8 +3,9 @@
 Measured with ``--durations=0`` over the full suite on the 2-core machine under load (several sessions sharing it)
 and with coverage on (bench/results/fast-tier/README.md): every test whose setup + call + teardown took over 4 s
 there. A test file whose every test was over keeps its cheapest one in the fast tier, so every test module (and the
-modules it reaches) still runs there. Ids are exact (``file::test[params]``); a test renamed or re-parametrized
-falls back into the fast tier until it is listed again. Seconds are that run's, for reading, not thresholds.
+modules it reaches) still runs there. Ids are exact (``file::test[params]``); a listed id that no longer names a
+test fails the full suite (:func:`stale`, checked by ``test_slow_tier.py``). Seconds are that run's, for reading, not
+thresholds. Tests whose ids move with other files (the README's snippets) are marked where they are parametrized.
 """
 
 SLOW = {
@@ -104,9 +105,9 @@ SLOW = {
     'tests/test_plan_cpu_bench.py::test_side_by_side_fills_both_columns': 23.4,
     'tests/test_plan_techniques.py::test_plan_cli_bad_input[argv2-no combination fits]': 5.5,
     'tests/test_plan_techniques.py::test_plan_cli_prints_every_combination_and_auto': 5.7,
-    'tests/test_plan_techniques.py::test_planner_headline_is_the_readme_table[llama-7b-16-a100-40gb-4069376]': 12.4,
-    'tests/test_plan_techniques.py::test_planner_headline_is_the_readme_table[llama3-8b-32-h100-17268736]': 21.5,
-    'tests/test_plan_techniques.py::test_planner_headline_is_the_readme_table[llama3-8b-8-h100-4194304]': 4.5,
+    'tests/test_plan_techniques.py::test_planner_headline_is_the_readme_table[llama-7b-16-a100-40gb]': 12.4,
+    'tests/test_plan_techniques.py::test_planner_headline_is_the_readme_table[llama3-8b-32-h100]': 21.5,
+    'tests/test_plan_techniques.py::test_planner_headline_is_the_readme_table[llama3-8b-8-h100]': 4.5,
     'tests/test_plots.py::test_scaling_plots_fixed_colours_one_legend': 5.1,
     'tests/test_recovery.py::test_the_readme_loop_after_a_death_only_errs_within_seconds[2-backward]': 9.5,
     'tests/test_recovery.py::test_the_readme_loop_after_a_death_only_errs_within_seconds[2-forward]': 8.4,
@@ -169,12 +170,6 @@ SLOW = {
     # the same tests between the two runs).
     'tests/test_compile_cold.py::test_llama3_family_compiles_fullgraph_and_matches_eager': 11.9,
     'tests/test_hf_trainer_techniques.py::test_technique_matches_one_process[tile_loss]': 10.0,
-    'tests/test_snippets.py::test_snippet_runs[README.md:236[torchrun 4]]': 4.7,
-    'tests/test_snippets.py::test_snippet_runs[README.md:303[torchrun 2]]': 5.4,
-    'tests/test_snippets.py::test_snippet_runs[README.md:349[torchrun 2]]': 6.0,
-    'tests/test_snippets.py::test_snippet_runs[README.md:488[torchrun 2]]': 6.4,
-    'tests/test_snippets.py::test_snippet_runs[README.md:600[torchrun 2]]': 6.0,
-    'tests/test_snippets.py::test_snippet_runs[README.md:766[torchrun 2]]': 4.1,
     'tests/test_step_memory.py::test_train_json_summary_reports_predicted_and_measured_peaks': 10.1,
     'tests/test_tiling.py::test_hf_llama_tiled_matches_untiled_one_process[hf-reentrant-False]': 5.3,
     'tests/test_train_ckpt.py::test_crafted_checkpoints_end_to_end': 6.4,
@@ -189,10 +184,33 @@ SLOW = {
 }
 
 
+COLLECTED: set[str] = set()  # this process's collection before any deselection (-m, --deselect), from mark_slow
+
+
 def mark_slow(items) -> None:
     """Add the ``slow`` marker to every collected test listed in ``SLOW``."""
     import pytest
 
+    COLLECTED.clear()
     for item in items:
+        COLLECTED.add(item.nodeid)
         if item.nodeid in SLOW:
             item.add_marker(pytest.mark.slow)
+
+
+def stale(ids, config) -> list[str]:
+    """``SLOW`` ids that name no collected test, when this run collected the whole ``tests`` folder (``[]`` else).
+
+    A test renamed or re-parametrized would otherwise fall back into the fast tier unnoticed: the full suite (the
+    README's test command, CI) fails on such an id instead (``tests/test_slow_tier.py`` reads the session's own
+    collection, so the check costs nothing), and the list is fixed in the same change.
+    """
+    import pathlib
+
+    here = pathlib.Path(__file__).resolve().parent
+    whole = any(pathlib.Path(arg).resolve() in (here, here.parent) for arg in config.args)
+    if not whole or config.option.keyword:
+        return []
+    files = {nodeid.split("::")[0] for nodeid in ids}
+    # a file collected by no item (skipped as a whole where a package is missing) cannot be judged
+    return sorted(i for i in SLOW if i.split("::")[0] in files and i not in ids)

@@ -30,7 +30,7 @@ def _longest(model, gpus, gpu_gib=80, **kw):
     ("llama3-8b", 8, "h100", 4_692_992),
     ("llama3-8b", 32, "h100", 21_368_832),
     ("llama-7b", 16, "a100-40gb", 4_814_848),
-])
+], ids=["llama3-8b-1-h100", "llama3-8b-8-h100", "llama3-8b-32-h100", "llama-7b-16-a100-40gb"])  # ids free of figures
 def test_planner_headline_is_the_readme_table(model, gpus, gpu, honest):
     from distattn.memory.cli import GPUS
     from distattn.memory.executor import ATTENTION_SCHEDULES

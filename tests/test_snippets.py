@@ -85,7 +85,14 @@ def _run_torchrun(path: Path, ranks: int) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
-@pytest.mark.parametrize("snippet", SNIPPETS, ids=IDS)
+# The slow tier (tests/slow_tests.py) by kind rather than by id, since the ids carry README line numbers: every
+# torchrun snippet but the first (4-7 s each on the 2-core machine) is slow; the first keeps torchrun in the fast tier.
+_FIRST_TORCHRUN = next((i for i, s in enumerate(SNIPPETS) if s.ranks is not None), None)
+RUNS = [pytest.param(s, id=i, marks=[pytest.mark.slow] if s.ranks is not None and n != _FIRST_TORCHRUN else [])
+        for n, (s, i) in enumerate(zip(SNIPPETS, IDS))]
+
+
+@pytest.mark.parametrize("snippet", RUNS)
 def test_snippet_runs(snippet, tmp_path):
     if snippet.ranks is None:
         exec(compile(snippet.code, f"README.md:{snippet.line}", "exec"), {"__name__": "__readme__"})
