@@ -62,7 +62,9 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
 
     Args:
         batch: a mapping with ``input_ids`` and ``labels`` (unshifted, -100 where no loss is wanted) and optionally
-            ``attention_mask`` / ``position_ids``; other keys are ignored.
+            ``attention_mask`` / ``position_ids``, and the document boundaries ``DataCollatorWithFlattening`` adds
+            (``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``: checked against ``position_ids``, which carry
+            the same documents). Any other key is refused (:func:`_check_keys`), never dropped unseen.
         group: the sequence-parallel group (as for ``use_distattn``).
         schedule: the model's schedule (``use_distattn(model, group, schedule)``).
         pad_id: token id of the padding (any id: no real token sees it).
@@ -75,8 +77,9 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
         call the model with the first two and give ``shift_labels`` to ``causal_lm_loss``.
 
     Raises:
-        ValueError: no ``input_ids``/``labels``, labels already shifted (``shift_labels``), or position ids that
-            restart on a batch of more than one row.
+        ValueError: no ``input_ids``/``labels``, labels already shifted (``shift_labels``), position ids that
+            restart on a batch of more than one row, a key this function would not hand on (e.g. ``pixel_values``,
+            ``inputs_embeds``, ``token_type_ids``), or document boundaries that disagree with ``position_ids``.
     """
     ids, labels = batch.get("input_ids"), batch.get("labels")
     if ids is None or labels is None:
@@ -90,6 +93,7 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
         raise ValueError(f"input_ids and labels must both be (batch, seq), got {tuple(ids.shape)} and "
                          f"{tuple(labels.shape)}")
     mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    _check_keys(batch, positions)
     padded = mask is not None and not bool(mask.bool().all())
     flattened = not padded and positions is not None and _restarts(positions)
     if flattened and (ids.shape[0] != 1 or positions.shape != ids.shape):
@@ -103,6 +107,45 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
     if token_mask:  # the same path on ones, padded with 0: the tokens land where the batch's do
         out["token_mask"] = rows(torch.ones_like(ids), pad_id=0)["input_ids"]
     return out
+
+
+# The keys shard_inputs reads, and the keys DataCollatorWithFlattening adds that restate position_ids' documents.
+_READ = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
+_BOUNDARIES = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+
+
+def _check_keys(batch, positions) -> None:
+    """Refuse a batch key the sharded call would not pass on: the model would run without it while the one-process
+    ``Trainer`` passes it (a silently different model, e.g. a vision model's ``pixel_values``). The flattening
+    collator's document boundaries are accepted when they name the documents ``position_ids`` name."""
+    extra = sorted(set(batch) - _READ - _BOUNDARIES)
+    if extra:
+        raise ValueError(f"the batch has keys the sequence-parallel path does not pass to the model: {extra}; it "
+                         f"shards input_ids, labels, attention_mask and position_ids only (a model that needs more, "
+                         f"e.g. pixel_values or inputs_embeds, is not supported): remove them from the batch "
+                         f"(TrainingArguments(remove_unused_columns=True), the collator)")
+    given = sorted(set(batch) & _BOUNDARIES)
+    if not given:
+        return
+    if positions is None:
+        raise ValueError(f"the batch has document boundaries {given} but no position_ids: collate with "
+                         f"DataCollatorWithFlattening (its position_ids carry the documents distattn shards)")
+    flat = positions.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten().tolist()
+    if not starts or starts[0] != 0:
+        starts = [0] + starts
+    cu = torch.tensor(starts + [flat.numel()], dtype=torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    expected = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
+                "max_length_k": int(lengths.max()),
+                "seq_idx": torch.repeat_interleave(torch.arange(len(lengths)), lengths)}
+    for key in given:
+        value, want = batch[key], expected[key]
+        same = (torch.equal(torch.as_tensor(value).reshape(-1).long().cpu(), want) if isinstance(want, torch.Tensor)
+                else int(value) == want)
+        if not same:
+            raise ValueError(f"the batch's {key} does not describe the documents its position_ids do (position ids "
+                             f"restarting at 0 give {key} = {want.tolist() if isinstance(want, torch.Tensor) else want})")
 
 
 def _shard_rows(ids, *, labels, mask, positions, group, schedule: str, pad_id: int) -> dict:
