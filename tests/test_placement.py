@@ -183,6 +183,38 @@ def test_placement_properties_over_seeds(docs, p):
                     assert best < step_timeline(plan, shapes, cluster)["makespan"], (seed, other)
 
 
+@pytest.mark.parametrize("docs", ["uniform:8192", "longtail:2048", "pile:4"])
+def test_a_window_is_weighed_when_the_solver_is_given_it(docs):
+    """``place`` given a windowed mask deals and times its candidates under that window: two uncached solves agree,
+    its group's step (per-pair timeline of the windowed plan) is the least of its neighbouring group sizes; on the
+    sweep's worst windowed seed at P = 16 (longtail seed 19, pile seed 9: the causal solve picks a group of 16, the
+    windowed plan is communication bound) it is far faster than the documents-only (causal) solve."""
+    from distattn.schedule import Shapes
+    from distattn.schedule.cluster import Cluster
+    from distattn.schedule.masked import make_masked_plan
+    from distattn.schedule.placement import _divisors, _place_cached
+    from distattn.schedule.timeline import step_timeline
+
+    shapes, cluster, p = Shapes(seq_per_rank=4096, heads_q=32, heads_kv=8, head_dim=128), Cluster.preset("nvlink"), 16
+    worst = {"longtail:2048": 19, "pile:4": 9}
+    for seed in sorted({*PROPERTY_SEEDS, worst.get(docs, 0)}):
+        cu = document_lengths(docs, p * 4096, seed=seed)
+        mask = MaskSpec(causal=True, window=(4096, 0), cu_seqlens=cu)
+        chosen = _place_cached.__wrapped__(mask, p, 4096, None, cluster)
+        assert chosen == _place_cached.__wrapped__(mask, p, 4096, None, cluster)
+
+        def step(layout):
+            return step_timeline(make_masked_plan.__wrapped__(p, "placed", mask, 4096, layout), shapes,
+                                 cluster)["makespan"]
+        best, divs = step(chosen), _divisors(p)
+        at = divs.index(chosen.group)
+        for k in set(divs[max(at - 1, 0):at + 2]) - {chosen.group}:
+            assert best <= step(_place_cached.__wrapped__(mask, p, 4096, k, cluster)) * (1 + 1e-9), (seed, k)
+        if seed == worst.get(docs):
+            causal = _place_cached.__wrapped__(MaskSpec(causal=True, cu_seqlens=cu), p, 4096, None, cluster)
+            assert causal.group == p and best < 0.8 * step(causal), (seed, causal.group, chosen.group)
+
+
 def test_auto_chooses_the_placement_where_it_is_fastest_and_never_for_a_dense_mask():
     from distattn.schedule import Shapes
     from distattn.schedule.cost import Cluster, choose

@@ -27,8 +27,11 @@ step time, so on InfiniBand the solver gives up balance for bytes where that is 
 when a rank's own rows' work already passes the best time (a rank computes its own rows, so that bounds the makespan
 from below). The search starts at the smallest group whose dealt work balances within :data:`BALANCED` (so it is never
 worse than that rule), climbs down and up the divisors while the step improves, and always tries a node's size.
-The placement is solved from the documents alone (causal), so the shards made from them match a windowed call's plan
-too; the window is not weighed.
+Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
+the blocks' row work and in the timed plan. The callers of the library (``make_placed_plan``,
+``distattn.sharding.placement``) pass the documents alone (causal), so the shards made from them match a windowed
+call's plan too; for a windowed call that leaves the window unweighed (``bench/placement_diagnose.py``: on the worst
+seeds the windowed plan is communication bound, the group chosen for causal work far too large).
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
@@ -121,7 +124,6 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     rows = _RowWork(spec, lengths)
     whole = rows.prefix(np.arange(len(lengths)), lengths)
     cluster = cluster if cluster is not None else cluster_from_env()
-    causal = MaskSpec(causal=True, cu_seqlens=spec.cu_seqlens)  # the plan the layout is judged by
     shapes = dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=n)
     per_key = 4 * shapes.heads_q * shapes.head_dim * (1 + BWD_FLOP_FACTOR) / cluster.flops  # s per visible key
 
@@ -148,7 +150,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if k not in times:
             best = min((t for t, _ in times.values()), default=float("inf"))
             lay = dealt(k, best / per_key * k)
-            plan = None if lay is None else make_masked_plan.__wrapped__(p, "placed", causal, n, lay)  # uncached
+            plan = None if lay is None else make_masked_plan.__wrapped__(p, "placed", spec, n, lay)  # uncached
             times[k] = (float("inf") if plan is None else step_timeline(plan, shapes, cluster, stride=stride)
                         ["makespan"], lay)
         return times[k][0]
