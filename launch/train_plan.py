@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from distattn.memory.plan import RESERVE_GIB  # one default for the planner and this job
 from train_config import RunConfig, UsageError
 
 GIB = 1 << 30
 TILE_SEARCH = (1024, 2048, 4096, 8192, 16384)  # tokens per loss/MLP tile weighed (tiles past the shard are one tile)
-RESERVE_GIB = 2.0
-"""GiB per GPU kept out of the plan by default (assumed, not measured here): the CUDA context and cuBLAS workspaces
-(~0.5 GiB with CUDA 12), NCCL's buffers for the job's communicators (FSDP2's group and distattn's two point-to-point
-groups; NCCL_BUFFSIZE is 4 MiB per channel, peer and protocol, NVIDIA/nccl#864 reports 1.6 GB for one communicator)
-and the caching allocator's fragmentation, none of which the byte model counts."""
 
 
 def techniques(cfg: RunConfig):

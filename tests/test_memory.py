@@ -462,10 +462,10 @@ def test_plan_cli_takes_a_checkpoint_directory_as_train_py_does(tmp_path):
 def test_plan_cli_gpu_mem_below_the_reserve_names_the_reserve():
     r = _cli("plan", "--gpu-mem", "0.5")
     assert r.returncode == 2 and "-0.5" not in r.stderr
-    assert ("--gpu-mem 0.5 GiB leaves nothing after --reserve 1 GiB" in r.stderr and
+    assert ("--gpu-mem 0.5 GiB leaves nothing after --reserve 2 GiB" in r.stderr and
             "or a smaller --reserve" in r.stderr), r.stderr
     r = _cli("plan", "--model", "llama-7b", "--gpus", "2", "--gpu-mem", "40", "--strategy", "full")
-    assert "more than the 39.0 GiB available per GPU (40 GiB less --reserve 1)" in r.stderr
+    assert "more than the 38.0 GiB available per GPU (40 GiB less --reserve 2)" in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -12,12 +12,12 @@ from distattn.memory.techniques import Techniques, technique_peak
 GIB = 2 ** 30
 
 
-def _cluster(gpus, gpu_gib=80, host_gib=2048, per_node=8):
-    return plan.Cluster(gpus, (gpu_gib - 1) * GIB, plan.host_limit_bytes(host_gib, min(gpus, per_node)))
+def _cluster(gpus, gpu_gib=80, host_gib=2048, per_node=8, reserve_gib=1):
+    return plan.Cluster(gpus, (gpu_gib - reserve_gib) * GIB, plan.host_limit_bytes(host_gib, min(gpus, per_node)))
 
 
-def _longest(model, gpus, gpu_gib=80, **kw):
-    cluster = _cluster(gpus, gpu_gib)
+def _longest(model, gpus, gpu_gib=80, reserve_gib=1, **kw):
+    cluster = _cluster(gpus, gpu_gib, reserve_gib=reserve_gib)
     return max(plan.longest_with(get_preset(model), c, cluster).seq for c in plan.combos(4096, 4096, **kw))
 
 
@@ -26,16 +26,17 @@ def _longest(model, gpus, gpu_gib=80, **kw):
 # host memory per node of 8. Regenerate both together. The issue's goals were >= 600K / 4M / 16M: met since the step's
 # moments are train.py's (issue 36, bench/results/step-memory/); each peak is in the last layer's recomputed backward.
 @pytest.mark.parametrize("model, gpus, gpu, honest", [
-    ("llama3-8b", 1, "h100", 694_912),
-    ("llama3-8b", 8, "h100", 4_692_992),
-    ("llama3-8b", 32, "h100", 21_368_832),
-    ("llama-7b", 16, "a100-40gb", 4_814_848),
+    ("llama3-8b", 1, "h100", 685_184),
+    ("llama3-8b", 8, "h100", 4_616_192),
+    ("llama3-8b", 32, "h100", 21_061_632),
+    ("llama-7b", 16, "a100-40gb", 4_681_728),
 ], ids=["llama3-8b-1-h100", "llama3-8b-8-h100", "llama3-8b-32-h100", "llama-7b-16-a100-40gb"])  # ids free of figures
 def test_planner_headline_is_the_readme_table(model, gpus, gpu, honest):
     from distattn.memory.cli import GPUS
     from distattn.memory.executor import ATTENTION_SCHEDULES
 
-    assert _longest(model, gpus, GPUS[gpu], schedules=ATTENTION_SCHEDULES, partials=("fp32", "input")) == honest
+    assert _longest(model, gpus, GPUS[gpu], plan.RESERVE_GIB, schedules=ATTENTION_SCHEDULES,
+                    partials=("fp32", "input")) == honest  # the CLI's default reserve
 
 
 def test_counted_items_lower_the_longest_sequence():

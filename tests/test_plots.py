@@ -155,7 +155,7 @@ def test_planner_plot_styles_ticks_and_title(tmp_path, figures, capsys):
     assert f"plot written to {path}" in capsys.readouterr().out and path.stat().st_size > 0
     (fig,) = figures
     labels = {s.name: s.label for s in plan.strategies_for(8, 8)}
-    limit = "usable per GPU (79 GiB)"
+    limit = "usable per GPU (78 GiB)"
     assert check_mapping(fig, set(labels), label_of=labels.get, references=(limit,)) == set(labels)
     (ax,) = fig.axes
     styles = {line.get_gid(): line.get_linestyle() for line in ax.get_lines()}
@@ -165,7 +165,7 @@ def test_planner_plot_styles_ticks_and_title(tmp_path, figures, capsys):
     ticks = [t for t in ax.get_yticks() if 15 <= t <= 80]
     assert len(ticks) >= 5, f"15-80 GiB needs readable ticks, got {list(ax.get_yticks())}"
     title = ax.get_title()
-    assert "79 GiB usable after --reserve 1" in title and "predicted by distattn.memory" in title
+    assert "78 GiB usable after --reserve 2" in title and "predicted by distattn.memory" in title
 
 
 # -- bench/kernel.py, bench/checkpoint.py, bench/gpu_check.py ------------------------------------------------

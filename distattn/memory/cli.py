@@ -17,8 +17,8 @@ from pathlib import Path
 
 from distattn.memory.executor import ATTENTION_SCHEDULES
 from distattn.memory.model import PRECISIONS, PRESETS, ModelSpec, get_preset, spec_from_hf_config, steady_state_bytes
-from distattn.memory.plan import (GIB, STRATEGY_NAMES, Cluster, combos, longest_sequence, longest_with, runner_up,
-                                  strategies_for, weigh, why_not)
+from distattn.memory.plan import (GIB, RESERVE_GIB, STRATEGY_NAMES, Cluster, combos, longest_sequence, longest_with,
+                                  runner_up, strategies_for, weigh, why_not)
 from distattn.memory.techniques import host_limit_bytes
 
 __all__ = ["main", "EXIT_BAD_ARGS", "GPUS"]
@@ -58,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                    "launch/train.py; auto: the one that fits the longest sequence, per row)")
     q.add_argument("--partials", default="fp32", choices=("fp32", "input", "auto"),
                    help="dtype of the executor's partial results (DistAttnConfig.partials; default fp32; auto: both)")
-    q.add_argument("--reserve", type=float, default=1.0, help="GiB per GPU kept free (allocator slack, NCCL; "
-                   "default 1): the plan fits --gpu-mem less this")
+    q.add_argument("--reserve", type=float, default=RESERVE_GIB, help="GiB per GPU kept free (CUDA context, NCCL, "
+                   f"allocator slack; default {RESERVE_GIB:g}, as launch/train.py's --gpu-reserve): the plan fits "
+                   "--gpu-mem less this")
     q.add_argument("--batch", type=int, default=1, help="sequences per step")
     q.add_argument("--precision", default="bf16", choices=[x for x in PRECISIONS if x != "fp16"],
                    help="bf16: FSDP2 mixed precision (bf16 compute, fp32 sharded parameters: launch/train.py on "

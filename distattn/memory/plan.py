@@ -99,6 +99,14 @@ def longest_sequence(model: ModelSpec, strat: Strategy, limit_bytes: float, *, b
     return lo * unit, strat.peak(model, lo * unit, batch, precision, chunked_loss)
 
 
+RESERVE_GIB = 2.0
+"""GiB per GPU kept out of every plan by default, the planner's ``--reserve`` and ``launch/train.py``'s
+``--gpu-reserve`` alike (assumed, not measured here): the CUDA context and cuBLAS workspaces (~0.5 GiB with CUDA 12),
+NCCL's buffers for the job's communicators (FSDP2's group and distattn's two point-to-point groups; NCCL_BUFFSIZE is
+4 MiB per channel, peer and protocol, NVIDIA/nccl#864 reports 1.6 GB for one communicator) and the caching
+allocator's fragmentation, none of which the byte model counts."""
+
+
 # -- technique combinations (issue 22) -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Cluster:
