@@ -5,7 +5,9 @@ What runs here (CPU): torchtitan's llama3 debug model (MHA; a windowed variant) 
 head_dim 128, QK norm, tied embeddings), built through their ``model_registry`` with the converter, fed packed
 documents of lengths that are multiples of nothing, sharded by ``shard_batch``; the plain loop
 (``distattn.reduce_gradients``) at P = 3 and FSDP2 (``fully_shard`` per block and the root,
-``distattn.set_fsdp_gradient_divide_factor``) with an optimizer step at P = 2. torchtitan's ``Trainer`` does not run
+``distattn.set_fsdp_gradient_divide_factor``) with an optimizer step at P = 2, and data-parallel replicas (2 replicas
+x 2 sequence-parallel ranks, each replica its own batch, FSDP2 over the 4) against one process averaging the two
+batches' losses. torchtitan's ``Trainer`` does not run
 on CPU (its Flex backend has no CPU backward, its varlen needs CUDA, and it imports tensorboard/wandb), so the
 Trainer's own loop is not exercised: these tests run model + converter + loss + FSDP2 step outside it.
 
@@ -111,19 +113,19 @@ def _loss(pred, labels, valid):
                            labels.flatten(), reduction="sum", ignore_index=-100) / valid
 
 
-def _ref_run(model, rows, dtype):
+def _ref_run(model, rows, dtype, seed: int = 0):
     ref = _reference(model, rows, dtype)
-    tokens, labels = _batch()
+    tokens, labels = _batch(seed)
     positions = _positions(rows) if rows is not None else None
     loss = _loss(ref(tokens, positions=positions), labels, (labels != -100).sum())
     loss.backward()
     return loss.detach().double(), {n: p.grad.double() for n, p in ref.named_parameters()}
 
 
-def _dist_run(model, rows):
+def _dist_run(model, rows, seed: int = 0):
     from distattn.integrations.torchtitan import shard_batch
 
-    tokens, labels = _batch()
+    tokens, labels = _batch(seed)
     batch = shard_batch(model, tokens, labels, _positions(rows) if rows is not None else None)
     pred = model(batch["tokens"], positions=batch["positions"], attention_masks=batch["attention_masks"])
     return _loss(pred, batch["labels"], batch["global_valid_tokens"])
@@ -186,6 +188,40 @@ def _fsdp_case(family, flavor, window, rows, **converter):
     ulp = torch.finfo(torch.float32).eps * max(p.detach().abs().max().item() for p in before.parameters())
     errors["step"] = (step, ulp + lr * errors["grads"][1])
     return errors
+
+
+def _replicas_case(family, flavor, rows):
+    """Data-parallel replicas x sequence parallelism: 4 ranks = 2 replicas (ranks {0, 1} and {2, 3}, each its own
+    batch) x 2 sequence-parallel ranks, FSDP2 over all 4 with ``set_fsdp_gradient_divide_factor``. The gradients must
+    be the mean over the replicas of each batch's token-mean loss gradient (what one process running both batches
+    and averaging their losses computes); each replica's loss its own batch's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distattn
+    from distattn.integrations.torchtitan import sp_group
+
+    model, _ = _build(family, flavor, None, sp_degree=2)
+    before = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    group = sp_group(model)
+    distattn.set_fsdp_gradient_divide_factor(model, group)
+    replica = torch.distributed.get_rank() // 2
+    loss = _dist_run(model, rows, seed=replica)
+    loss_sum = loss.detach().clone()
+    torch.distributed.all_reduce(loss_sum, group=group)  # this replica's loss
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    refs = {dtype: [_ref_run(before, rows, dtype, seed) for seed in (0, 1)] for dtype in (torch.float64, torch.float32)}
+    mean = {dtype: {n: (runs[0][1][n] + runs[1][1][n]) / 2 for n in runs[0][1]} for dtype, runs in refs.items()}
+    g64, g32 = mean[torch.float64], mean[torch.float32]
+    loss64, loss32 = refs[torch.float64][replica][0], refs[torch.float32][replica][0]
+    return {"loss": ((loss_sum.double() - loss64).abs().item(), (loss32 - loss64).abs().item()),
+            "grads": (max((grads[n].double() - g64[n]).abs().max().item() for n in g64),
+                      max((g32[n] - g64[n]).abs().max().item() for n in g64))}
 
 
 def _refusal(fn) -> str:
@@ -260,7 +296,12 @@ def _check(results):
             assert ours <= 2 * plain + ABS_FLOOR, f"{name} {what}: {ours:.3g} vs plain fp32 {plain:.3g}"
 
 
-@pytest.mark.parametrize("world_size,cases", [(3, _cases_p3), (2, _cases_p2)], ids=["P3", "P2"])
+def _cases_p4(rank, world_size):
+    return {"llama3 docs, 2 replicas x SP 2, FSDP2": _replicas_case("llama3", "debugmodel", ROWS)}
+
+
+@pytest.mark.parametrize("world_size,cases", [(3, _cases_p3), (2, _cases_p2), (4, _cases_p4)],
+                         ids=["P3", "P2", "P4-replicas"])
 def test_converted_models_match_one_process(world_size, cases):
     ranks = run_distributed(cases, world_size, timeout=TIMEOUT_S)
     for results in ranks:
