@@ -208,6 +208,35 @@ class TorchCP(Adapter):
         self.ctx.__exit__(None, None, None)
 
 
+# -- USP (yunchang) -------------------------------------------------------------------------------------------------
+class USP(Adapter):
+    """``yunchang.LongContextAttention`` (Ulysses x ring), as its users set it up: ``set_seq_parallel_pg`` with the
+    largest Ulysses degree the kv heads allow, the rest ring; its torch attention type (flash-attn is CUDA only)."""
+
+    name = "USP (yunchang)"
+    package = "yunchang"
+    patches = ("yunchang_cpu_flash",)
+    forward_only = True  # yunchang's torch attention has no backward ("Not implemented backward ...")
+
+    def prepare(self, w):
+        import yunchang
+        from yunchang.kernels import AttnType
+        if w.mask != "causal":
+            raise Refused("USP takes causal and window_size but no document boundaries, and its torch attention "
+                          "(the only one on CPU) ignores window_size: dense causal only here")
+        ulysses = max(u for u in range(1, w.world + 1) if w.world % u == 0 and w.heads_kv % u == 0)
+        yunchang.set_seq_parallel_pg(ulysses, w.world // ulysses, dist.get_rank(), w.world)
+        self.degrees = (ulysses, w.world // ulysses)
+        self.attn = yunchang.LongContextAttention(ring_impl_type="basic", attn_type=AttnType.TORCH_FLASH)
+
+    def shard(self, w, full):
+        return self.contiguous_shard(w, full)
+
+    def forward(self, q, k, v, w):
+        with patches.yunchang_cpu_flash():
+            return self.attn(q, k, v, causal=True)  # (b, s/P, h, d)
+
+
 ADAPTERS = {
     "distattn-balanced": lambda: DistAttn("balanced"),
     "distattn-zigzag": lambda: DistAttn("zigzag"),
@@ -215,6 +244,7 @@ ADAPTERS = {
     "deepspeed-ulysses": DeepSpeedUlysses,
     "torch-cp-alltoall": lambda: TorchCP("alltoall"),
     "torch-cp-allgather": lambda: TorchCP("allgather"),
+    "usp": USP,
 }
 
 

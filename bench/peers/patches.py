@@ -14,7 +14,10 @@ every installed adapter, hence every patch, at P = 2).
   code; on CPU SDPA dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``, which CP does not know
   (``NotImplementedError``/sharding errors). The patch registers that op and its backward with CP's DTensor op
   handlers, calling CP's own ``_templated_ring_attention(_backward)`` (private APIs: pinned to torch 2.13).
-* ``megatron_cpu`` and ``yunchang_cpu`` live beside their adapters (:mod:`bench.peers.adapters_more`).
+* ``yunchang_cpu_flash`` — USP (``yunchang``) calls ``aten._scaled_dot_product_flash_attention`` for its torch
+  attention types, a CUDA-only op; the patch points yunchang's module global at the CPU flash op
+  (``_scaled_dot_product_flash_attention_for_cpu``: same out and lse), with kv heads repeated for GQA as flash-attn
+  does natively. Its torch backward is not implemented (``pytorch_attn_backward`` raises): forward only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import importlib.metadata
 
 import torch
 
-__all__ = ["PatchBroken", "deepspeed_no_shm_build", "torch_cp_cpu_sdpa", "PATCHES"]
+__all__ = ["PatchBroken", "deepspeed_no_shm_build", "torch_cp_cpu_sdpa", "yunchang_cpu_flash", "PATCHES"]
 
 
 class PatchBroken(RuntimeError):
@@ -100,9 +103,35 @@ def torch_cp_cpu_sdpa() -> None:
     handlers[bwd_op.default] = backward
 
 
+@contextlib.contextmanager
+def yunchang_cpu_flash():
+    """While active, yunchang's torch-flash attention runs the CPU flash SDPA op (see the module doc)."""
+    import importlib
+    kernels = importlib.import_module("yunchang.kernels.attention")
+    if not hasattr(kernels, "_scaled_dot_product_flash_attention") or not callable(
+            getattr(kernels, "pytorch_attn_forward", None)):
+        raise _broken("yunchang", "yunchang.kernels.attention._scaled_dot_product_flash_attention (or "
+                      "pytorch_attn_forward) is gone")
+    original = kernels._scaled_dot_product_flash_attention
+
+    def cpu_flash(q, k, v, dropout_p=0.0, is_causal=False, scale=None, **unused):  # (b, h, s, d)
+        if k.shape[1] != q.shape[1]:  # GQA: flash-attn takes fewer kv heads; the CPU op wants them repeated
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                           scale=scale)
+
+    kernels._scaled_dot_product_flash_attention = cpu_flash
+    try:
+        yield
+    finally:
+        kernels._scaled_dot_product_flash_attention = original
+
+
 PATCHES = {
     "deepspeed_no_shm_build": "deepspeed.init_distributed on CPU JIT-builds a shm all-reduce op Ulysses never uses "
                               "(minutes); its build returns None while init runs",
     "torch_cp_cpu_sdpa": "CP knows only CUDA SDPA ops; CPU flash SDPA fwd/bwd registered with CP's handlers, "
                          "calling CP's own ring functions (private, torch 2.13)",
+    "yunchang_cpu_flash": "USP's torch attention calls the CUDA-only flash SDPA op; aliased to the CPU flash op "
+                          "(kv heads repeated for GQA); no torch backward in yunchang: forward only",
 }
