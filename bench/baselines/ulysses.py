@@ -15,6 +15,11 @@ copies). GQA with ``h_kv < P`` replicates each kv head ``P / h_kv`` times (``P %
 split (``distattn.schedule.ulysses_heads``) raise ``ValueError`` before any communication. Bytes are counted by
 ``distattn.comm.COUNTERS`` and predicted by ``distattn.schedule.a2a_bytes`` (``bench/model.py``).
 
+Held to DeepSpeed-Ulysses itself (``tests/test_baselines_real.py``, ``bench/baselines/deepspeed_ulysses.py``, P = 2
+and 4, MHA and GQA): the same outputs and gradients by the accuracy rule; not the same bytes: this one sends 1.40-1.43x
+DeepSpeed's per rank (it re-sends q, k, v, dout, lse and delta in the backward where DeepSpeed keeps the head-sharded
+tensors), so its byte and memory figures are the library's Ulysses, not DeepSpeed's.
+
 The pair of groups is built once per process and parent group by :func:`distattn.make_2d_groups`, a collective
 over the whole job (``dist.new_group``): :meth:`Ulysses.core` builds it on its first call, which every rank
 reaches together (``check`` raises on every rank or on none).
