@@ -246,6 +246,9 @@ def method_bytes(method: str, world: int, rank: int, batch: int, n: int, shape: 
         return megatron_bytes(world, batch, n, shape.hidden, dtype_bytes, full_layer=full_layer)
     if method == "ulysses":
         return ulysses_bytes(world, batch, n, shape, dtype_bytes)
+    if method == "deepspeed-ulysses":  # its 4 all-to-alls each way (q, k, v, out; dout, dq, dk, dv): all but 1/P
+        heads = 2 * shape.heads_q + 2 * shape.heads_kv
+        return 2 * heads * batch * n * shape.head_dim * dtype_bytes * (world - 1) // world
     schedule, _ = DISTATTN_METHODS[method]
     return distattn_bytes(world, batch, n, shape, dtype_bytes, causal=causal, schedule=schedule)[rank]
 

@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import record as _record_e
 import distattn.comm as dcomm  # noqa: E402
 from bench._util import cpu_name, pyplot_or_note, smoke_out  # noqa: E402
 from bench.baselines import METHODS, init_weights  # noqa: E402
+from bench.baselines.deepspeed_ulysses import PEER_METHODS  # noqa: E402  (run only where deepspeed is installed)
 from bench.baselines import collectives  # noqa: E402
 from bench.baselines.layers import flops_per_layer  # noqa: E402
 from bench.model import MODELS, method_bytes  # noqa: E402
@@ -59,7 +60,9 @@ def _parse(argv=None):
                     "--smoke, whose default is runs/bench-smoke/scaling")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 iterations (CPU CI); never writes into "
                     "bench/results/")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS) + list(PEER_METHODS),
+                    help="default: the home-made and distattn methods; deepspeed-ulysses is DeepSpeed's "
+                    "DistributedAttention itself (the [peers] extra), its bytes from bench.peers' one counter")
     ap.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
                     help=f"default {' '.join(GPU_DEFAULTS['models'])} on CUDA; the tiny ones on CPU")
     ap.add_argument("--workloads", nargs="+", default=["attn", "layer"], choices=["attn", "layer"])
@@ -130,7 +133,7 @@ def measure(method_name, model, workload, n, args, device, dtype) -> dict:
     """One row: time, bytes, memory of ``method_name`` on ``model`` with ``n`` tokens per rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shape, _ = MODELS[model]
-    method = METHODS[method_name]
+    method = METHODS[method_name] if method_name in METHODS else PEER_METHODS[method_name]
     row = {"model": model, "workload": workload, "world": world, "tokens_per_rank": n, "method": method_name}
     try:
         method.check(shape, world)  # same answer on every rank, before any communication
@@ -151,6 +154,10 @@ def measure(method_name, model, workload, n, args, device, dtype) -> dict:
     collectives.reset_counters()
     dcomm.reset_counters()
     times = []
+    peer = method_name in PEER_METHODS  # a peer's own calls: counted by the peers harness's one counter
+    if peer:
+        from bench.peers.measure import count_bytes
+        counter = count_bytes().__enter__()
     for _ in range(args.iters):
         dist.barrier()
         _sync(device)
@@ -158,7 +165,11 @@ def measure(method_name, model, workload, n, args, device, dtype) -> dict:
         _one_iteration(method, fn, x, params, shape, dy, causal, args.backend)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    sent = (collectives.COUNTERS.bytes_sent + dcomm.COUNTERS.bytes_sent) / args.iters
+    if peer:
+        counter.__exit__(None, None, None)
+        sent = counter.sent / args.iters  # the barriers move nothing
+    else:
+        sent = (collectives.COUNTERS.bytes_sent + dcomm.COUNTERS.bytes_sent) / args.iters
     t_med = _reduce(statistics.median(times), dist.ReduceOp.MAX)
     elem = torch.finfo(dtype).bits // 8
     model_max = max(method_bytes(method_name, world, r, args.batch, n, shape, elem, causal=causal,
@@ -244,7 +255,7 @@ def _panel(ax, rows, metric: str, scale: float, ticks) -> str:
     """One panel: a line per method that ran (its fixed style); returns a note naming the methods that did not
     run there (with the reason) and those whose values coincide (their lines lie on top of each other)."""
     series, missing = {}, []
-    for m in METHODS:
+    for m in list(METHODS) + list(PEER_METHODS):
         mine = [r for r in rows if r["method"] == m]
         pts = sorted((int(r["tokens_per_rank"]), float(r[metric]) * scale) for r in mine if r.get("status") == "ok")
         if pts:

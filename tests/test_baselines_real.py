@@ -83,8 +83,7 @@ def test_home_made_ulysses_against_deepspeed_ulysses(world):
                 assert_close_by_rule(f"{label} d{w}", grads[w], base[2][w], ref[2][w], torch.float32, magnitude=mag)
         for rank, r in enumerate(per_rank):
             ds, ours = r[(shape_name, "deepspeed-ulysses")], r[(shape_name, "ulysses")]
-            want_ds = 2 * (2 * shape.heads_q + 2 * shape.heads_kv) * BATCH * N_PER_RANK * shape.head_dim * 4 \
-                * (world - 1) // world
+            want_ds = method_bytes("deepspeed-ulysses", world, rank, BATCH, N_PER_RANK, shape, 4)
             assert ds["sent"] == want_ds, (rank, ds["sent"], want_ds, ds["calls"])
             want = method_bytes("ulysses", world, rank, BATCH, N_PER_RANK, shape, 4, causal=True, full_layer=False)
             # the one counter also sees the library's agreement (a few-integer all_reduce per call), which its own
@@ -94,3 +93,29 @@ def test_home_made_ulysses_against_deepspeed_ulysses(world):
             assert ours["sent"] > ds["sent"]  # the library re-sends in the backward what DeepSpeed keeps
             report[(shape_name, rank)] = (ours["sent"], ds["sent"])
     print({k: f"home-made {a} B vs DeepSpeed {b} B ({a / b:.2f}x)" for k, (a, b) in report.items()})
+
+
+def test_scaling_benchmark_runs_deepspeed_ulysses_beside_the_home_made_one(tmp_path):
+    """``bench/scaling.py --methods ulysses deepspeed-ulysses`` (2 ranks, smoke shapes): every row measured, the real
+    one's bytes (the one counter) equal to its formula, the same refusal of 3 heads on 2 ranks."""
+    import csv
+    import os
+    import subprocess
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install -e '.[peers]')")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "scaling"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(root / "bench" / "scaling.py"), "--smoke", "--methods", "ulysses", "deepspeed-ulysses",
+                           "--out", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert {r["method"] for r in rows} == {"ulysses", "deepspeed-ulysses"} and len(rows) == 24
+    for r in rows:
+        if r["model"] == "tiny-odd":
+            assert "cannot run heads" in r["status"], r
+            continue
+        assert r["status"] == "ok" and r["bytes_match"] == "True" and int(r["bytes_sent_max"]) > 0, r
