@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from distattn.comm import bounded_wait, default_timeout
 from distattn.integrations._hf_batch import shard_batch
+from distattn.packing import cu_seqlens_from_position_ids
 from distattn.sharding import _world
 from distattn.sharding import layout as _layout
 from distattn.topology import split as _split_group
@@ -130,11 +131,7 @@ def _check_keys(batch, positions) -> None:
     if positions is None:
         raise ValueError(f"the batch has document boundaries {given} but no position_ids: collate with "
                          f"DataCollatorWithFlattening (its position_ids carry the documents distattn shards)")
-    flat = positions.reshape(-1)
-    starts = torch.nonzero(flat == 0).flatten().tolist()
-    if not starts or starts[0] != 0:
-        starts = [0] + starts
-    cu = torch.tensor(starts + [flat.numel()], dtype=torch.int64)
+    cu = cu_seqlens_from_position_ids(positions).long().cpu()
     lengths = cu[1:] - cu[:-1]
     expected = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
                 "max_length_k": int(lengths.max()),
