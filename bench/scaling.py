@@ -22,6 +22,7 @@ machine without CUDA the default models and sizes are the tiny ones (GPU-sized s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import os
@@ -43,6 +44,7 @@ from bench.baselines import METHODS, init_weights  # noqa: E402
 from bench.baselines.deepspeed_ulysses import PEER_METHODS  # noqa: E402  (run only where deepspeed is installed)
 from bench.baselines import collectives  # noqa: E402
 from bench.baselines.layers import flops_per_layer  # noqa: E402
+from bench.peers.measure import count_bytes  # noqa: E402
 from bench.model import MODELS, method_bytes  # noqa: E402
 from distattn._plotstyle import figure_legend, same_values_note, style as plot_style, tight_with_legend  # noqa: E402
 
@@ -155,18 +157,15 @@ def measure(method_name, model, workload, n, args, device, dtype) -> dict:
     dcomm.reset_counters()
     times = []
     peer = method_name in PEER_METHODS  # a peer's own calls: counted by the peers harness's one counter
+    with count_bytes() if peer else contextlib.nullcontext() as counter:
+        for _ in range(args.iters):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            _one_iteration(method, fn, x, params, shape, dy, causal, args.backend)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
     if peer:
-        from bench.peers.measure import count_bytes
-        counter = count_bytes().__enter__()
-    for _ in range(args.iters):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        _one_iteration(method, fn, x, params, shape, dy, causal, args.backend)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    if peer:
-        counter.__exit__(None, None, None)
         sent = counter.sent / args.iters  # the barriers move nothing
     else:
         sent = (collectives.COUNTERS.bytes_sent + dcomm.COUNTERS.bytes_sent) / args.iters
