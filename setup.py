@@ -38,7 +38,8 @@ setup(
         # bench/peers (python -m bench.peers, tests/test_peers.py): the real peers, at the versions the harness and
         # its patches were tested with. Install with DS_BUILD_OPS=0 (DeepSpeed is an sdist; no C++ ops needed).
         # megatron-core 0.19.2 is not listed: its metadata asks Python >= 3.12, so pip refuses it on 3.11 unless
-        # `pip install megatron-core==0.19.2 --no-deps --ignore-requires-python` (the harness has no megatron row yet).
+        # `pip install megatron-core==0.19.2 --no-deps --ignore-requires-python` (.ci/run does; without it the
+        # megatron-core rows and tests skip).
         "peers": ["deepspeed==0.19.8", "yunchang==0.6.4"],
     },
     license="Apache-2.0",

@@ -112,7 +112,8 @@ def _installed(system):
 @pytest.mark.parametrize("system,mask", [
     ("distattn-balanced", "causal"), ("distattn-zigzag", "window"), ("distattn-placed", "docs"),
     ("deepspeed-ulysses", "causal"), ("deepspeed-ulysses", "docs"), ("torch-cp-alltoall", "causal"),
-    ("torch-cp-allgather", "causal"), ("usp", "causal")])
+    ("torch-cp-allgather", "causal"), ("usp", "causal"), ("megatron-core", "causal"), ("megatron-core", "window"),
+    ("megatron-core", "docs")])
 def test_adapter_exact_at_p2(system, mask):
     from bench.peers.harness import run_one
     _installed(system)
@@ -132,6 +133,73 @@ def test_refusal_is_a_row_with_its_reason():
     _installed("torch-cp-alltoall")
     row = run_one("torch-cp-alltoall", _tiny("docs"), timeout=60, reps=1)
     assert row.status == "refused" and "attn_mask" in row.note
+
+
+def test_megatron_core_refusals_are_rows_with_its_own_words():
+    """megatron-core's context parallel needs TransformerEngine; TP splits whole heads and whole kv groups."""
+    import dataclasses
+
+    from bench.peers.harness import run_one
+    _installed("megatron-core")
+    row = run_one("megatron-core-cp", _tiny(), timeout=90, reps=1)
+    assert row.status == "refused" and "Context parallelism is only supported by TEDotProductAttention" in row.note
+    odd = dataclasses.replace(_tiny(), heads_q=3, heads_kv=3)
+    row = run_one("megatron-core", odd, timeout=90, reps=1)
+    assert row.status == "refused" and "num_attention_heads (3) must be a multiple of tensor_model_parallel_size (2)" \
+        in row.note, row.note
+    mqa = dataclasses.replace(_tiny(), heads_kv=1)
+    row = run_one("megatron-core", mqa, timeout=90, reps=1)
+    assert row.status == "refused" and "splits num_query_groups (1) over tensor_model_parallel_size (2)" in row.note
+
+
+# -- the megatron-core patches: each still replaces what megatron-core calls, and says so when it moves ----------------
+def test_megatron_cpu_masks_are_megatrons_masks_on_the_cpu(monkeypatch):
+    """The patched masks equal megatron-core's own functions run with ``device="cuda"`` read as the CPU (so a release
+    that changes the masks' formulas fails here), the originals come back, and a moved name raises PatchBroken."""
+    import importlib
+    import inspect
+
+    from bench.peers import patches
+    _installed("megatron-core")
+    utils = importlib.import_module("megatron.core.transformer.utils")
+    fused = importlib.import_module("megatron.core.fusions.fused_softmax")
+    theirs = {}
+    for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
+        src = inspect.getsource(getattr(utils, name))
+        assert 'device="cuda"' in src, f"megatron-core's {name} no longer builds on cuda: is the patch still needed?"
+        scope = {"torch": torch}
+        exec(src.replace('device="cuda"', 'device="cpu"'), scope)  # their formula, on the CPU
+        theirs[name] = scope[name]
+    before = (fused.get_default_causal_mask, fused.get_sliding_window_causal_mask)
+    with patches.megatron_cpu_masks():
+        for sq in (1, 5, 16):
+            assert torch.equal(fused.get_default_causal_mask(sq), theirs["get_default_causal_mask"](sq))
+            for skv, window in ((sq, (3, 0)), (sq + 4, (2, 0)), (sq, (0, 0))):
+                assert torch.equal(fused.get_sliding_window_causal_mask(sq, skv, window),
+                                   theirs["get_sliding_window_causal_mask"](sq, skv, window))
+    assert (fused.get_default_causal_mask, fused.get_sliding_window_causal_mask) == before
+    monkeypatch.delattr(fused, "get_sliding_window_causal_mask")
+    with pytest.raises(patches.PatchBroken, match="megatron-core .*get_sliding_window_causal_mask"):
+        with patches.megatron_cpu_masks():
+            pass
+
+
+def test_megatron_cpu_device_is_held_and_released(monkeypatch):
+    import importlib
+
+    from bench.peers import patches
+    _installed("megatron-core")
+    original = torch.cuda.current_device
+    with patches.megatron_cpu_device():
+        assert torch.cuda.current_device() == "cpu"
+        torch.empty(2, device=torch.cuda.current_device())  # what megatron-core's buffers do
+    assert torch.cuda.current_device is original
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    monkeypatch.setattr(patches, "_source", lambda m: "" if m is mappings else "torch.cuda.current_device()")
+    with pytest.raises(patches.PatchBroken, match="mappings no longer allocates"):
+        with patches.megatron_cpu_device():
+            pass
+    assert torch.cuda.current_device is original
 
 
 # -- a peer that hangs or raises: its error row within the deadline ------------------------------------------------

@@ -237,6 +237,87 @@ class USP(Adapter):
             return self.attn(q, k, v, causal=True)  # (b, s/P, h, d)
 
 
+# -- megatron-core (tensor + sequence parallel) -----------------------------------------------------------------------
+class MegatronCore(Adapter):
+    """megatron-core's attention core (``DotProductAttention``: its torch path) with tensor parallel = P and sequence
+    parallel, set up as its users do (``parallel_state.initialize_model_parallel``, a ``TransformerConfig``), inside
+    the communication of its attention layer with identity projections: the sequence-sharded q, k, v all-gathered
+    along the sequence (``tensor_parallel.gather_from_sequence_parallel_region``, what its column-parallel QKV
+    linear does to its input; backward: a reduce-scatter), this rank's heads (``h/P``, Megatron's split) attended
+    over the whole sequence, and the output, placed at this rank's heads of a zero ``(T, b, h_q d)`` partial (what
+    the row-parallel output linear makes of it), reduce-scattered back to the sequence shards
+    (``reduce_scatter_to_sequence_parallel_region``; backward: an all-gather). Packed documents: the block-diagonal
+    causal ``attention_mask`` Megatron's GPT dataset builds with ``reset_attention_mask=True`` (its non-TE path takes
+    no ``packed_seq_params``). ``context_parallel=True``: megatron-core's context parallel, which needs
+    TransformerEngine (its ``DotProductAttention`` refuses it: the row's refused cell)."""
+
+    package = "megatron-core"
+    patches = ("megatron_cpu_device", "megatron_cpu_masks")
+
+    def __init__(self, context_parallel: bool = False):
+        self.cp = context_parallel
+        self.name = "megatron-core (CP)" if context_parallel else "megatron-core (TP+SP)"
+
+    def prepare(self, w):
+        import contextlib
+
+        from megatron.core import parallel_state
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        self._patched = contextlib.ExitStack()  # held until finish(): the backward allocates too
+        self._patched.enter_context(patches.megatron_cpu_device())
+        self._patched.enter_context(patches.megatron_cpu_masks())
+        tp, cp = (1, w.world) if self.cp else (w.world, 1)
+        dtype, why = w.torch_dtype, ""
+        try:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+            cfg = TransformerConfig(
+                num_layers=1, hidden_size=w.heads_q * w.head_dim, num_attention_heads=w.heads_q,
+                num_query_groups=w.heads_kv, kv_channels=w.head_dim, tensor_model_parallel_size=tp,
+                context_parallel_size=cp, sequence_parallel=tp > 1, attention_dropout=0.0, hidden_dropout=0.0,
+                add_bias_linear=False, use_cpu_initialization=True, masked_softmax_fusion=False,
+                attention_softmax_in_fp32=True, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                params_dtype=dtype, window_size=(w.window, 0) if w.mask == "window" else None)
+            mask_type = AttnMaskType.arbitrary if w.mask == "docs" else AttnMaskType.causal
+            if tp > 1 and w.heads_kv % tp:  # megatron's divide() says only "1 is not divisible by 2": say what
+                why = (f"DotProductAttention splits num_query_groups ({w.heads_kv}) over tensor_model_parallel_size "
+                       f"({tp}): ")
+            self.core = DotProductAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self")
+        except (AssertionError, ValueError) as exc:
+            self._patched.close()
+            raise Refused(f"megatron-core {self.version()}: {why}{exc}") from exc
+        # Megatron's masks: True = masked; the block-diagonal causal mask of packed documents, as its dataset builds it
+        self.mask = None if w.mask != "docs" else ~visible(w)[None, None]
+        self.tp_rank, self.tp = parallel_state.get_tensor_model_parallel_rank(), tp
+
+    def shard(self, w, full):
+        return self.contiguous_shard(w, full)
+
+    def forward(self, q, k, v, w):
+        from megatron.core import tensor_parallel as mtp
+        b, n, hq, d = q.shape
+        hkv = k.shape[2]
+        qkv = torch.cat([t.transpose(0, 1).reshape(n, b, -1) for t in (q, k, v)], -1)  # (n, b, (hq + 2 hkv) d)
+        qkv = mtp.gather_from_sequence_parallel_region(qkv)  # (T, b, (hq + 2 hkv) d), one all-gather
+        T, r, hl, gl = qkv.shape[0], self.tp_rank, hq // self.tp, hkv // self.tp
+        qf, kf, vf = qkv.split([hq * d, hkv * d, hkv * d], -1)
+        ql = qf.view(T, b, hq, d)[:, :, r * hl:(r + 1) * hl]  # this rank's heads, the whole sequence
+        kl, vl = (t.view(T, b, hkv, d)[:, :, r * gl:(r + 1) * gl] for t in (kf, vf))
+        ctx = self.core(ql, kl, vl, self.mask)  # (T, b, hl d)
+        partial = F.pad(ctx, (r * hl * d, (self.tp - 1 - r) * hl * d))  # (T, b, hq d): zero at the others' heads
+        out = mtp.reduce_scatter_to_sequence_parallel_region(partial)  # (n, b, hq d)
+        return out.view(n, b, hq, d).transpose(0, 1)
+
+    def work(self, w):
+        return work_area(w) // w.world  # every token, 1/P of the heads (computed densely: masked, not skipped)
+
+    def finish(self):
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+        self._patched.close()
+
+
 ADAPTERS = {
     "distattn-balanced": lambda: DistAttn("balanced"),
     "distattn-zigzag": lambda: DistAttn("zigzag"),
@@ -245,6 +326,8 @@ ADAPTERS = {
     "torch-cp-alltoall": lambda: TorchCP("alltoall"),
     "torch-cp-allgather": lambda: TorchCP("allgather"),
     "usp": USP,
+    "megatron-core": MegatronCore,
+    "megatron-core-cp": lambda: MegatronCore(context_parallel=True),
 }
 
 

@@ -18,6 +18,18 @@ every installed adapter, hence every patch, at P = 2).
   attention types, a CUDA-only op; the patch points yunchang's module global at the CPU flash op
   (``_scaled_dot_product_flash_attention_for_cpu``: same out and lse), with kv heads repeated for GQA as flash-attn
   does natively. Its torch backward is not implemented (``pytorch_attn_backward`` raises): forward only.
+* ``megatron_cpu_device`` — megatron-core (0.19.2) allocates its communication and ``baddbmm`` buffers with
+  ``device=torch.cuda.current_device()`` (``tensor_parallel.mappings``, ``utils.GlobalMemoryBuffer``), in the forward
+  and in the backward; without CUDA that call raises "Torch not compiled with CUDA enabled". The patch makes it
+  return ``"cpu"`` while active (the adapters hold it from ``prepare`` to ``finish``, the backward included).
+* ``megatron_cpu_masks`` — the PyTorch softmax path of megatron-core's ``DotProductAttention``
+  (``fusions.fused_softmax.FusedScaleMaskSoftmax.forward_torch_softmax``) builds its causal and sliding-window masks
+  with ``device="cuda"`` (``transformer.utils.get_default_causal_mask``, ``get_sliding_window_causal_mask``). The patch
+  points ``fused_softmax``'s two names at the same masks built on the CPU (same formulas: ``True`` = masked).
+
+megatron-core's weight initialization forks its CUDA RNG tracker (``model_parallel_cuda_manual_seed`` needs CUDA);
+its ``use_cpu_initialization=True`` option initializes on the CPU instead and the runs here load their weights, so no
+patch of the tracker is needed (attention dropout is 0, and with sequence parallelism its dropout does not fork).
 """
 
 from __future__ import annotations
@@ -27,7 +39,8 @@ import importlib.metadata
 
 import torch
 
-__all__ = ["PatchBroken", "deepspeed_no_shm_build", "torch_cp_cpu_sdpa", "yunchang_cpu_flash", "PATCHES"]
+__all__ = ["PatchBroken", "deepspeed_no_shm_build", "torch_cp_cpu_sdpa", "yunchang_cpu_flash", "megatron_cpu_device",
+           "megatron_cpu_masks", "PATCHES"]
 
 
 class PatchBroken(RuntimeError):
@@ -127,6 +140,54 @@ def yunchang_cpu_flash():
         kernels._scaled_dot_product_flash_attention = original
 
 
+@contextlib.contextmanager
+def megatron_cpu_device():
+    """While active, ``torch.cuda.current_device()`` is ``"cpu"``, where megatron-core allocates (module doc)."""
+    import importlib
+    for name in ("megatron.core.tensor_parallel.mappings", "megatron.core.utils"):
+        if "torch.cuda.current_device()" not in _source(importlib.import_module(name)):
+            raise _broken("megatron-core", f"{name} no longer allocates on torch.cuda.current_device()")
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
+
+
+@contextlib.contextmanager
+def megatron_cpu_masks():
+    """While active, megatron-core's torch softmax builds its causal / sliding-window masks on the CPU (module doc)."""
+    import importlib
+    fused = importlib.import_module("megatron.core.fusions.fused_softmax")
+    names = ("get_default_causal_mask", "get_sliding_window_causal_mask")
+    if not all(callable(getattr(fused, n, None)) for n in names):
+        raise _broken("megatron-core", f"megatron.core.fusions.fused_softmax no longer calls {' / '.join(names)}")
+    originals = {n: getattr(fused, n) for n in names}
+
+    def causal(sq):  # transformer.utils.get_default_causal_mask, on the CPU
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    def sliding(sq, skv, window_size):  # transformer.utils.get_sliding_window_causal_mask, on the CPU
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+    fused.get_default_causal_mask, fused.get_sliding_window_causal_mask = causal, sliding
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(fused, n, fn)
+
+
+def _source(module) -> str:
+    import inspect
+    try:
+        return inspect.getsource(module)
+    except OSError:  # no source shipped: cannot tell, assume it still needs the patch
+        return "torch.cuda.current_device()"
+
+
 PATCHES = {
     "deepspeed_no_shm_build": "deepspeed.init_distributed on CPU JIT-builds a shm all-reduce op Ulysses never uses "
                               "(minutes); its build returns None while init runs",
@@ -134,4 +195,8 @@ PATCHES = {
                          "calling CP's own ring functions (private, torch 2.13)",
     "yunchang_cpu_flash": "USP's torch attention calls the CUDA-only flash SDPA op; aliased to the CPU flash op "
                           "(kv heads repeated for GQA); no torch backward in yunchang: forward only",
+    "megatron_cpu_device": "megatron-core allocates comm and matmul buffers on torch.cuda.current_device(); "
+                           "returns 'cpu' while the adapter runs (forward and backward)",
+    "megatron_cpu_masks": "megatron-core's torch softmax builds causal / sliding-window masks on 'cuda'; the same "
+                          "masks built on the CPU",
 }
