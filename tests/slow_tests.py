@@ -223,6 +223,12 @@ SLOW = {
     'tests/test_torchtitan.py::test_converted_models_match_one_process[P4-replicas]': 48.4,
     'tests/test_hf_trainer_batch_keys.py::test_flattening_boundaries_are_passed_as_one_process_passes_them': 11.2,
     'tests/test_hf_trainer_batch_keys.py::test_a_key_the_model_would_lose_is_refused_on_every_rank_before_the_first_step': 1.0,
+    # megatron-core beside the peers (issue 37): 2 spawned ranks that import megatron-core each (2026-11-28, loaded)
+    'tests/test_peers.py::test_adapter_exact_at_p2[megatron-core-causal]': 10.1,
+    'tests/test_peers.py::test_adapter_exact_at_p2[megatron-core-docs]': 11.1,
+    'tests/test_peers.py::test_megatron_core_refusals_are_rows_with_its_own_words': 16.5,
+    'tests/test_baselines_real.py::test_home_made_megatron_against_megatron_core[2]': 7.8,
+    'tests/test_baselines_real.py::test_home_made_megatron_against_megatron_core[4]': 8.0,
 }
 
 
