@@ -37,6 +37,8 @@ SLOW = {
     'tests/test_dist_layouts.py::test_zigzag_shard_gather_round_trip_and_gradient[7]': 6.7,
     'tests/test_dist_layouts.py::test_zigzag_shard_gather_round_trip_and_gradient[8]': 9.6,
     'tests/test_dist_placed.py::test_placed_documents_against_reference[8]': 5.2,
+    'tests/test_dist_placed_window.py::test_windowed_placed_call_against_reference[2]': 7.4,
+    'tests/test_dist_placed_window.py::test_windowed_placed_call_against_reference[3]': 25.5,
     'tests/test_dist_utils.py::test_timed_out_ranks_are_named_with_the_others_errors': 20.1,
     'tests/test_dist_varlen.py::test_packed_documents_against_reference[2]': 5.5,
     'tests/test_dist_varlen.py::test_packed_documents_against_reference[3]': 8.8,
@@ -195,6 +197,7 @@ SLOW = {
     'tests/test_hf_moe.py::test_moe_trainer_matches_one_process[2-mixtral flattened]': 25.0,
     'tests/test_hf_packed.py::test_packed_batch_equals_each_document_alone[2-llama]': 10.7,
     'tests/test_hf_packed.py::test_packed_batch_equals_each_document_alone[2-mistral]': 10.6,
+    'tests/test_hf_placed_window.py::test_packed_batch_placed_for_the_window_equals_each_document_alone': 13.4,
     'tests/test_hf_trainer.py::test_trainer_matches_one_process[2-flattened-flattened]': 6.7,
     'tests/test_hf_trainer_techniques.py::test_technique_matches_one_process[tile_mlp]': 38.7,
     'tests/test_offload.py::test_blocks_offloaded_gradients_are_bit_identical[remat-2]': 13.6,
@@ -227,8 +230,8 @@ SLOW = {
     'tests/test_peers.py::test_adapter_exact_at_p2[megatron-core-causal]': 10.1,
     'tests/test_peers.py::test_adapter_exact_at_p2[megatron-core-docs]': 11.1,
     'tests/test_peers.py::test_megatron_core_refusals_are_rows_with_its_own_words': 16.5,
-    'tests/test_baselines_real.py::test_home_made_megatron_against_megatron_core[2]': 7.8,
-    'tests/test_baselines_real.py::test_home_made_megatron_against_megatron_core[4]': 8.0,
+    'tests/test_baselines_real.py::test_home_made_megatron_against_megatron_core[2]': 19.0,
+    'tests/test_baselines_real.py::test_home_made_megatron_against_megatron_core[4]': 22.5,
 }
 
 

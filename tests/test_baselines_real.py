@@ -9,7 +9,8 @@ way, ``2 (2 h_q + 2 h_kv) b n d 4 (P - 1) / P`` per rank; the home-made one's eq
 much: the library sends q, k, v, dout, lse and delta again in the backward instead of keeping head-sharded copies.
 
 The home-made Megatron TP+SP baseline (``bench/baselines/megatron.py``) held to megatron-core's own ``SelfAttention``
-(``bench/baselines/megatron_core.py``) the same way: same outputs and gradients on the same weights and inputs, and
+and ``MLP`` (``bench/baselines/megatron_core.py``) the same way, the attention layer and the full layer: same outputs
+and gradients on the same weights and inputs, and
 the bytes of both from the one counter, equal except where megatron-core gathers its fused QKV for kv groups shared
 by several ranks.
 
@@ -126,15 +127,18 @@ def test_scaling_benchmark_runs_deepspeed_ulysses_beside_the_home_made_one(tmp_p
         assert r["status"] == "ok" and r["bytes_match"] == "True" and int(r["bytes_sent_max"]) > 0, r
 
 
-# -- the home-made Megatron TP+SP baseline held to megatron-core's SelfAttention ---------------------------------------
-def _megatron_worker(rank, world, shapes):
+# -- the home-made Megatron TP+SP baseline held to megatron-core's SelfAttention and MLP -----------------------------
+_MEGATRON_CASES = (("mha", False), ("gqa", False), ("odd", False), ("mha", True), ("gqa", True))
+
+
+def _megatron_worker(rank, world, cases):
     from bench.baselines.megatron_core import PEER_METHODS as MCORE
     from bench.peers.measure import count_bytes
 
     methods = {"megatron": METHODS["megatron"], "megatron-core": MCORE["megatron-core"]}
     out = {}
     try:
-        for i, shape_name in enumerate(shapes):
+        for i, (shape_name, full) in enumerate(cases):
             shape = SHAPES[shape_name]
             x_full, dy_full = _inputs(shape, world, i)
             sl = slice(rank * N_PER_RANK, (rank + 1) * N_PER_RANK)
@@ -142,83 +146,86 @@ def _megatron_worker(rank, world, shapes):
                 try:
                     method.check(shape, world)
                 except ValueError as exc:  # megatron-core refuses what the home-made one pads (odd heads)
-                    out[(shape_name, name)] = {"refused": str(exc)}
+                    out[(shape_name, full, name)] = {"refused": str(exc)}
                     continue
                 params, placement = method.shard(init_weights(shape, seed=i), shape, rank, world)
                 params = {k: v.clone().requires_grad_() for k, v in params.items()}
                 x = x_full[:, sl].clone().requires_grad_()
+                fn = method.layer if full else method.attention
                 with count_bytes() as c:
-                    y = method.attention(x, params, shape, causal=True, backend="torch")
+                    y = fn(x, params, shape, causal=True, backend="torch")
                     y.backward(dy_full[:, sl])
-                out[(shape_name, name)] = {"out": y.detach(), "dx": x.grad, "placement": placement,
-                                           "grads": {k: p.grad for k, p in params.items() if p.grad is not None},
-                                           "sent": c.sent, "calls": dict(c.calls)}
+                out[(shape_name, full, name)] = {
+                    "out": y.detach(), "dx": x.grad, "placement": placement, "sent": c.sent, "calls": dict(c.calls),
+                    "grads": {k: p.grad for k, p in params.items() if p.grad is not None}}
     finally:
         MCORE["megatron-core"].close()
     return out
 
 
-def _attention_grads(name, runs, shape):
-    """Full wq, wk, wv, wo gradients from every rank's shards (megatron-core's fused QKV split back)."""
+def _full_grads(name, runs, shape):
+    """Full-weight gradients from every rank's shards (megatron-core's fused QKV and fc1 split back)."""
+    full = {k: tuple(w.shape) for k, w in init_weights(shape).items()}
+    per_rank = [(r["grads"], r["placement"]) for r in runs]
     if name == "megatron":
-        full = {k: (shape.heads_q * shape.head_dim, shape.hidden) for k in ("wq",)}
-        full.update({k: (shape.heads_kv * shape.head_dim, shape.hidden) for k in ("wk", "wv")})
-        full["wo"] = (shape.hidden, shape.heads_q * shape.head_dim)
-        grads = [({k: g for k, g in r["grads"].items() if k in full}, r["placement"]) for r in runs]
-        return assemble_grads(grads, full)
-    qd, kvd = shape.heads_q * shape.head_dim, shape.heads_kv * shape.head_dim
-    g = assemble_grads([(r["grads"], r["placement"]) for r in runs],
-                       {"wqkv": (qd + 2 * kvd, shape.hidden), "wo": (shape.hidden, qd)})
-    wq, wk, wv = g["wqkv"].split([qd, kvd, kvd])
-    return {"wq": wq, "wk": wk, "wv": wv, "wo": g["wo"]}
+        return assemble_grads(per_rank, full)
+    qd, kvd, f = shape.heads_q * shape.head_dim, shape.heads_kv * shape.head_dim, shape.ffn
+    fused = {"wqkv": (qd + 2 * kvd, shape.hidden), "wo": full["wo"], "w_gate_up": (2 * f, shape.hidden),
+             "w_down": full["w_down"], "norm1": full["norm1"], "norm2": full["norm2"]}
+    g = assemble_grads(per_rank, fused)
+    wq, wk, wv = g.pop("wqkv").split([qd, kvd, kvd])
+    w_gate, w_up = g.pop("w_gate_up").split([f, f])
+    return {**g, "wq": wq, "wk": wk, "wv": wv, "w_gate": w_gate, "w_up": w_up}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_home_made_megatron_against_megatron_core(world):
-    """P = 2 and 4, gloo: megatron-core's ``SelfAttention`` (TP = P + sequence parallel, its local spec, its RoPE)
-    and the home-made ``MegatronTPSP`` on the same weights and inputs (MHA, GQA): both within the accuracy rule of the
-    fp64 layer (out, dx, dwq, dwk, dwv, dwo). Bytes per rank: the home-made one's are 5 collectives of ``(b, n, H)``
-    fp32 (2 forward, 3 backward), the cost model's count, and so are megatron-core's (1.00x) except where the kv
-    heads are fewer than the ranks (GQA at P = 4: 2 kv heads), where megatron-core moves its fused QKV output once
-    more each way (1.80x here). 3 heads: megatron-core refuses (its TransformerConfig), the home-made one pads."""
+    """P = 2 and 4, gloo: megatron-core's ``SelfAttention`` and ``MLP`` (TP = P + sequence parallel, its local GPT
+    layer spec, its RoPE) and the home-made ``MegatronTPSP`` on the same weights and inputs, the attention layer (MHA,
+    GQA) and the full pre-norm layer: both within the accuracy rule of the fp64 layer (out, dx, every weight
+    gradient). Bytes per rank: the home-made one's are the cost model's count, 5 collectives of ``(b, n, H)`` fp32 per
+    block (2 forward, 3 backward), and so are megatron-core's (1.00x) except where the kv heads are fewer than the
+    ranks (GQA at P = 4: 2 kv heads), where megatron-core moves its fused QKV output once more each way (1.80x for the
+    attention layer here). 3 heads: megatron-core refuses (its TransformerConfig), the home-made one pads."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core is not installed (pip install -e '.[peers]')")
-    shapes = ("mha", "gqa", "odd")
-    per_rank = run_distributed(_megatron_worker, world, shapes, timeout=TIMEOUT_S)
+    per_rank = run_distributed(_megatron_worker, world, _MEGATRON_CASES, timeout=TIMEOUT_S)
     report = {}
-    for i, shape_name in enumerate(shapes):
+    for i, (shape_name, full) in enumerate(_MEGATRON_CASES):
         shape = SHAPES[shape_name]
         if shape_name == "odd":
             for r in per_rank:
-                assert "must be a multiple of tensor_model_parallel_size" in r[(shape_name, "megatron-core")]["refused"]
-                assert "refused" not in r[(shape_name, "megatron")]
-        ref = _reference(shape, world, i, False, True, torch.float64)
-        base = _reference(shape, world, i, False, True, torch.float32)
-        mag = magnitude_of(ref[1], *(ref[2][w] for w in ("wq", "wk", "wv", "wo")))
+                assert "must be a multiple of tensor_model_parallel_size" in r[(shape_name, full, "megatron-core")][
+                    "refused"]
+                assert "refused" not in r[(shape_name, full, "megatron")]
+        ref = _reference(shape, world, i, full, True, torch.float64)
+        base = _reference(shape, world, i, full, True, torch.float32)
+        mag = magnitude_of(ref[1], *ref[2].values())
         for name in ("megatron", "megatron-core"):
-            runs = [r[(shape_name, name)] for r in per_rank]
+            runs = [r[(shape_name, full, name)] for r in per_rank]
             if "refused" in runs[0]:
                 continue
-            label = f"P={world} {shape_name} {name}"
+            label = f"P={world} {shape_name} {'layer' if full else 'attn'} {name}"
             assert_close_by_rule(f"{label} out", torch.cat([r["out"] for r in runs], 1), base[0], ref[0],
                                  torch.float32)
             assert_close_by_rule(f"{label} dx", torch.cat([r["dx"] for r in runs], 1), base[1], ref[1],
                                  torch.float32, magnitude=mag)
-            grads = _attention_grads(name, runs, shape)
-            for w in ("wq", "wk", "wv", "wo"):
+            grads = _full_grads(name, runs, shape)
+            for w in ref[2]:
                 assert_close_by_rule(f"{label} d{w}", grads[w], base[2][w], ref[2][w], torch.float32, magnitude=mag)
         if shape_name == "odd":
             continue
-        want = 5 * (world - 1) * BATCH * N_PER_RANK * shape.hidden * 4  # all-gather/reduce-scatter of (b, n, H)
-        assert method_bytes("megatron", world, 0, BATCH, N_PER_RANK, shape, 4, full_layer=False) == want
+        blocks = 2 if full else 1  # 5 all-gathers / reduce-scatters of (b, n, H) fp32 per block
+        want = 5 * blocks * (world - 1) * BATCH * N_PER_RANK * shape.hidden * 4
+        assert method_bytes("megatron", world, 0, BATCH, N_PER_RANK, shape, 4, full_layer=full) == want
         # kv heads fewer than ranks: megatron-core all-gathers the fused QKV output along its last dim to hand each
         # rank its whole kv group (backward: a reduce-scatter); the home-made one projects the group's kv heads on
         # every rank that reads them (replicated weights, summed gradients) and sends nothing more
         extra = 0 if shape.heads_kv % world == 0 else \
             2 * (world - 1) * BATCH * N_PER_RANK * (shape.heads_q + 2 * shape.heads_kv) * shape.head_dim * 4
         for rank, r in enumerate(per_rank):
-            mc, ours = r[(shape_name, "megatron-core")], r[(shape_name, "megatron")]
+            mc, ours = r[(shape_name, full, "megatron-core")], r[(shape_name, full, "megatron")]
             assert ours["sent"] == want and mc["sent"] == want + extra, (rank, ours["sent"], mc["sent"], want, extra,
                                                                          mc["calls"])
-            report[(shape_name, rank)] = (ours["sent"], mc["sent"])
+            report[(shape_name, "layer" if full else "attn", rank)] = (ours["sent"], mc["sent"])
     print({k: f"megatron-core {b} B vs home-made {a} B ({b / a:.2f}x)" for k, (a, b) in report.items()})
