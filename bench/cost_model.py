@@ -244,6 +244,10 @@ def method_bytes(method: str, world: int, rank: int, batch: int, n: int, shape: 
     """Bytes rank ``rank`` sends for one forward + backward of the layer (no checkpointing)."""
     if method == "megatron":
         return megatron_bytes(world, batch, n, shape.hidden, dtype_bytes, full_layer=full_layer)
+    if method == "megatron-core":  # the same collectives; with kv heads < P its fused QKV output is all-gathered
+        extra = 0 if shape.heads_kv % world == 0 else (  # once more along its last dim (backward: reduce-scatter)
+            2 * (world - 1) * batch * n * (shape.heads_q + 2 * shape.heads_kv) * shape.head_dim * dtype_bytes)
+        return megatron_bytes(world, batch, n, shape.hidden, dtype_bytes, full_layer=full_layer) + extra
     if method == "ulysses":
         return ulysses_bytes(world, batch, n, shape, dtype_bytes)
     if method == "deepspeed-ulysses":  # its 4 all-to-alls each way (q, k, v, out; dout, dq, dk, dv): all but 1/P

@@ -9,7 +9,8 @@
 
 For each model shape, workload (``attn``: the attention layer with its projections; ``layer``: a full LLaMA
 decoder layer), tokens per rank and method (``bench/baselines``: megatron, ulysses, ring, balanced,
-no_overlap) it measures one forward + backward: median time per iteration (slowest rank), model TFLOP/s
+no_overlap; with ``--methods``, the real ones beside them: deepspeed-ulysses, megatron-core) it measures one
+forward + backward: median time per iteration (slowest rank), model TFLOP/s
 per rank (useful FLOPs: matmuls x3, attention core x3.5 fwd+bwd, causal halved -- padding not counted),
 bytes each rank sent (the methods' own counters; max over ranks, next to ``bench/model.py``'s formula),
 peak memory per rank (CUDA only), and with ``--find-max`` (CUDA only) the longest tokens per rank that
@@ -41,12 +42,15 @@ from torch.distributed.elastic.multiprocessing.errors import record as _record_e
 import distattn.comm as dcomm  # noqa: E402
 from bench._util import cpu_name, pyplot_or_note, smoke_out  # noqa: E402
 from bench.baselines import METHODS, init_weights  # noqa: E402
-from bench.baselines.deepspeed_ulysses import PEER_METHODS  # noqa: E402  (run only where deepspeed is installed)
+from bench.baselines.deepspeed_ulysses import PEER_METHODS as _DS  # noqa: E402  (run only where installed)
+from bench.baselines.megatron_core import PEER_METHODS as _MCORE  # noqa: E402  (run only where installed)
 from bench.baselines import collectives  # noqa: E402
 from bench.baselines.layers import flops_per_layer  # noqa: E402
 from bench.peers.measure import count_bytes  # noqa: E402
 from bench.model import MODELS, method_bytes  # noqa: E402
 from distattn._plotstyle import figure_legend, same_values_note, style as plot_style, tight_with_legend  # noqa: E402
+
+PEER_METHODS = {**_DS, **_MCORE}  # the real systems beside the home-made ones (bench/peers' one counter)
 
 FIELDS = ["model", "workload", "world", "tokens_per_rank", "method", "status", "time_ms", "tflops_per_rank",
           "bytes_sent_max", "bytes_sent_mean", "model_bytes_max", "bytes_match", "peak_mem_mib"]
@@ -64,7 +68,8 @@ def _parse(argv=None):
                     "bench/results/")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS) + list(PEER_METHODS),
                     help="default: the home-made and distattn methods; deepspeed-ulysses is DeepSpeed's "
-                    "DistributedAttention itself (the [peers] extra), its bytes from bench.peers' one counter")
+                    "DistributedAttention itself (the [peers] extra), megatron-core its SelfAttention and MLP with "
+                    "TP + sequence parallel (installed beside it), their bytes from bench.peers' one counter")
     ap.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
                     help=f"default {' '.join(GPU_DEFAULTS['models'])} on CUDA; the tiny ones on CPU")
     ap.add_argument("--workloads", nargs="+", default=["attn", "layer"], choices=["attn", "layer"])

@@ -29,6 +29,7 @@ STYLES: dict[str, dict] = {
     "balanced": dict(color=_BLUE, ls="-", marker="o"),
     "no_overlap": dict(color=_CYAN, ls="-", marker="D"),
     "deepspeed-ulysses": dict(color=_PURPLE, ls="--", marker="^", mfc="none"),  # the real one beside "ulysses"
+    "megatron-core": dict(color=_RED, ls="--", marker="s", mfc="none"),  # the real one beside "megatron"
     # distattn.memory plan --plot (strategy names): distattn solid, Megatron dashed with hollow markers
     "none": dict(color=_GREY, ls="-", marker="o"),
     "full": dict(color=_GREEN, ls="-", marker="o"),

@@ -232,6 +232,7 @@ SLOW = {
     'tests/test_peers.py::test_megatron_core_refusals_are_rows_with_its_own_words': 16.5,
     'tests/test_baselines_real.py::test_home_made_megatron_against_megatron_core[2]': 19.0,
     'tests/test_baselines_real.py::test_home_made_megatron_against_megatron_core[4]': 22.5,
+    'tests/test_baselines_real.py::test_scaling_benchmark_runs_megatron_core_beside_the_home_made_megatron': 18.1,
 }
 
 
