@@ -1,18 +1,28 @@
 """Where the placed plan's excess goes on the sweep's worst seeds (issue 39), NVLink, per-pair timeline.
 
     python bench/placement_diagnose.py --out bench/results/placement-sim/DIAGNOSIS.md
+    python bench/placement_diagnose.py --windowed --out bench/results/placement-sim/diagnose-windowed.md
 
 For every setting of ``sweep.csv`` (``bench/placement_sweep.py``) its worst seed for the placed layout, the step over
 perfect balance (total compute / P):
 
-* as is: the library's placement (solved from the documents alone, causal) on the call's mask;
+* as is: the library's placement on the call's mask, through its public path (``make_plan(P, True, "placed",
+  mask=, chunk=)``, what ``distattn.sharding.placement(cu, n, window=)`` shards by): the documents and the call's
+  window (``distattn.schedule.build.placement_mask``) since the window reaches the placement;
 * comm free: the same plan with free links (infinite bandwidth, no latency): what is left is compute imbalance and
   the executor's order (a rank waits for its peers' rounds);
 * busiest rank: the busiest rank's compute over perfect balance (a lower bound of any order of that plan);
 * returns on own stream: a what-if, NOT what the executor does: the timeline with the return rounds on a second side
   stream (they no longer queue behind the next fetch), patched into this process only;
-* window weighed (windowed rows only): the solver given the call's window (``place`` with the windowed mask: dealt by
-  windowed row work and timed on the windowed plan), which the library's callers do not pass today.
+* causal placement (windowed rows only): the plan of the call's mask on the placement solved for causal work (the
+  documents alone), what the library ran for a windowed call before the window reached the placement; its group in
+  brackets; and the solve time (CPU s) of the library's windowed placement.
+
+``--windowed``: the windowed rows only. ``--seeds S``: instead, for every distribution, P and link, the windowed step
+over seeds 0..S-1: worst / median / best of the library's placement (the call's window) against the causal
+placement the library used before, both on the per-pair timeline of that link's cluster::
+
+    python bench/placement_diagnose.py --seeds 10 --out bench/results/placement-sim/window-seeds.md
 """
 
 from __future__ import annotations
@@ -20,16 +30,18 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 import distattn.schedule.timeline as tl
-from distattn.schedule import MaskSpec, Shapes
+from distattn.schedule import MaskSpec, Shapes, make_plan
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.cluster import Cluster, Link
 from distattn.schedule.masked import make_masked_plan
+from distattn.schedule.build import placement_mask
 from distattn.schedule.placement import _place_cached
 
 SHAPES = dict(heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
@@ -61,7 +73,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--groups", nargs=3, metavar=("DOCS", "P", "SEED"),
                     help="instead: every group size's step and busiest rank for one causal setting")
+    ap.add_argument("--windowed", action="store_true", help="the windowed rows only")
+    ap.add_argument("--seeds", type=int, help="instead: windowed before/after over seeds 0..SEEDS-1")
+    ap.add_argument("--world", type=int, nargs="+", default=[8, 16, 64, 256])
+    ap.add_argument("--window", type=int, default=4096)
     args = ap.parse_args()
+    if args.seeds:
+        return over_seeds(args)
+    os.environ["DISTATTN_LINK"] = "nvlink"  # the cluster the library's placement is timed on (make_plan's)
     n, cl = args.seq_per_rank, Cluster.preset("nvlink")
     if args.groups:
         docs, p, seed = args.groups[0], int(args.groups[1]), int(args.groups[2])
@@ -76,14 +95,19 @@ def main() -> None:
     free = dataclasses.replace(cl, intra=free_link, inter=free_link)
     shapes = Shapes(seq_per_rank=n, **SHAPES)
     lines = ["| docs | P | mask | seed | group | as is | comm free | busiest rank | returns on own stream (what-if) | "
-             "window weighed (group) | solve s, window weighed |", "|" + "---|" * 11]
+             "causal placement (group) | solve s |", "|" + "---|" * 11]
     for (docs, p, m), r in sorted(worst_seeds(args.sweep).items()):
+        if args.windowed and m == "causal":
+            continue
         seed = int(r["seed"])
         cu = document_lengths(docs, p * n, seed=seed)
         win = (-1, -1) if m == "causal" else (int(m.split()[1]), 0)
         mask = MaskSpec(causal=True, window=win, cu_seqlens=cu)
-        lay = _place_cached.__wrapped__(MaskSpec(causal=True, cu_seqlens=cu), p, n, None, cl)
-        plan = make_masked_plan.__wrapped__(p, "placed", mask, n, lay)
+        t0 = time.process_time()
+        _place_cached.__wrapped__(placement_mask(cu, win), p, n, None, cl)  # the library's solve, timed uncached
+        t_solve = f"{time.process_time() - t0:.2f}"
+        plan = make_plan(p, True, "placed", mask=mask, chunk=n)  # the public path: placed for the call's window
+        lay = plan.layout
         a, c = tl.step_timeline(plan, shapes, cl), tl.step_timeline(plan, shapes, free)
         run = tl._Rounds.run
         tl._Rounds.run = _two_side_streams(run)
@@ -91,17 +115,52 @@ def main() -> None:
             b = tl.step_timeline(plan, shapes, cl)
         finally:
             tl._Rounds.run = run
-        weighed = "-"
-        t_solve = "-"
+        before = "-"
         if m != "causal":
-            t0 = time.process_time()
-            wl = _place_cached.__wrapped__(mask, p, n, None, cl)
-            t_solve = f"{time.process_time() - t0:.2f}"
-            w = tl.step_timeline(make_masked_plan.__wrapped__(p, "placed", mask, n, wl), shapes, cl)
-            weighed = f"{w['ratio']:.3f} ({wl.group})"
+            cl_lay = _place_cached.__wrapped__(MaskSpec(causal=True, cu_seqlens=cu), p, n, None, cl)
+            w = tl.step_timeline(make_masked_plan.__wrapped__(p, "placed", mask, n, cl_lay), shapes, cl)
+            before = f"{w['ratio']:.3f} ({cl_lay.group})"
         lines.append(f"| {docs} | {p} | {m} | {seed} | {lay.group} | {a['ratio']:.3f} | {c['ratio']:.3f} | "
-                     f"{a['busiest'] / a['perfect']:.3f} | {b['ratio']:.3f} | {weighed} | {t_solve} |")
+                     f"{a['busiest'] / a['perfect']:.3f} | {b['ratio']:.3f} | {before} | {t_solve} |")
         print(lines[-1], flush=True)
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+def over_seeds(args) -> None:
+    """Worst / median / best over seeds of the windowed step (per-pair timeline / perfect balance): the library's
+    placement (``make_plan``'s, solved for the call's window) and the causal placement it replaced."""
+    n, shapes, win = args.seq_per_rank, Shapes(seq_per_rank=args.seq_per_rank, **SHAPES), (args.window, 0)
+    lines = ["| docs | P | link | after: placed for the window (worst / median / best) | groups, after | before: "
+             "causal placement (worst / median / best) | groups, before | worst before / worst after | median "
+             "solve s, after |", "|" + "---|" * 9]
+    for link in ("nvlink", "ib"):
+        os.environ["DISTATTN_LINK"] = link  # make_plan's placement is timed on this cluster
+        cl = Cluster.preset(link)
+        for docs in ("uniform:8192", "longtail:2048", "pile:4"):
+            for p in args.world:
+                after, before, g_after, g_before, solve = [], [], {}, {}, []
+                for seed in range(args.seeds):
+                    cu = document_lengths(docs, p * n, seed=seed)
+                    mask = MaskSpec(causal=True, window=win, cu_seqlens=cu)
+                    t0 = time.process_time()
+                    plan = make_plan(p, True, "placed", mask=mask, chunk=n)  # the public path
+                    solve.append(time.process_time() - t0)
+                    old = _place_cached.__wrapped__(MaskSpec(causal=True, cu_seqlens=cu), p, n, None, cl)
+                    after.append(tl.step_timeline(plan, shapes, cl)["ratio"])
+                    before.append(tl.step_timeline(make_masked_plan.__wrapped__(p, "placed", mask, n, old), shapes,
+                                                   cl)["ratio"])
+                    g_after[plan.layout.group] = g_after.get(plan.layout.group, 0) + 1
+                    g_before[old.group] = g_before.get(old.group, 0) + 1
+
+                def wmb(x):
+                    return f"{max(x):.3f} / {float(np.median(x)):.3f} / {min(x):.3f}"
+
+                def groups(g):
+                    return ", ".join(f"{k} x{c}" for k, c in sorted(g.items()))
+                lines.append(f"| {docs} | {p} | {link} | {wmb(after)} | {groups(g_after)} | {wmb(before)} | "
+                             f"{groups(g_before)} | {max(before) / max(after):.2f} | {float(np.median(solve)):.2f} |")
+                print(lines[-1], flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
 
