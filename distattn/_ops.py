@@ -36,6 +36,7 @@ import torch
 
 from distattn.attention import DistAttnConfig, dist_attn_backward, dist_attn_forward
 from distattn.comm import default_timeout
+from distattn.schedule.build import placed_window
 from distattn.topology import is_2d, topology
 from distattn.ulysses import ulysses_backward, ulysses_forward
 
@@ -138,9 +139,14 @@ def _config(causal: bool, scale: float, window_left: int, window_right: int, sof
     group = group_of(key)
     if documents is not None and not cu_seqlens:  # values known only now (a traced caller): read them here
         cu_seqlens = documents_of(documents, n * topology(group).world_size)
+    placed_for = None  # placed: its shards' placement, recorded by distattn.sharding.placement (validated at the API)
+    if schedule == "placed" and cu_seqlens:
+        topo = topology(group)
+        placed_for = placed_window(cu_seqlens, topo.R, topo.U * n, (window_left, window_right))
     return DistAttnConfig(causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
                           schedule=schedule, backend=backend, group=group, overlap=overlap,
-                          cu_seqlens=cu_seqlens or None, timeout=timeout, partials=partials)
+                          cu_seqlens=cu_seqlens or None, timeout=timeout, partials=partials,
+                          placement_window=placed_for)
 
 
 def _op_args(cfg: DistAttnConfig) -> tuple:

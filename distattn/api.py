@@ -34,6 +34,7 @@ from distattn.choose import choose_schedule, resolve_auto
 from distattn.attention import DistAttnConfig, reject_call
 from distattn.comm import DEFAULT_TIMEOUT_S, backend_name, default_timeout
 from distattn.schedule import PARTIALS, SCHEDULES, layout_of, ulysses_heads
+from distattn.schedule.build import placed_window
 from distattn.topology import split as split_group
 from distattn.topology import topology
 from distattn.single import attention, attention_with_bounds
@@ -203,8 +204,10 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         schedule: (distattn) ``"balanced"`` (DistFlashAttn load balancing: ``1 + P//2`` steps causal), ``"zigzag"``
             (balanced by layout: only k/v travel, the choice for GQA; inputs sharded with
             ``shard_sequence(x, schedule="zigzag")``), ``"placed"`` (packed documents, the varlen call: inputs
-            sharded with ``shard_sequence(x, layout=distattn.sharding.placement(cu_seqlens, n, group))``; on a
-            2-D group the ring level runs on it), ``"ring"``, or ``"auto"``: the cost model's best among the
+            sharded with ``shard_sequence(x, layout=distattn.sharding.placement(cu_seqlens, n, group,
+            window=window_size))``, the placement balanced for the window; the call runs on the placement its
+            documents were placed for, ``distattn.sharding.placed_window``; on a 2-D group the ring level runs on
+            it), ``"ring"``, or ``"auto"``: the cost model's best among the
             schedules for contiguous shards (``distattn.schedule.cost``; to let it pick the zigzag layout or a
             2-D group, choose before sharding: ``distattn.choose_schedule``).
         backend: (distattn) kernel backend, ``"triton"``/``"torch"``/``None``.
@@ -432,9 +435,12 @@ def make_config(q, k, v, *, causal, softmax_scale, window, softcap, group, sched
         raise ValueError(f"schedule='zigzag' splits every rank's shard into 2 chunks, so tokens per rank "
                          f"({q.shape[1]}) must be even: pad the sequence to a multiple of {2 * topo.world_size} "
                          f"and shard it with shard_sequence(x, schedule='zigzag')")
+    placed_for = None  # placed: the window its shards were placed for (distattn.sharding records it)
+    if schedule == "placed" and documents is not None:
+        placed_for = placed_window(documents, topo.R, topo.U * q.shape[1], window)
     return DistAttnConfig(causal=causal, scale=resolve_scale(softmax_scale, q.shape[-1]), window=window,
                           softcap=softcap, schedule=schedule, backend=backend, group=group, overlap=overlap,
-                          timeout=check_timeout(timeout), partials=partials)
+                          timeout=check_timeout(timeout), partials=partials, placement_window=placed_for)
 
 
 def check_group(group) -> None:

@@ -46,6 +46,9 @@ class DistAttnConfig:
     partials: str = "fp32"
     """dtype of the partial results sent back (helper outputs, dq/dk/dv partials): ``"fp32"`` or ``"input"``
     (q's dtype: half the bytes). Accumulation is fp32 either way; lse and delta always travel in fp32."""
+    placement_window: tuple[int, int] | None = None
+    """``"placed"``: the window the shards' placement was solved for (``distattn.sharding.placed_window``), which the
+    plan's placement follows; ``None``: the call's ``window``."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -59,7 +62,8 @@ class DistAttnConfig:
         call by adding it here; packed documents are checked by a hash of ``cu_seqlens`` and its length."""
         fields = {"causal": self.causal, "window": list(self.window), "softcap": self.softcap,
                   "schedule": self.schedule, "overlap": self.overlap, "scale": self.scale, "backend": self.backend,
-                  "cu_seqlens": _documents_fingerprint(self.cu_seqlens), "partials": self.partials}
+                  "cu_seqlens": _documents_fingerprint(self.cu_seqlens), "partials": self.partials,
+                  "placement_window": None if self.placement_window is None else list(self.placement_window)}
         if self.schedule == "placed":  # the placement is timed on the cluster DISTATTN_LINK names: all ranks alike
             from distattn.schedule.cluster import cluster_from_env
 
@@ -73,7 +77,8 @@ class DistAttnConfig:
 
     def plan(self, n: int) -> Plan:
         """The plan for ``n`` tokens per rank (masked plans drop pairs that share no visible key)."""
-        return make_plan(dist.get_world_size(self.group), self.causal, self.schedule, mask=self.mask_spec(), chunk=n)
+        return make_plan(dist.get_world_size(self.group), self.causal, self.schedule, mask=self.mask_spec(), chunk=n,
+                         placement_window=self.placement_window)
 
 
 def _documents_fingerprint(cu_seqlens) -> str | None:

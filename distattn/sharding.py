@@ -5,10 +5,13 @@ Rank ``r`` of ``P`` holds positions ``[r*n, (r+1)*n)`` for every schedule but ``
 ring_group)`` or a 2-D mesh, ``distattn.topology``) lays out by the sequence index ``r * U + u``. Pass the same
 ``schedule`` (and ``group``) to ``shard_sequence``, the attention call and ``gather_sequence``.
 
-``schedule="placed"`` (packed documents): the shards follow a placement solved from the documents
+``schedule="placed"`` (packed documents): the shards follow a placement solved from the documents and the window
 (:func:`placement`, the same on every rank, no communication; on a 2-D group too); pass it as ``layout=`` to
 ``shard_sequence``, ``gather_sequence`` and ``positions``, and ``schedule="placed"`` with the same ``cu_seqlens`` to the
-attention call.
+attention call. The call does not see the layout, so :func:`placement` records, per documents, tokens and group, the
+windows it solved for, and the call's plan runs on the placement its shards follow (:func:`placed_window`): the
+call's own window when its documents were placed for it, else the one window they were placed for (a model whose
+layers differ in window shares one sharding), and a ``ValueError`` when that is ambiguous.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from distattn.schedule import SCHEDULES, Layout, layout_of
+from distattn.schedule.build import placed_window
 
-__all__ = ["shard_sequence", "gather_sequence", "positions", "layout", "placement"]
+__all__ = ["shard_sequence", "gather_sequence", "positions", "layout", "placement", "placed_window"]
 
 
 def _initialized() -> bool:
@@ -45,22 +49,28 @@ def group_size(group=None) -> int:
     return _world(group)[1]
 
 
-def placement(cu_seqlens, n: int, group=None) -> Layout:
+def placement(cu_seqlens, n: int, group=None, *, window=(-1, -1)) -> Layout:
     """The work-balanced placement of a packed stream over ``group`` (``distattn.schedule.placement``): every rank
-    derives the same layout from the same ``cu_seqlens`` (global, ints or a tensor) and ``n`` tokens per rank, the
-    layout ``schedule="placed"`` runs on for any causal flag or window. On a two-dimensional group (``U`` x ``R``,
+    derives the same layout from the same ``cu_seqlens`` (global, ints or a tensor), ``n`` tokens per rank and
+    ``window`` (flash-attn's ``(left, right)``; its left side weighs the placement, ``distattn.schedule.build.
+    placement_mask``), the layout ``schedule="placed"`` runs on. Pass the attention call's ``window_size`` here: the
+    placement then balances the windowed work (a placement solved for causal work is communication bound under a
+    window, ``bench/results/placement-sim/DIAGNOSIS.md``). Any causal flag and window run exactly on any placement;
+    the call follows the placement recorded here (:func:`placed_window`). On a two-dimensional group (``U`` x ``R``,
     ``distattn.topology``) the placement is solved over the ``R`` ring ranks of ``U * n`` tokens and rank ``(r, u)``
     holds the ``u``-th ``n`` of ring shard ``r``'s tokens (``distattn.schedule.layouts``). Falls back to contiguous
     shards (``layout.note`` says why) for a stream it cannot place."""
-    from distattn.schedule import MaskSpec
+    from distattn._validate import check_window
+    from distattn.schedule.build import placement_mask, record_placement
 
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.tolist()
-    spec = MaskSpec(causal=True, cu_seqlens=tuple(int(c) for c in cu_seqlens))
+    spec = placement_mask(cu_seqlens, check_window(window))
     _, world = _world(group)
     if world == 1:
         return Layout("contiguous", 1)
     ring, ulysses = _grid(group)
+    record_placement(spec.cu_seqlens, ring, ulysses * n, spec.window)
     return layout_of("placed", ring, ulysses, mask=spec, n=n)
 
 

@@ -272,12 +272,14 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
 def batch_loss(model, batch, cfg: RunConfig, group, mode: str) -> torch.Tensor:
     """The sequence-parallel group's mean loss of ``batch`` (the same on every rank of the group); the training
     step's forward, and held-out evaluation's (``train_eval``, under ``no_grad``)."""
-    from distattn.integrations.hf import causal_lm_loss, shard_batch
+    from distattn.integrations.hf import causal_lm_loss, placement_window, shard_batch
 
     if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
         ids, positions = batch
+        config = getattr(getattr(model, "module", model), "config", None)  # DDP wraps the model; FSDP2 does not
+        window = (-1, -1) if config is None else placement_window(config, ids.numel())  # placed: balance its work
         inputs = shard_batch(ids[None], labels=ids[None], group=group, schedule=cfg.args.schedule,
-                             position_ids=positions[None])
+                             position_ids=positions[None], window=window)
     else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)
         inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
     docs = _placed_documents(cfg, inputs)

@@ -325,7 +325,7 @@ def _placed2d_case(rank, world, group, U, case, cu, n, seed):
     total, d = world * n, 16
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(total, h, d, generator=g).to(dtype) for h in (h_q, h_kv, h_kv, h_q))
-    lay = placement(cu, n, group)  # solved over the R ring ranks of U * n tokens, from the documents alone
+    lay = placement(cu, n, group, window=window)  # over the R ring ranks of U * n tokens, documents and window
     shard = functools.partial(distattn.shard_sequence, dim=0, group=group, layout=lay)
     qs, ks, vs = (shard(t).clone().requires_grad_() for t in (q, k, v))
     comm.reset_counters()

@@ -1,8 +1,8 @@
 """schedule="placed" on spawned gloo ranks: packed documents on the work-balanced placement, against fp64.
 
-Every rank solves the placement from the same ``cu_seqlens`` (``distattn.sharding.placement``), shards q/k/v with
-it, runs ``dist_flash_attn_varlen_func(..., schedule="placed")``, and checks its out/dq/dk/dv against the fp64
-per-document reference over the whole stream (the accuracy rule), its byte counters against the simulator's plan,
+Every rank solves the placement from the same ``cu_seqlens`` and window (``distattn.sharding.placement``), shards
+q/k/v with it, runs ``dist_flash_attn_varlen_func(..., schedule="placed")``, and checks its out/dq/dk/dv against the
+fp64 per-document reference over the whole stream (the accuracy rule), its byte counters against the simulator's plan,
 that every rank holds the same placement, and that ``gather_sequence`` with the placement puts the stream back.
 The same on a Ulysses x ring grid (the placement of its ring level): ``tests/test_dist_layouts.py``, section
 "placed2d", which shares that file's spawns.
@@ -48,7 +48,7 @@ def _check(rank, world, case, cu, n, seed):
     total, d = world * n, 16
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(total, h, d, generator=g).to(dtype) for h in (h_q, h_kv, h_kv, h_q))
-    lay = placement(cu, n)  # from the documents alone: the call's causal flag and window do not move it
+    lay = placement(cu, n, window=window)  # the call's window weighs the placement (its left side; causal alike)
     qs, ks, vs = (shard_sequence(t, 0, layout=lay).clone().requires_grad_() for t in (q, k, v))
     comm.reset_counters()
     out = distattn.dist_flash_attn_varlen_func(qs, ks, vs, torch.tensor(cu, dtype=torch.int32), total,

@@ -136,6 +136,21 @@ def _window(sliding_window, causal: bool, total: int) -> tuple[int, int]:
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
+def placement_window(config, total: int) -> tuple[int, int]:
+    """The window to place a packed stream of ``total`` tokens for (``shard_batch(..., schedule="placed", window=)``):
+    the window most of the model's attention layers run with (transformers' ``layer_types`` where the config has
+    them, else ``sliding_window`` on every layer unless ``use_sliding_window`` is off), as their calls pass it; causal
+    ``(-1, -1)`` when most layers see the whole document. Every layer runs on the placement either way
+    (``distattn.sharding.placed_window``); this only picks the work it balances."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        if 2 * sum(t == "sliding_attention" for t in types) <= len(types):
+            return (-1, -1)
+    elif getattr(config, "use_sliding_window", True) is False:
+        return (-1, -1)
+    return _window(getattr(config, "sliding_window", None), True, total)
+
+
 def _mask_interface(*, attention_mask=None, options: _Options, **kwargs):
     """transformers' mask-interface contract (``AttentionMaskInterface``) for distattn: build no mask.
 

@@ -47,7 +47,7 @@ def resolve_schedule(schedule, group=None) -> str:
 # -- data and loss ------------------------------------------------------------------------------------------
 def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced",
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                pad_id: int = 0) -> dict:
+                pad_id: int = 0, window=(-1, -1)) -> dict:
     """This rank's share of a batch: one long sequence per row, or documents packed padding-free.
 
     Four inputs, the same on every rank:
@@ -85,6 +85,9 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
         attention_mask: ``(batch, seq)``, 1 = token, 0 = padding.
         position_ids: ``(1, T)`` of the flattened format.
         pad_id: token id of the tail padding of packed streams.
+        window: ``"placed"`` only: the attention window the placement is solved for (flash-attn's ``(left, right)``;
+            a model with ``sliding_window = W`` on every layer: ``(W - 1, 0)``), so it balances the windowed work.
+            The model's calls run on this placement whatever their own window (``distattn.sharding.placed_window``).
 
     Returns:
         ``{"input_ids": (batch, n), "position_ids": (batch, n)}`` and, with ``labels``, ``"shift_labels"``: targets
@@ -111,7 +114,7 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
         packed = pack_sequences(input_ids, multiple_of=multiple, pad_id=pad_id)
         stream_labels = None if labels is None else pack_sequences(labels, multiple_of=multiple,
                                                                    pad_id=IGNORE_INDEX).input_ids
-        return _shard_packed(packed, stream_labels, _placed(shard, packed, group) if placed else shard)
+        return _shard_packed(packed, stream_labels, _placed(shard, packed, group, window) if placed else shard)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq) or a list of documents, got shape "
                          f"{tuple(input_ids.shape)}; add a batch dim with input_ids.unsqueeze(0)")
@@ -123,7 +126,7 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
         if labels is not None:
             stream_labels = torch.full_like(packed.input_ids, IGNORE_INDEX)
             stream_labels[:packed.num_tokens] = labels.flatten()[packed.index]
-        return _shard_packed(packed, stream_labels, _placed(shard, packed, group) if placed else shard)
+        return _shard_packed(packed, stream_labels, _placed(shard, packed, group, window) if placed else shard)
     if position_ids is not None:
         if position_ids.shape != input_ids.shape or input_ids.shape[0] != 1:
             raise ValueError(f"flattened position_ids must be (1, T) like input_ids, got {tuple(position_ids.shape)} "
@@ -132,7 +135,7 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
         lengths = (cu[1:] - cu[:-1]).tolist()
         packed = Packed(input_ids[0], cu, position_ids[0], max(lengths))
         return _shard_packed(packed, None if labels is None else labels[0],
-                             _placed(shard, packed, group) if placed else shard)
+                             _placed(shard, packed, group, window) if placed else shard)
     batch, seq = input_ids.shape
     positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
     out = {"input_ids": shard(input_ids), "position_ids": shard(positions)}  # global positions, same layout
@@ -142,12 +145,13 @@ def shard_batch(input_ids, labels=None, group=None, *, schedule: str = "balanced
     return out
 
 
-def _placed(shard, packed: Packed, group):
-    """``shard`` on the placement of the packed stream's documents (``schedule="placed"``; the same on every rank)."""
+def _placed(shard, packed: Packed, group, window):
+    """``shard`` on the placement of the packed stream's documents and ``window`` (``schedule="placed"``; the same on
+    every rank)."""
     from distattn.sharding import placement
 
     total = packed.input_ids.shape[0]
-    lay = placement(packed.cu_seqlens, total // _group_size(group), group)
+    lay = placement(packed.cu_seqlens, total // _group_size(group), group, window=window)
     return functools.partial(shard, schedule="balanced", layout=lay)
 
 

@@ -121,9 +121,12 @@ def _layout_of(schedule: str, cu_q, cu_k, n: int, group) -> dict:
         return {"schedule": schedule}
     if cu_q is None and cu_k is None:
         return {"schedule": "balanced"}
-    from distattn.sharding import placement
+    from distattn.sharding import _grid, placed_window, placement
 
-    return {"schedule": "balanced", "layout": placement(cu_seq_lens_documents(cu_q, cu_k), n, group)}
+    cu = cu_seq_lens_documents(cu_q, cu_k)
+    ring, ulysses = _grid(group)
+    window = placed_window(cu, ring, ulysses * n, (-1, -1))  # the window shard_batch placed these documents for
+    return {"schedule": "balanced", "layout": placement(cu, n, group, window=window)}
 
 
 def _check_layout(stream: torch.Tensor, group, schedule: str) -> None:

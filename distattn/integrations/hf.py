@@ -80,7 +80,8 @@ from __future__ import annotations
 # imports this module): _hf_batch (shard_batch, causal_lm_loss) <- _hf_attention (use_distattn) <- _hf_checkpointing;
 # _hf_data, _hf_tiling, _hf_router; _hf_trainer (imported lazily, only when the Trainer is asked for).
 from distattn.integrations._hf_attention import (_DEFAULT_OPTIONS, ATTN_IMPLEMENTATION, _common_dtype, _Options,
-                                                 _window, distattn_attention_forward, use_distattn)
+                                                 _window, distattn_attention_forward, placement_window,
+                                                 use_distattn)
 from distattn.integrations._hf_batch import IGNORE_INDEX, causal_lm_loss, shard_batch
 from distattn.integrations._hf_checkpointing import enable_remat_checkpointing, offload_checkpoints
 from distattn.integrations._hf_data import ReplicaSampler, check_same_batches, shard_inputs
@@ -89,7 +90,7 @@ from distattn.integrations._hf_tiling import global_mean, tile_loss, tile_mlp, t
 
 __all__ = ["use_distattn", "shard_batch", "causal_lm_loss", "enable_remat_checkpointing", "offload_checkpoints",
            "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "tiled_causal_lm_loss", "tile_loss", "tile_mlp",
-           "shard_inputs", "check_same_batches", "ReplicaSampler", "load_balancing_loss",
+           "shard_inputs", "check_same_batches", "ReplicaSampler", "load_balancing_loss", "placement_window",
            "SequenceParallelTrainer", "SequenceParallelMixin"]  # noqa: F822 (the last two: __getattr__, lazily)
 # handed on for the compat adapters and tests that call the attention function directly
 _HANDED_ON = (_DEFAULT_OPTIONS, _Options, _common_dtype, _window, distattn_attention_forward, global_mean)

@@ -29,9 +29,13 @@ from below). The search starts at the smallest group whose dealt work balances w
 worse than that rule), climbs down and up the divisors while the step improves, and always tries a node's size.
 Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
 the blocks' row work and in the timed plan. The callers of the library (``make_placed_plan``,
-``distattn.sharding.placement``) pass the documents alone (causal), so the shards made from them match a windowed
-call's plan too; for a windowed call that leaves the window unweighed (``bench/placement_diagnose.py``: on the worst
-seeds the windowed plan is communication bound, the group chosen for causal work far too large).
+``distattn.sharding.placement``, ``layout_of``) pass the documents and the call's window, causal
+(``distattn.schedule.build.placement_mask``: the window's left side), so a windowed call's group is chosen for its
+windowed work (``bench/results/placement-sim/DIAGNOSIS.md``: the group chosen for causal work left the worst windowed
+seeds communication bound); the call's plan follows the window its shards were placed for
+(``distattn.schedule.build.placed_window``). A windowed solve also times the documents-only placement on the windowed
+plan and keeps it when it is faster (the deal by windowed row work is a heuristic too: on InfiniBand it lost to the
+causal deal on some seeds, ``bench/results/placement-sim/DIAGNOSIS.md``), so it is never worse than that.
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
@@ -169,6 +173,14 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         timed(cluster.gpus_per_node)
     k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: small k
     best_time, best = times[k]
+    if spec.window != (-1, -1):  # never worse than the documents-only placement, timed on the same windowed plan
+        plain = _place_cached(dataclasses.replace(spec, window=(-1, -1)), p, n, None, cluster, stride)
+        if plain.kind == "placed" and plain.placement != best.placement:
+            t = step_timeline(make_masked_plan.__wrapped__(p, "placed", spec, n, plain), shapes, cluster,
+                              stride=stride)["makespan"]
+            if t < best_time * (1 - 1e-9):
+                best_time, best = t, dataclasses.replace(plain, note=f"{plain.note.split(';')[0]} (the placement of "
+                                                                     f"the documents without the window: faster)")
     return dataclasses.replace(best, note=f"{best.note}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
 
