@@ -321,14 +321,21 @@ def tiled_mlp_bytes(tokens: int, hidden: int, ffn: int, tile: int, dtype_bytes: 
     ``dtype_bytes``: the input's; ``compute_bytes``: the matmuls' (autocast dtype; default ``dtype_bytes``);
     ``param_bytes``: the parameters' (default ``compute_bytes``).
 
-    saved = N*h*dtype (the input). tile_saved (what the tile's recompute keeps for its backward, by tensor):
-    swiglu: gate out, act(gate), up out, their product: 4*t*f*c; gelu: fc out, gelu out: 2*t*f*c; plus the
-    tile input cast to c when c differs from the input dtype (t*h*c). tile_working (an upper bound) =
-    tile_saved + the two ``(t, f)`` gradients alive at once in its backward (2*t*f*c) + the tile's output and
-    output-gradient views (t*h*c). backward_fixed: the fp32 accumulators (P*4) beside one tile's parameter
-    gradients (P*p), P the MLP's parameter count; when the parameters are not in c, also the weight matrices
-    cast to c (M*c, M = 3*h*f or 2*h*f, made once for all tiles) and a tile's c-dtype weight gradients before
-    their cast (M*c). The input gradient (N*h) is not counted: every backward makes it.
+    saved = N*h*dtype (the input). tile_saved (what the tile's recompute keeps for its own backward, by tensor):
+    swiglu: gate out, act(gate), up out, their product: 4*t*f*c; gelu: fc out, gelu out: 2*t*f*c; plus the tile
+    input cast to c when c differs from the input dtype (t*h*c).
+
+    tile_working: the larger of a tile's two moments (its backward runs as one ``autograd.grad``), beyond the
+    accumulators: **in the tile's backward**, after the down projection's backward made its input gradient and its
+    weight gradient, the product's backward makes two more ``(t, f)`` gradients beside the tile's saved tensors and
+    its output: tile_saved + 2*t*f*c + t*h*c + h*f*(c, and p when the weights are cast: the gradient's cast); **at
+    the last weight gradient** (gate's, fc's): every parameter gradient of the tile (n_params*c, their casts too
+    when p != c) beside the last ``(t, f)`` gradient, the tile's output and its input gradients: swiglu 3*t*h*c
+    (the up and gate paths' and their sum), gelu 2*t*h*c. The test measures both (``tests/test_tiling.py``).
+    backward_fixed: the fp32 accumulators (n_params*4, the first tile's fp32 gradients become them; with one tile
+    they are that tile's gradients, counted in its moment) and, when the parameters are not in c, the weight
+    matrices cast to c (M*c, M = 3*h*f or 2*h*f, made once for all tiles). The input gradient (N*h) is not counted:
+    every backward makes it.
     """
     if kind not in ("swiglu", "gelu"):
         raise ValueError(f"kind={kind!r}: expected 'swiglu' (LLaMA gate/up/down) or 'gelu' (GPT fc/proj)")
@@ -339,6 +346,13 @@ def tiled_mlp_bytes(tokens: int, hidden: int, ffn: int, tile: int, dtype_bytes: 
     tile_saved = per_f * t * ffn * c + (t * hidden * c if c != dtype_bytes else 0)
     matrices = (3 if kind == "swiglu" else 2) * hidden * ffn
     n_params = matrices if kind == "swiglu" else matrices + ffn + hidden
+    grad_bytes = c + (p if p != c else 0)  # a tile's weight gradient in c, and its cast to the parameter's dtype
+    in_backward = tile_saved + 2 * t * ffn * c + t * hidden * c + hidden * ffn * grad_bytes
+    at_end = n_params * grad_bytes + t * ffn * c + (3 if kind == "swiglu" else 2) * t * hidden * c
+    casts = matrices * c if p != c else 0
+    if tokens <= t:  # one tile: its gradients become the accumulators (fp32 ones as they are), none before them
+        fp32 = (p if p != c else c) == 4
+        return TileBytes(saved=tokens * hidden * dtype_bytes, tile_saved=tile_saved,
+                         tile_working=max(in_backward, at_end + (0 if fp32 else n_params * 4)), backward_fixed=casts)
     return TileBytes(saved=tokens * hidden * dtype_bytes, tile_saved=tile_saved,
-                     tile_working=tile_saved + 2 * t * ffn * c + t * hidden * c,
-                     backward_fixed=(2 * matrices * c if p != c else 0) + n_params * (p + 4))
+                     tile_working=max(in_backward, at_end), backward_fixed=casts + n_params * 4)

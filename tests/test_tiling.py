@@ -342,8 +342,11 @@ def test_tiled_mlp_backward_peak_within_the_byte_model(kind, model_kind, autocas
     with _LivePeak() as live:
         y.backward(grad)
     n_params = sum(p.numel() for p in params)
-    # the accumulators and one tile's parameter gradients do coexist; the model's total bounds the peak
-    assert n * hidden * 4 + 2 * n_params * 4 <= live.peak <= n * hidden * 4 + model.backward_fixed + model.tile_working
+    predicted = n * hidden * 4 + model.backward_fixed + model.tile_working
+    if autocast:  # the casts' moments are bounded (within 10% here), not followed op by op
+        assert n * hidden * 4 + 2 * n_params * 4 <= live.peak <= predicted <= 1.1 * live.peak
+    else:  # the step's byte model (distattn.memory.techniques) uses these moments as they are: exact
+        assert live.peak == predicted
 
 
 # -- Hugging Face models ------------------------------------------------------------------------------------
