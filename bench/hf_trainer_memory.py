@@ -5,7 +5,8 @@ fp32); the second step runs inside ``distattn.memory.measure.live_bytes`` (the p
 step, dispatch level) on rank 0. Measured = that peak + the parameters (allocated before the step; the gradients are
 made inside it: ``Trainer`` zeroes them to ``None``). Predicted = ``distattn.memory.techniques.technique_peak`` for the
 same model, tokens, P, precision, checkpointing and techniques (``mode="ddp", device="cpu"``), without AdamW's states
-(SGD has none); on CPU the offloaded checkpoints' "host" copies are CPU tensors too, so the host bytes are added to
+(SGD has none), at the largest of the model's moments inside ``training_step`` (the optimizer's step is not
+measured: it runs after); on CPU the offloaded checkpoints' "host" copies are CPU tensors too, so the host bytes are added to
 the device prediction.
 
     python bench/hf_trainer_memory.py            # writes bench/results/hf-trainer-memory/{results.csv,README.md}
@@ -76,8 +77,9 @@ def _predicted(kw) -> tuple[int, dict, str]:
                       offload_checkpoints=bool(kw.get("offload_checkpoints")))
     peak = technique_peak(spec, 1, SEQ, sp=P, precision="fp32", strategy=strategy, tech=tech, pinned=False,
                           mode="ddp", device="cpu")  # DDP: what Trainer wraps the model in on CPU
-    total = peak.total - steady_state_bytes(spec)["adam"] + peak.host_total
-    return total, peak.parts, peak.moment
+    # the measured region is ``training_step`` (forward, loss, backward): the optimizer's moment is outside it
+    moment, total, parts = max((m for m in peak.moments if m[0] != "in the optimizer step"), key=lambda m: m[1])
+    return total - steady_state_bytes(spec)["adam"] + peak.host_total, parts, moment
 
 
 def main() -> None:

@@ -89,8 +89,9 @@ def measure_case(rank, world, flags, seq, schedule, vocab=VOCAB):
                 setattr(kernels, name, fn)
     pred = train_memory.step_prediction(cfg, config, mode)
     return {"device": mem.device_peak, "host": mem.host_peak, "moment": str(mem.moment), "mode": mode,
+            "host_moment": str(mem.host_moment),
             "predicted_device": pred.total, "predicted_host": pred.host_total, "predicted_moment": pred.moment,
-            "parts": pred.parts, "at_peak": _largest(mem.at_peak)}
+            "parts": pred.parts, "moments": pred.moments, "at_peak": _largest(mem.at_peak)}
 
 
 def _largest(at_peak, top=40):

@@ -30,14 +30,9 @@ def _shard(cfg: RunConfig) -> int:
 
 
 def predicted_peak(cfg: RunConfig, config):
-    """``distattn.memory.StepPeak`` of one step on one rank of this job (with tiles or offload: the techniques'
-    byte model, ``distattn.memory.techniques``, whose peak has the same ``total``/``parts``/``dominant``)."""
-    from distattn.memory import predicted_peak_bytes
-
-    if train_plan.uses_techniques(cfg):
-        return train_plan.technique_peak(cfg, config, _precision(cfg), _shard(cfg))
-    return predicted_peak_bytes(config, batch=cfg.args.batch_size, seq_len=cfg.args.seq_len, sp_size=cfg.sp_size,
-                                shard_size=_shard(cfg), precision=_precision(cfg), remat=cfg.args.remat)
+    """The step's device peak on one rank of this job, as it will run (``step_prediction``: the accounting the JSON
+    summary reports and ``bench/step_memory.py`` holds to a measurement, with or without techniques)."""
+    return step_prediction(cfg, config)
 
 
 def plan(cfg: RunConfig, config, log, dataset=None) -> None:
@@ -48,13 +43,15 @@ def plan(cfg: RunConfig, config, log, dataset=None) -> None:
 
 
 def host_bytes(cfg: RunConfig, config) -> dict[str, int]:
-    """Host bytes one rank of this job offloads, by kind: ``step_prediction``'s, the planner's accounting (on CUDA
-    each pinned block rounded up to a power of two, as PyTorch's pinned allocator allocates it)."""
+    """Host bytes one rank of this job offloads at their peak, by kind: ``step_prediction``'s, the planner's
+    accounting (on CUDA each pinned block rounded up to a power of two, as PyTorch's pinned allocator allocates it,
+    and the checkpoints' blocks beside the optimizer's; in plain memory the larger of the two moments)."""
     a = cfg.args
     if not (a.offload_checkpoints or a.offload_optimizer):
         return {}
     host = step_prediction(cfg, config).host
-    names = {"checkpoints": "checkpoints", "weights+grads (pinned)": "optimizer params+grads", "adam": "AdamW states"}
+    names = {"checkpoints": "checkpoints", "weights (pinned)": "optimizer params", "grads (pinned)": "optimizer grads",
+             "adam": "AdamW states"}
     return {names.get(k, k): host[k] for k in sorted(host, key=lambda k: k != "checkpoints") if host[k]}
 
 

@@ -24,12 +24,13 @@ def _longest(model, gpus, gpu_gib=80, reserve_gib=1, **kw):
 # The README's table (bench/results/planner-long): every byte counted (the attention executor's buffers in the head
 # groups it runs, FSDP2's root, head gradient and reduce-scatter, pinned-host rounding), H100s of 79.65 GiB, 2 TiB of
 # host memory per node of 8. Regenerate both together. The issue's goals were >= 600K / 4M / 16M: met since the step's
-# moments are train.py's (issue 36, bench/results/step-memory/); each peak is in the last layer's recomputed backward.
+# moments are train.py's (issue 36, bench/results/step-memory/, every combination within 1.4% of the CPU measurement);
+# the GPU rows' peaks are in the second layer's backward (FSDP2's prefetch and the offload's prefetched layer).
 @pytest.mark.parametrize("model, gpus, gpu, honest", [
-    ("llama3-8b", 1, "h100", 685_184),
-    ("llama3-8b", 8, "h100", 4_616_192),
-    ("llama3-8b", 32, "h100", 21_061_632),
-    ("llama-7b", 16, "a100-40gb", 4_681_728),
+    ("llama3-8b", 1, "h100", 691_328),
+    ("llama3-8b", 8, "h100", 4_428_800),
+    ("llama3-8b", 32, "h100", 21_020_672),
+    ("llama-7b", 16, "a100-40gb", 4_730_880),
 ], ids=["llama3-8b-1-h100", "llama3-8b-8-h100", "llama3-8b-32-h100", "llama-7b-16-a100-40gb"])  # ids free of figures
 def test_planner_headline_is_the_readme_table(model, gpus, gpu, honest):
     from distattn.memory.cli import GPUS
@@ -58,7 +59,7 @@ def test_fsdp2_items_of_llama3_8b():
 
     items = fsdp2_items(get_preset("llama3-8b"))
     assert round(items["root"] / GIB, 2) == 1.96 and round(items["head_grad"] / GIB, 2) == 0.98
-    assert round(items["reduce_scatter"] / GIB, 2) == 1.22
+    assert round(items["reduce_scatter"] / GIB, 2) == 0.81  # the fp32 input; the bf16 gradients freed once copied in
 
 
 def test_gpu_mem_defaults_to_the_gpus_real_capacity(capsys, monkeypatch):

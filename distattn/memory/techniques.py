@@ -13,12 +13,17 @@ The techniques (``Techniques``) compose with every checkpointing strategy of ``d
 * ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy``: fp32 parameters, gradients and AdamW states live on the host;
   the device holds the gathered half-precision parameters of the layers being computed.
 
-``technique_peak`` gives the training step's device peak (the largest of four moments: the loss backward, a
-recomputed layer's backward, and, with distattn, a layer's attention backward and forward, where the executor's own
-buffers (``distattn.memory.executor``: a replay of the plan) sit on top of the layer's tensors; each with the
-techniques applied and FSDP2's root, head gradient and reduce-scatter buffers (``fsdp2_items``)), the host bytes
-(pinned blocks rounded to powers of two: ``host_block``), the bytes that cross the host-device link per step, and
-the FLOPs of the step and of its recomputation.
+``technique_peak`` gives the training step's device peak: the largest of the moments ``launch/train.py``'s step
+passes through (``TechniquePeak.moments`` lists them): the loss backward; a layer's backward at the last, the last but
+one, the second and the first layer (what a layer's backward holds is linear in its index but for FSDP2's prefetch of
+the next layer's parameters, absent in the first layer's, and the previous layer's reduce-scatter input, absent in
+the last layer's), inside its MLP's backward and, with distattn, its attention's
+backward and forward, where the executor's own buffers (``distattn.memory.executor``: a replay of the plan) sit on
+top of the layer's tensors; the root's gradient reduction; AdamW's step. Each with the techniques applied and
+FSDP2's root, head gradient, prefetch and reduce-scatter input (``fsdp2_items``). Held to a whole-step measurement on
+CPU (``bench/step_memory.py``, ``tests/test_step_memory.py``). Then the host bytes at their peak (pinned blocks
+rounded to powers of two: ``host_block``), the bytes that cross the host-device link per step, and the FLOPs of the
+step and of its recomputation.
 
 Legend as in ``distattn.memory.model``: ``b`` batch, ``n`` tokens on this rank, ``h`` hidden, ``f`` ffn, ``V`` vocab,
 ``L`` layers, ``A`` bytes of the activation dtype.
@@ -37,7 +42,7 @@ from distattn.memory.model import (ModelSpec, Saved, _dtypes, layer_saved_tensor
 from distattn.tiling import tiled_loss_bytes, tiled_mlp_bytes
 
 __all__ = ["Techniques", "TechniquePeak", "technique_peak", "mlp_saved_names", "step_flops", "host_limit_bytes",
-           "tiled_layer_saved_tensors", "fsdp2_items", "host_block", "optimizer_host_bytes"]
+           "tiled_layer_saved_tensors", "fsdp2_items", "host_block", "optimizer_host_bytes", "cpu_adamw_temporaries"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +87,10 @@ class TechniquePeak:
     """FLOPs of the step with its recomputation."""
     recompute_flops: float = 0.0
     """FLOPs recomputed (checkpointing, tiles) on top of forward + backward."""
+    moments: tuple = ()
+    """Every moment the model weighs: ``(name, total bytes, parts)``, the peak among them."""
+    host_moment: str = ""
+    """When the host bytes peak (``host`` holds their parts then)."""
 
     @property
     def host_total(self) -> int:
@@ -140,6 +149,7 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     n = seq // sp
     lay = model.layer
     kw = dict(impl=impl, precision=precision, sp=sp)
+    cuda = device == "cuda"
     fsdp_on = precision in ("bf16", "fp16") if mode is None else mode == "fsdp2"
     if mode in ("none", "ddp"):  # every rank holds every parameter, gradient and AdamW state
         shard = 1
@@ -156,16 +166,21 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     if tech.offload_optimizer:  # fp32 params + grads + AdamW on the host; the device holds the gathered half
         # parameters of the layer computed and the one prefetched, and the root's (embeddings, head) throughout
         host.update(optimizer_host_bytes(model, shard, pinned))
-        # AdamW steps on the CPU one tensor at a time (no foreach for CPU tensors): sqrt and division of the largest
-        largest = max(model.vocab, lay.ffn, lay.heads * lay.head_dim) * lay.hidden
-        host["AdamW temporaries"] = 2 * 4 * -(-largest // shard)
+        host["AdamW temporaries"] = cpu_adamw_temporaries(model, shard)
         traffic += 2 * steady["weights"] + steady["grads"]  # params to the device (forward, backward), grads back
         resident, grad_layer = {}, 0
-    gathered = {}
-    if fsdp_on:  # FSDP2: the root's parameters unsharded throughout; in a layer's forward or backward that layer's and
-        # (CUDA: prefetched on a side stream) the next one's, in the compute dtype; none at the loss backward
+
+    def gathered(i: int) -> dict:
+        """FSDP2 in layer ``i``'s backward: that layer's parameters unsharded in the compute dtype and (CUDA: on a
+        side stream; sharded over ranks: the all-gather's output, copied out when layer ``i - 1`` starts) the next
+        layer's, prefetched; none at the loss backward, the root's throughout (``resident``)."""
+        if not fsdp_on:
+            return {}
+        prefetch = cuda or (shard > 1 and i > 0)
+        return {"gathered params (layers)": (2 if prefetch else 1) * A * lay.params}
+
+    if fsdp_on:
         resident["FSDP2 root (embeddings, head: unsharded)"] = fsdp["root"]
-        gathered = {"gathered params (layers)": (2 if device == "cuda" else 1) * A * lay.params}
 
     layer_list = layer_saved_tensors(lay, batch, seq, strategy=strategy, **kw)
     full_list = layer_saved_tensors(lay, batch, seq, strategy="none", **kw)
@@ -175,7 +190,6 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
             layer_list = full_list
     layer_kept = sum(t.nbytes for t in layer_list)
     layer_full = sum(t.nbytes for t in full_list)
-    cuda = device == "cuda"
     if tech.offload_checkpoints:
         host["checkpoints"] = model.layers * sum(host_block(t.nbytes, pinned) for t in layer_list)
         traffic += 2 * layer_kept * model.layers  # out in forward, back in backward
@@ -195,10 +209,17 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         tb = tiled_loss_bytes(batch * n, lay.hidden, model.vocab, tech.loss_tile, A)
         logits = tb.tile_working + tb.backward_fixed + batch * n * lay.hidden * 4  # + the fp32 input gradient
     rest = sum(t.nbytes for t in rest_list)
-    mlp_tile_ws = 0
+    # the untiled MLP's backward at its largest, beyond its saved tensors: the product's (GELU: the activation's)
+    # backward makes two (n, ffn) gradients where the down projection's input was freed, beside the down projection's
+    # weight gradient and two (n, hidden) gradients of the MLP's output (views copied by its reshapes); measured in
+    # bench/results/step-memory
+    swiglu = lay.family == "llama"
+    grad_bytes = 4 if _dtypes(precision)[3] else A  # autocast: fp32 parameters and gradients
+    mlp_tile_ws = (batch * n * lay.ffn * A + lay.hidden * lay.ffn * grad_bytes + 2 * batch * n * lay.hidden * A
+                   + (0 if swiglu else lay.hidden * grad_bytes))
     if tech.mlp_tile:  # one tile's working set and the fp32 parameter-gradient sums beside a tile's gradients
         mb = tiled_mlp_bytes(batch * n, lay.hidden, lay.ffn, tech.mlp_tile, A,
-                             kind="swiglu" if lay.family == "llama" else "gelu")
+                             kind="swiglu" if swiglu else "gelu")
         mlp_tile_ws = mb.tile_working + mb.backward_fixed
 
     kept_all = 0 if tech.offload_checkpoints else model.layers * layer_kept
@@ -206,32 +227,42 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     moments = [(begin, "at the loss backward")]
     resid_grads = 2 * batch * n * lay.hidden * _dtypes(precision)[1].itemsize  # in the residual stream's dtype
     on_host_ckpt = layer_kept if tech.offload_checkpoints and not cuda else 0  # CPU: the layer's kept stay host
-    for i, when in ((model.layers - 1, "the last layer's"), (0, "the first layer's")):
+    # what a layer's backward holds is linear in its index but for FSDP2's prefetch (none in the first layer's) and
+    # the previous layer's reduce-scatter input (none in the last layer's): four layers bound every layer
+    last = model.layers - 1
+    ends = {last: "the last layer's", max(last - 1, 0): "the last but one layer's", min(1, last): "the second layer's",
+            0: "the first layer's"}
+    for i, when in ends.items():
         in_backward = {"grads made (head, later layers)": grad_head + (model.layers - 1 - i) * grad_layer,
-                       "reduce-scatter (a layer's grads, bf16 + fp32)": fsdp.get("reduce_scatter", 0), **shared}
-        during = {**resident, **gathered, "layer activations": others(i), **in_backward,
+                       # the previous layer's, kept until this one's reduce-scatter (none before the last layer's)
+                       "reduce-scatter input (a layer's grads, fp32)":
+                       fsdp.get("reduce_scatter", 0) if i < model.layers - 1 else 0, **shared}
+        during = {**resident, **gathered(i), "layer activations": others(i), **in_backward,
                   ("recomputed layer" if strategy != "none" else "the layer's saved tensors"):
                   layer_full - on_host_ckpt + resid_grads + mlp_tile_ws}
         moments.append((during, f"in {when} backward" + (" (recomputed)" if strategy != "none" else "")))
         if impl == "distattn":
-            moments += _attention_moments(model, batch, n, sp, act, full_list, {**resident, **gathered}, others(i),
+            moments += _attention_moments(model, batch, n, sp, act, full_list, {**resident, **gathered(i)}, others(i),
                                           in_backward,
                                           shared, resid_grads, strategy, schedule, partials, on_host_ckpt, when)
-    if fsdp_on:  # the root's reduction at the end of backward: its unsharded gradients, their fp32 copy (the
-        # reduce-scatter's input), the division by the group's factor (one rank: a copy of it) and the sharded result
+    if fsdp_on:  # the root's reduction at the end of backward (FSDP2 reshards the root's parameters first): its
+        # unsharded gradients copied into the fp32 reduce-scatter input beside the first layer's (then freed); then
+        # that input, the sharded output and, on one rank, the division's result (``foreach_reduce``)
         root_params = model.params - model.layers * lay.params
-        reduce = (A + 4 + (4 if shard == 1 else 0)) * root_params + -(-4 * root_params // shard)
-        end = {**resident, "grads made (every layer)": model.layers * grad_layer,
+        copy_in = (A + 4) * root_params + fsdp["reduce_scatter"]
+        reduce = max(copy_in, 4 * root_params + -(-4 * root_params // shard) * (2 if shard == 1 else 1))
+        end = {**{k: v for k, v in resident.items() if not k.startswith("FSDP2 root")},
+               "grads made (every layer)": model.layers * grad_layer,
                "the root's reduce-scatter (grads, fp32 input, output)": reduce}
         moments.append((end, "at the root's gradient reduction, the end of backward"))
     if not tech.offload_optimizer:  # AdamW's step: every gradient made, and its temporaries (sqrt, then the division):
         # foreach on CUDA, one list of a whole group (the matrices: ~every parameter); on the CPU one tensor at a time
-        largest = max(model.vocab, lay.ffn, lay.heads * lay.head_dim) * lay.hidden
-        temp = 4 * -(-model.params // shard) if cuda else 2 * 4 * -(-largest // shard)
+        temp = 4 * -(-model.params // shard) if cuda else cpu_adamw_temporaries(model, shard)
         opt = {**resident, "grads (every parameter)": steady["grads"], "AdamW temporaries": temp}
         moments.append((opt, "in the optimizer step"))
     parts, moment = max(moments, key=lambda m: sum(m[0].values()))
     parts = {k: v for k, v in parts.items() if v}
+    host, host_moment = _host_peak(host, pinned)
 
     mat, att, head = step_flops(model, batch, seq, sp)
     mlp = _mlp_flops(model, batch, n)
@@ -241,7 +272,9 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     if tech.loss_tile:
         recompute += head
     flops = 3 * (model.layers * (mat + att) + head)
-    return TechniquePeak(sum(parts.values()), parts, moment, host, traffic, flops + recompute, recompute)
+    weighed = tuple((name, sum(m.values()), {k: v for k, v in m.items() if v}) for m, name in moments)
+    return TechniquePeak(sum(parts.values()), parts, moment, host, traffic, flops + recompute, recompute, weighed,
+                         host_moment)
 
 
 _SHARED = ("input_ids", "rope.", "position_ids")  # what every layer's backward still reads (HF's keyword arguments)
@@ -283,13 +316,14 @@ def fsdp2_items(model: ModelSpec, A: int = 2) -> dict[str, int]:
       and kept unsharded through the backward (FSDP2 does not reshard the root after its forward);
     * ``head_grad``: the LM head's unsharded bf16 gradient, made in the loss backward and reduced with the root's, at
       the end of the backward;
-    * ``reduce_scatter``: one layer's unsharded bf16 gradients and their fp32 copy, the reduce-scatter's input
-      (``reduce_dtype=float32``), while the next layer's backward runs.
+    * ``reduce_scatter``: one layer's fp32 reduce-scatter input (``reduce_dtype=float32``; its unsharded gradients
+      are freed once copied in), kept by FSDP2 until the next layer's reduce-scatter, while that layer's backward
+      runs.
     """
     h = model.layer.hidden
     emb = model.vocab * h * (1 if model.tie_embeddings else 2) + model.max_positions * h + h
     return {"root": A * emb, "head_grad": 0 if model.tie_embeddings else A * model.vocab * h,
-            "reduce_scatter": (A + 4) * model.layer.params}
+            "reduce_scatter": 4 * model.layer.params}
 
 
 def host_block(nbytes: int, pinned: bool = True) -> int:
@@ -314,7 +348,40 @@ def optimizer_host_bytes(model: ModelSpec, shard: int, pinned: bool = True) -> d
     root = [rows((model.vocab, h)) * 4] * (1 if model.tie_embeddings else 2) + [rows((h, 1)) * 4]
     tensors = per_layer * model.layers + root
     pinned_bytes = sum(host_block(t, pinned) for t in tensors)
-    return {"weights+grads (pinned)": 2 * pinned_bytes, "adam": 2 * sum(tensors)}
+    return {"weights (pinned)": pinned_bytes, "grads (pinned)": pinned_bytes, "adam": 2 * sum(tensors)}
+
+
+def _matrices(model: ModelSpec) -> list[tuple[int, int]]:
+    """The shapes of the parameters AdamW decays (``launch/train_model.param_groups``: 2-D ones), in the model's
+    parameter order (Hugging Face LLaMA: embeddings, each layer's q, k, v, o, gate, up, down, then the LM head)."""
+    lay, h, d = model.layer, model.layer.hidden, model.layer.head_dim
+    layer = [(lay.heads * d, h), (lay.kv_heads * d, h), (lay.kv_heads * d, h), (h, lay.heads * d)]
+    layer += [(lay.ffn, h), (lay.ffn, h), (h, lay.ffn)] if lay.family == "llama" else [(lay.ffn, h), (h, lay.ffn)]
+    return [(model.vocab, h)] + layer * model.layers + ([] if model.tie_embeddings else [(model.vocab, h)])
+
+
+def cpu_adamw_temporaries(model: ModelSpec, shard: int = 1) -> int:
+    """AdamW on CPU tensors (no foreach there) steps one fp32 tensor at a time: the square root of its second moment
+    and the division by it (``denom``) beside the previous tensor's ``denom``, still bound by the loop's variable;
+    the largest over the decay group's matrices in parameter order, each sharded on dim 0 ``shard`` ways."""
+    sizes = [-(-rows // shard) * cols * 4 for rows, cols in _matrices(model)]
+    return max(2 * cur + prev for prev, cur in zip([0] + sizes, sizes))
+
+
+def _host_peak(host: dict[str, int], pinned: bool) -> tuple[dict[str, int], str]:
+    """The host bytes at their peak and its moment. Offloaded checkpoints (filled by the end of the forward, freed
+    through the backward) and the offloaded optimizer's gradients and temporaries (made through the backward, used
+    by the step) meet only in part; in plain host memory the larger of the two moments is the peak. PyTorch's
+    pinned caching allocator keeps every freed block for reuse by a request of its own size class, so with pinned
+    memory both are counted (a bound: its blocks rarely match)."""
+    late = ("grads (pinned)", "AdamW temporaries")
+    if pinned or not host.get("checkpoints") or not any(host.get(k) for k in late):
+        return host, "the step" if host else ""
+    forward_end = {k: v for k, v in host.items() if k not in late}
+    step = {k: v for k, v in host.items() if k != "checkpoints"}
+    if sum(forward_end.values()) > sum(step.values()):
+        return forward_end, "at the end of the forward (every checkpoint offloaded)"
+    return step, "in the optimizer step"
 
 
 def tiled_layer_saved_tensors(spec, batch: int, seq: int, *, impl: str = "distattn", precision: str = "bf16",
