@@ -7,7 +7,10 @@ made inside it: ``Trainer`` zeroes them to ``None``). Predicted = ``distattn.mem
 same model, tokens, P, precision, checkpointing and techniques (``mode="ddp", device="cpu"``), without AdamW's states
 (SGD has none), at the largest of the model's moments inside ``training_step`` (the optimizer's step is not
 measured: it runs after); on CPU the offloaded checkpoints' "host" copies are CPU tensors too, so the host bytes are added to
-the device prediction.
+the device prediction. The FSDP2 rows run accelerate's own FSDP2 preparation (``TrainingArguments(fsdp=True,
+fsdp_config={"fsdp_version": 2, ...})``) on CPU with ``tests/test_hf_trainer_fsdp2._accelerate_fsdp_on_cpu``, and
+are measured with ``distattn.memory.tiers.step_bytes`` (it follows FSDP2's storage resizes; the sharded parameters
+counted); predicted with ``mode="fsdp2", shard=P``.
 
     python bench/hf_trainer_memory.py            # writes bench/results/hf-trainer-memory/{results.csv,README.md}
 """
@@ -28,9 +31,13 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]  # this checkout's
 SIZES = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, attention_dropout=0.0)
 SEQ, P = 1024, 2
+ALL = dict(tile_loss=128, tile_mlp=128, remat=True, offload_checkpoints=True)
 CONFIGS = {"none": {}, "tile_loss 128": dict(tile_loss=128), "tile_mlp 128": dict(tile_mlp=128),
-           "remat": dict(remat=True), "remat + offload": dict(remat=True, offload_checkpoints=True),
-           "all": dict(tile_loss=128, tile_mlp=128, remat=True, offload_checkpoints=True)}
+           "remat": dict(remat=True), "remat + offload": dict(remat=True, offload_checkpoints=True), "all": ALL,
+           "fsdp2": dict(fsdp=True), "fsdp2 + all": dict(ALL, fsdp=True)}
+FSDP2 = {"fsdp_version": 2, "reshard_after_forward": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+KERNEL_FNS = ("fold_", "merge_", "attn_delta", "backward_chunk_")  # the CPU kernels' scratch: not a GPU's (as
+# bench/step_memory.py)
 
 
 def _measure(rank, world, out):
@@ -38,18 +45,41 @@ def _measure(rank, world, out):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+    from test_hf_trainer_fsdp2 import _accelerate_fsdp_on_cpu
+
+    from distattn import kernels
     from distattn.integrations.hf import SequenceParallelTrainer
     from distattn.memory.measure import live_bytes
+    from distattn.memory.tiers import step_bytes
 
+    undo = _accelerate_fsdp_on_cpu()  # accelerate's own FSDP2 path, as on GPUs (tests/test_hf_trainer_fsdp2.py)
     peaks = {}
     for name, kw in CONFIGS.items():
+        kw = dict(kw)
+        fsdp = kw.pop("fsdp", False)
+
         class Measured(SequenceParallelTrainer):
             def training_step(self, model, inputs, num_items_in_batch=None):
                 if self.state.global_step == 0:
                     return super().training_step(model, inputs, num_items_in_batch)
-                with live_bytes() as live:
-                    loss = super().training_step(model, inputs, num_items_in_batch)
-                peaks[name] = live.peak
+                if not fsdp:
+                    with live_bytes() as live:
+                        loss = super().training_step(model, inputs, num_items_in_batch)
+                    peaks[name] = live.peak + sum(p.numel() * p.element_size() for p in model.parameters())
+                    return loss
+                # FSDP2 grows and frees its unsharded parameters by storage resizes: step_bytes follows them; the
+                # parameters' local shards are counted
+                saved = {f: getattr(kernels, f) for f in KERNEL_FNS}
+                with step_bytes(model=model) as mem:
+                    mem.count([list(model.parameters())])
+                    for f in KERNEL_FNS:
+                        setattr(kernels, f, mem.opaque(saved[f]))
+                    try:
+                        loss = super().training_step(model, inputs, num_items_in_batch)
+                    finally:
+                        for f, fn in saved.items():
+                            setattr(kernels, f, fn)
+                peaks[name] = mem.device_peak
                 return loss
 
         torch.manual_seed(0)
@@ -58,10 +88,11 @@ def _measure(rank, world, out):
         data = [{"input_ids": r, "labels": r.clone()} for r in rows]
         args = TrainingArguments(output_dir=str(out / name.replace(" ", "")), use_cpu=True, max_steps=2,
                                  per_device_train_batch_size=1, report_to=[], optim="sgd", learning_rate=0.1,
-                                 save_strategy="no", disable_tqdm=True, logging_steps=1)
+                                 save_strategy="no", disable_tqdm=True, logging_steps=1,
+                                 **(dict(fsdp=True, fsdp_config=FSDP2) if fsdp else {}))
         stack = lambda fs: {k: torch.stack([f[k] for f in fs]) for k in fs[0]}  # noqa: E731
         Measured(model=model, args=args, train_dataset=data, data_collator=stack, **kw).train()
-        peaks[name] += sum(p.numel() * p.element_size() for p in model.parameters())
+    undo()
     return peaks
 
 
@@ -75,11 +106,13 @@ def _predicted(kw) -> tuple[int, dict, str]:
     strategy = "remat" if kw.get("remat") else ("full" if kw.get("offload_checkpoints") else "none")
     tech = Techniques(loss_tile=kw.get("tile_loss"), mlp_tile=kw.get("tile_mlp"),
                       offload_checkpoints=bool(kw.get("offload_checkpoints")))
-    peak = technique_peak(spec, 1, SEQ, sp=P, precision="fp32", strategy=strategy, tech=tech, pinned=False,
-                          mode="ddp", device="cpu")  # DDP: what Trainer wraps the model in on CPU
+    fsdp = kw.get("fsdp", False)  # else DDP: what Trainer wraps the model in on CPU
+    peak = technique_peak(spec, 1, SEQ, sp=P, shard=P if fsdp else 1, precision="fp32", strategy=strategy, tech=tech,
+                          pinned=False, mode="fsdp2" if fsdp else "ddp", device="cpu")
     # the measured region is ``training_step`` (forward, loss, backward): the optimizer's moment is outside it
     moment, total, parts = max((m for m in peak.moments if m[0] != "in the optimizer step"), key=lambda m: m[1])
-    return total - steady_state_bytes(spec)["adam"] + peak.host_total, parts, moment
+    adam = steady_state_bytes(spec, shard=P if fsdp else 1)["adam"]
+    return total - adam + peak.host_total, parts, moment
 
 
 def main() -> None:
@@ -104,7 +137,8 @@ def main() -> None:
              "|---|---|---|---|---|"]
     lines += [f"| {r['config']} | {r['measured_bytes'] / 2**20:.2f} | {r['predicted_bytes'] / 2**20:.2f} | "
               f"{r['ratio']} | {r['predicted_moment']} |" for r in rows]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    notes = (out / "NOTES.md").read_text()  # what the table shows (hand-written, kept by every rerun)
+    (out / "README.md").write_text("\n".join(lines) + "\n\n" + notes)
     print("\n".join(lines))
 
 

@@ -173,6 +173,12 @@ SLOW = {
     # the same tests between the two runs).
     'tests/test_compile_cold.py::test_llama3_family_compiles_fullgraph_and_matches_eager': 11.9,
     'tests/test_hf_trainer_techniques.py::test_technique_matches_one_process[tile_loss]': 10.0,
+    'tests/test_hf_trainer_fsdp2.py::test_fsdp2_under_the_trainer_matches_one_process[fsdp2]': 17.0,
+    'tests/test_hf_trainer_fsdp2.py::test_fsdp2_under_the_trainer_matches_one_process[fsdp2 + optimizer offload]': 17.0,
+    'tests/test_hf_trainer_fsdp2.py::test_fsdp2_under_the_trainer_matches_one_process[fsdp2 + optimizer offload + every technique]': 17.0,
+    'tests/test_hf_trainer_fsdp2.py::test_the_cpu_patch_is_accelerates_fsdp2[fsdp2]': 17.0,
+    'tests/test_hf_trainer_fsdp2.py::test_the_cpu_patch_is_accelerates_fsdp2[fsdp2 + optimizer offload]': 17.0,
+    'tests/test_hf_trainer_fsdp2.py::test_the_cpu_patch_is_accelerates_fsdp2[fsdp2 + optimizer offload + every technique]': 17.0,
     'tests/test_step_memory.py::test_train_json_summary_reports_predicted_and_measured_peaks': 10.1,
     'tests/test_tiling.py::test_hf_llama_tiled_matches_untiled_one_process[hf-reentrant-False]': 5.3,
     'tests/test_train_ckpt.py::test_crafted_checkpoints_end_to_end': 6.4,
