@@ -6,11 +6,11 @@ step, dispatch level) on rank 0. Measured = that peak + the parameters (allocate
 made inside it: ``Trainer`` zeroes them to ``None``). Predicted = ``distattn.memory.techniques.technique_peak`` for the
 same model, tokens, P, precision, checkpointing and techniques (``mode="ddp", device="cpu"``), without AdamW's states
 (SGD has none), at the largest of the model's moments inside ``training_step`` (the optimizer's step is not
-measured: it runs after); on CPU the offloaded checkpoints' "host" copies are CPU tensors too, so the host bytes are added to
-the device prediction. The FSDP2 rows run accelerate's own FSDP2 preparation (``TrainingArguments(fsdp=True,
+measured: it runs after); on CPU the offloaded checkpoints' "host" copies are CPU tensors too, so the host bytes are
+added to the device prediction. The FSDP2 rows run accelerate's own FSDP2 preparation (``TrainingArguments(fsdp=True,
 fsdp_config={"fsdp_version": 2, ...})``) on CPU with ``tests/test_hf_trainer_fsdp2._accelerate_fsdp_on_cpu``, and
 are measured with ``distattn.memory.tiers.step_bytes`` (it follows FSDP2's storage resizes; the sharded parameters
-counted); predicted with ``mode="fsdp2", shard=P``.
+counted); predicted with ``mode="fsdp2", shard=P, fsdp_layout="split"`` (accelerate's groups).
 
     python bench/hf_trainer_memory.py            # writes bench/results/hf-trainer-memory/{results.csv,README.md}
 """
@@ -34,13 +34,16 @@ SEQ, P = 1024, 2
 ALL = dict(tile_loss=128, tile_mlp=128, remat=True, offload_checkpoints=True)
 CONFIGS = {"none": {}, "tile_loss 128": dict(tile_loss=128), "tile_mlp 128": dict(tile_mlp=128),
            "remat": dict(remat=True), "remat + offload": dict(remat=True, offload_checkpoints=True), "all": ALL,
-           "fsdp2": dict(fsdp=True), "fsdp2 + all": dict(ALL, fsdp=True)}
+           "fsdp2": dict(fsdp=True), "fsdp2 + tile_loss 128": dict(tile_loss=128, fsdp=True),
+           "fsdp2 + remat + offload": dict(remat=True, offload_checkpoints=True, fsdp=True),
+           "fsdp2 + all": dict(ALL, fsdp=True)}
 FSDP2 = {"fsdp_version": 2, "reshard_after_forward": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
 KERNEL_FNS = ("fold_", "merge_", "attn_delta", "backward_chunk_")  # the CPU kernels' scratch: not a GPU's (as
 # bench/step_memory.py)
 
 
-def _measure(rank, world, out):
+def _measure(rank, world, out, names=None):
+    """Rank ``rank``'s measured peak per configuration (``names``: those of ``CONFIGS``, default all)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
@@ -55,6 +58,8 @@ def _measure(rank, world, out):
     undo = _accelerate_fsdp_on_cpu()  # accelerate's own FSDP2 path, as on GPUs (tests/test_hf_trainer_fsdp2.py)
     peaks = {}
     for name, kw in CONFIGS.items():
+        if names is not None and name not in names:
+            continue
         kw = dict(kw)
         fsdp = kw.pop("fsdp", False)
 
@@ -108,7 +113,7 @@ def _predicted(kw) -> tuple[int, dict, str]:
                       offload_checkpoints=bool(kw.get("offload_checkpoints")))
     fsdp = kw.get("fsdp", False)  # else DDP: what Trainer wraps the model in on CPU
     peak = technique_peak(spec, 1, SEQ, sp=P, shard=P if fsdp else 1, precision="fp32", strategy=strategy, tech=tech,
-                          pinned=False, mode="fsdp2" if fsdp else "ddp", device="cpu")
+                          pinned=False, mode="fsdp2" if fsdp else "ddp", device="cpu", fsdp_layout="split")
     # the measured region is ``training_step`` (forward, loss, backward): the optimizer's moment is outside it
     moment, total, parts = max((m for m in peak.moments if m[0] != "in the optimizer step"), key=lambda m: m[1])
     adam = steady_state_bytes(spec, shard=P if fsdp else 1)["adam"]

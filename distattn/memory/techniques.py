@@ -125,7 +125,8 @@ def _mlp_flops(model: ModelSpec, batch: int, n: int) -> float:
 def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard: int = 1,
                    precision: str = "bf16", strategy: str = "full", impl: str = "distattn",
                    tech: Techniques = Techniques(), schedule: str = "balanced", partials: str = "fp32",
-                   pinned: bool = True, mode: str | None = None, device: str = "cuda") -> TechniquePeak:
+                   pinned: bool = True, mode: str | None = None, device: str = "cuda",
+                   fsdp_layout: str = "root") -> TechniquePeak:
     """The step's device peak, host bytes, traffic and FLOPs on one rank (see the module doc).
 
     Args:
@@ -140,7 +141,13 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
             extra buffers.
         device: ``cuda``, or ``cpu`` (where the tests measure): there an offloaded checkpoint is used from its host
             copy, no device copy is fetched.
+        fsdp_layout: FSDP2's groups beyond the decoder layers: ``root`` (``launch/train.py``: embeddings, final norm
+            and LM head in the root, unsharded from the forward to the end of the backward) or ``split``
+            (accelerate's ``fsdp2_prepare_model``, what the Trainer runs: the embeddings a group resharded after its
+            forward, the final norm and LM head a group kept unsharded from its forward to its backward).
     """
+    if fsdp_layout not in ("root", "split"):
+        raise ValueError(f"fsdp_layout={fsdp_layout!r}: expected 'root' (train.py) or 'split' (accelerate)")
     if tech.offload_checkpoints and strategy not in ("full", "remat"):
         raise ValueError(f"offload_checkpoints moves what full or remat checkpointing keeps; strategy={strategy!r} "
                          f"keeps every activation (use strategy='full' or 'remat')")
@@ -160,6 +167,9 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
     grad_layer = -(-4 * lay.params // shard)
     head_params = (0 if model.tie_embeddings else model.vocab * lay.hidden) + lay.hidden
     grad_head = fsdp.get("head_grad", 0) if fsdp_on else 4 * head_params
+    split = fsdp_on and fsdp_layout == "split"
+    if split:  # the tail group's gradients are reduced right after the loss backward: its sharded fp32 shard stays
+        grad_head = 0 if tech.offload_optimizer else -(-4 * head_params // shard)
     host: dict[str, int] = {}
     traffic = 0
     resident = {"weights+adam": steady["weights"] + steady["adam"] + steady["buffers"]}
@@ -179,7 +189,7 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         prefetch = cuda or (shard > 1 and i > 0)
         return {"gathered params (layers)": (2 if prefetch else 1) * A * lay.params}
 
-    if fsdp_on:
+    if fsdp_on and not split:
         resident["FSDP2 root (embeddings, head: unsharded)"] = fsdp["root"]
 
     layer_list = layer_saved_tensors(lay, batch, seq, strategy=strategy, **kw)
@@ -223,7 +233,13 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         mlp_tile_ws = mb.tile_working + mb.backward_fixed
 
     kept_all = 0 if tech.offload_checkpoints else model.layers * layer_kept
-    begin = {**resident, "layer activations": kept_all, "head/loss saved": rest, "logits + logit grads": logits}
+    # accelerate's tail group: unsharded through the loss backward. Its pre-backward prefetches the last layer's
+    # parameters (sharded: the all-gather's output): untiled after the log-softmax's backward (the peak), tiled inside
+    # the tiled loss's backward, which runs the head per tile (measured: bench/results/hf-trainer-memory)
+    prefetched = A * lay.params if tech.loss_tile and (cuda or shard > 1) else 0
+    tail = {"FSDP2 tail (final norm, head: unsharded)": A * head_params,
+            "gathered params (the last layer, prefetched)": prefetched} if split else {}
+    begin = {**resident, **tail, "layer activations": kept_all, "head/loss saved": rest, "logits + logit grads": logits}
     moments = [(begin, "at the loss backward")]
     resid_grads = 2 * batch * n * lay.hidden * _dtypes(precision)[1].itemsize  # in the residual stream's dtype
     on_host_ckpt = layer_kept if tech.offload_checkpoints and not cuda else 0  # CPU: the layer's kept stay host
@@ -236,7 +252,8 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         in_backward = {"grads made (head, later layers)": grad_head + (model.layers - 1 - i) * grad_layer,
                        # the previous layer's, kept until this one's reduce-scatter (none before the last layer's)
                        "reduce-scatter input (a layer's grads, fp32)":
-                       fsdp.get("reduce_scatter", 0) if i < model.layers - 1 else 0, **shared}
+                       fsdp.get("reduce_scatter", 0) if i < model.layers - 1 else (4 * head_params if split else 0),
+                       **shared}
         during = {**resident, **gathered(i), "layer activations": others(i), **in_backward,
                   ("recomputed layer" if strategy != "none" else "the layer's saved tensors"):
                   layer_full - on_host_ckpt + resid_grads + mlp_tile_ws}
@@ -250,9 +267,12 @@ def technique_peak(model: ModelSpec, batch: int, seq: int, *, sp: int = 1, shard
         # that input, the sharded output and, on one rank, the division's result (``foreach_reduce``)
         root_params = model.params - model.layers * lay.params
         copy_in = (A + 4) * root_params + fsdp["reduce_scatter"]
+        if split:  # the embeddings' group: gathered again for their backward, their gradients beside them
+            root_params -= head_params
+            copy_in = max(2 * A * root_params, (A + 4) * root_params) + fsdp["reduce_scatter"]
         reduce = max(copy_in, 4 * root_params + -(-4 * root_params // shard) * (2 if shard == 1 else 1))
         end = {**{k: v for k, v in resident.items() if not k.startswith("FSDP2 root")},
-               "grads made (every layer)": model.layers * grad_layer,
+               "grads made (every layer)": model.layers * grad_layer + (grad_head if split else 0),
                "the root's reduce-scatter (grads, fp32 input, output)": reduce}
         moments.append((end, "at the root's gradient reduction, the end of backward"))
     if not tech.offload_optimizer:  # AdamW's step: every gradient made, and its temporaries (sqrt, then the division):
