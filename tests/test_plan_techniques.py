@@ -24,7 +24,7 @@ def _longest(model, gpus, gpu_gib=80, reserve_gib=1, **kw):
 # The README's table (bench/results/planner-long): every byte counted (the attention executor's buffers in the head
 # groups it runs, FSDP2's root, head gradient and reduce-scatter, pinned-host rounding), H100s of 79.65 GiB, 2 TiB of
 # host memory per node of 8. Regenerate both together. The issue's goals were >= 600K / 4M / 16M: met since the step's
-# moments are train.py's (issue 36, bench/results/step-memory/, every combination within 1.4% of the CPU measurement);
+# moments are train.py's (issue 36, bench/results/step-memory/, every combination within 0.92% of the CPU measurement);
 # the GPU rows' peaks are in the second layer's backward (FSDP2's prefetch and the offload's prefetched layer).
 @pytest.mark.parametrize("model, gpus, gpu, honest", [
     ("llama3-8b", 1, "h100", 691_328),
