@@ -185,9 +185,12 @@ def test_nothing_fits_fails_on_every_rank_before_step_1(tmp_path):
             "--host-mem", "64", "--ckpt-dir", str(tmp_path / "ckpt"), "--no-progress"]
     rc, out, err = run_side_by_side({"auto": (args, {})})["auto"]
     assert_one_clean_error("auto", rc, out, err, "--memory auto: nothing fits --seq-len 8192 on 2 rank(s)")
-    # torchrun's report quotes each rank's own reason (its error file): the same line on both ranks
+    # torchrun's report: both ranks exit with train.py's usage-error code (2; a rank torchrun stopped would show a
+    # signal), and quotes the reason from each rank's error file that it collected before tearing the group down
+    # (a rank that exits seconds after the first may be listed without one: it raced torchrun's teardown)
     report = err.split("Failures:", 1)[-1]
-    assert report.count("train.py: error: --memory auto: nothing fits --seq-len 8192") == 2, report
+    assert len(re.findall(r"exitcode\s*:\s*2\b", report)) == 2, report
+    assert 1 <= report.count("train.py: error: --memory auto: nothing fits --seq-len 8192") <= 2, report
 
 
 # -- the cost model counts the head groups' rounds ---------------------------------------------------------------
