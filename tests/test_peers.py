@@ -111,6 +111,7 @@ def _installed(system):
 
 @pytest.mark.parametrize("system,mask", [
     ("distattn-balanced", "causal"), ("distattn-zigzag", "window"), ("distattn-placed", "docs"),
+    ("distattn-2d", "docs"), ("distattn-2d", "window"),
     ("deepspeed-ulysses", "causal"), ("deepspeed-ulysses", "docs"), ("torch-cp-alltoall", "causal"),
     ("torch-cp-allgather", "causal"), ("usp", "causal"), ("megatron-core", "causal"), ("megatron-core", "window"),
     ("megatron-core", "docs")])
@@ -126,6 +127,48 @@ def test_adapter_exact_at_p2(system, mask):
     assert row.peak_max > 0 and row.work_max > 0
     if system.startswith("distattn"):
         assert row.crosscheck == "own counters equal, simulator equal", row.crosscheck
+
+
+@pytest.mark.parametrize("mask", ["causal", "docs"])
+def test_distattn_2d_with_a_ring_is_exact_and_counted(mask):
+    """P = 4 with 2 heads: U = 2 over the heads, a ring of R = 2 (zigzag; the placement on documents); the counter's
+    bytes (all-to-alls and ring) equal distattn's own counters and its simulator's 2-D figure."""
+    import dataclasses
+
+    from bench.peers.harness import run_one
+    w = dataclasses.replace(_tiny(mask), world=4, heads_q=2, heads_kv=2)
+    row = run_one("distattn-2d", w, timeout=150, reps=1)
+    assert row.status == "ok", row.note
+    assert row.exact, (row.err_out, row.err_dq, row.err_dk, row.err_dv)
+    assert "all_to_all" in row.calls, row.calls
+    if mask == "causal":  # the ring ran too (on documents the placement may keep each document on one ring rank)
+        assert row.p2p_sent_max > 0, row.calls
+    assert row.crosscheck == "own counters equal, simulator equal", row.crosscheck
+
+
+def test_tables_show_every_cell_as_measured():
+    """``bench.peers.tables``: a column per system, a row per (P, workload); refusals, errors and n/a as such."""
+    import csv
+    import dataclasses
+    import io
+
+    from bench.peers.harness import FIELDS, Row
+    from bench.peers.tables import tables
+    rows = [Row(system="distattn (2-D)", workload="docs", world=8, status="ok", exact=True, err_out=1e-6, err_dq=3e-6,
+                err_dk=2e-6, err_dv=1e-6, sent_max=2048, saved_max=1024, peak_max=4096, balance=1.0),
+            Row(system="PyTorch CP (alltoall)", workload="docs", world=8, status="refused", note="no attn_mask"),
+            Row(system="distattn (placed)", workload="mha", world=8, status="n/a"),
+            Row(system="USP (yunchang)", workload="mha", world=8, status="timeout")]
+    buf = io.StringIO()
+    wr = csv.DictWriter(buf, fieldnames=FIELDS)
+    wr.writeheader()
+    wr.writerows(dataclasses.asdict(r) for r in rows)
+    md = tables(list(csv.DictReader(io.StringIO(buf.getvalue()))))
+    assert "| P | workload | distattn 2-D | CP a2a | distattn placed | USP (fwd only) |" in md
+    assert "| 8 | docs | yes 3.0e-06 | refused |  |  |" in md
+    assert "| 8 | docs | 2.0 | refused |  |  |" in md  # bytes sent, KiB
+    assert "| 8 | mha |  |  | – | timeout |" in md
+    assert "| 8 | docs | 1.00 | refused |  |  |" in md  # balance
 
 
 def test_refusal_is_a_row_with_its_reason():

@@ -2,9 +2,10 @@
 
     python -m bench.peers --world 2 4 8 --tokens 64 --out bench/results/peers
 
-Writes ``peers.csv`` (every field of every row), ``peers.md`` (the table, the patches, the machine, the versions and
-the command) and ``machine.txt``. Each system x workload runs in its own process group under ``--timeout`` seconds; a
-system that is not installed, refuses a workload, crashes or hangs still has its row. Wall times are gloo on this
+Writes ``peers.csv`` (every field of every row), ``tables.md`` (one table per measure: ``bench.peers.tables``),
+``peers.md`` (the table, the patches, the machine, the versions and the command) and ``machine.txt``. Each system x
+workload runs in its own process group under ``--timeout`` seconds; a system that is not installed, refuses a
+workload, crashes or hangs still has its row. Wall times are gloo on this
 machine's CPU cores (labelled CPU): compare them within one run only.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from bench.peers.adapters import ADAPTERS
 from bench.peers.harness import FIELDS, run_one
 from bench.peers.patches import PATCHES
+from bench.peers.tables import tables
 from bench.peers.workload import WORKLOADS
 
 _PACKAGES = ("torch", "deepspeed", "megatron-core", "yunchang", "triton")
@@ -119,6 +121,8 @@ def _write(out: Path, rows, workloads, command: str, machine: str) -> None:
         wr = csv.DictWriter(f, fieldnames=FIELDS)
         wr.writeheader()
         wr.writerows(dataclasses.asdict(r) for r in rows)
+    with open(out / "peers.csv", newline="") as f:
+        (out / "tables.md").write_text(tables(list(csv.DictReader(f))))
     versions = _versions()
     (out / "peers.md").write_text(markdown(rows, workloads, command, machine, versions))
     (out / "machine.txt").write_text(f"{machine}\n{command}\n" + "\n".join(f"{k} {v}" for k, v in versions.items())

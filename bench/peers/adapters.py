@@ -113,6 +113,71 @@ class DistAttn(Adapter):
         return int(round(per_rank[dist.get_rank()] * w.tokens_per_rank ** 2 * w.heads_q * w.batch))
 
 
+class DistAttn2D(DistAttn):
+    """distattn's two-dimensional sequence parallelism (``distattn.ulysses``), called as its users call it: the
+    groups from ``distattn.make_2d_groups(U)``, passed as ``group=(ulysses_group, ring_group)``. ``U`` is the largest
+    divisor of P over which distattn can split the heads (kv heads replicated when fewer than U); the ring over the
+    ``R = P / U`` others runs zigzag on dense masks and the placement on packed documents (``R = 1``: no ring)."""
+
+    def __init__(self):
+        self.schedule = "2d"
+        self.name = "distattn (2-D)"
+
+    def applies(self, w):
+        return True
+
+    @staticmethod
+    def degrees(w) -> tuple[int, int, str]:
+        """``(U, R, the ring's schedule)`` for ``w`` (no communication: the harness's cross-check reads it too)."""
+        from distattn.schedule import ulysses_heads
+
+        def splits(u):
+            try:
+                ulysses_heads(w.heads_q, w.heads_kv, u)
+                return True
+            except ValueError:
+                return False
+
+        u = max(u for u in range(1, w.world + 1) if w.world % u == 0 and splits(u))
+        r = w.world // u
+        return u, r, "balanced" if r == 1 else ("placed" if w.mask == "docs" else "zigzag")
+
+    def prepare(self, w):
+        import distattn
+        self.da = distattn
+        self.U, self.R, self.ring_schedule = self.degrees(w)
+        self.group = distattn.make_2d_groups(self.U)  # a collective: every rank, in the same order
+        self.layout = None
+        if self.ring_schedule == "placed":
+            from distattn.sharding import placement
+            self.layout = placement(w.cu_seqlens(), w.tokens_per_rank, self.group)
+
+    def shard(self, w, full):
+        kw = {"layout": self.layout} if self.layout is not None else {"schedule": self.ring_schedule}
+        pos = torch.arange(w.total)[None]
+        self.rows = self.da.shard_sequence(pos, group=self.group, **kw)[0]
+        return {k: self.da.shard_sequence(t, group=self.group, **kw).contiguous() for k, t in full.items()}
+
+    def forward(self, q, k, v, w):
+        kw = dict(causal=True, schedule=self.ring_schedule, group=self.group)
+        if w.mask == "window":
+            kw["window_size"] = (w.window, 0)
+        if w.mask == "docs":
+            cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32)
+            lens = cu[1:] - cu[:-1]
+            return self.da.dist_flash_attn_varlen_func(q[0], k[0], v[0], cu, int(lens.max()), **kw)[None]
+        return self.da.dist_flash_attn_func(q, k, v, **kw)
+
+    def work(self, w):
+        """Visible pairs of this rank's ring shard (all ``U * n`` of its rows) x its ``h_q / U`` query heads."""
+        rows = None
+        if self.R > 1:  # the ring shard: the rows of every rank of this rank's Ulysses group
+            parts = [torch.empty_like(self.rows) for _ in range(self.U)]
+            dist.all_gather(parts, self.rows, group=self.group[0])
+            rows = torch.cat(parts)
+        return work_area(w, rows) // self.U
+
+
 # -- DeepSpeed-Ulysses -----------------------------------------------------------------------------------------
 def _local_sdpa(w: Workload):
     """The local attention a DeepSpeed user hands ``DistributedAttention``: SDPA on the whole sequence, its heads."""
@@ -322,6 +387,7 @@ ADAPTERS = {
     "distattn-balanced": lambda: DistAttn("balanced"),
     "distattn-zigzag": lambda: DistAttn("zigzag"),
     "distattn-placed": lambda: DistAttn("placed"),
+    "distattn-2d": DistAttn2D,
     "deepspeed-ulysses": DeepSpeedUlysses,
     "torch-cp-alltoall": lambda: TorchCP("alltoall"),
     "torch-cp-allgather": lambda: TorchCP("allgather"),

@@ -104,7 +104,7 @@ def _rank(rank, world, system, w, reps):
         res.update({"d" + n: to_bshd("d" + n, leaves[n].grad) for n in "qkv"})
     if hasattr(a, "finish"):
         a.finish()
-    return {"rows": a.rows, "res": res, "sent": c.sent, "recv": c.recv, "p2p": c.p2p(), "calls": dict(c.calls),
+    return {"rows": a.rows, "res": res, "sent": c.sent, "recv": c.recv, "p2p": c.p2p(), "data": c.data(), "calls": dict(c.calls),
             "saved": m.saved, "peak": m.peak, "work": a.work(w),
             "wall": statistics.median(times) if times else None, "own": own}
 
@@ -239,7 +239,10 @@ def _fill(row: Row, w: Workload, a, ranks) -> Row:
 
 def _crosscheck(w: Workload, a, ranks) -> str:
     """The one counter's point-to-point bytes against distattn's own counters, and against its simulator."""
-    own_ok = all(tuple(r["p2p"]) == tuple(r["own"]) for r in ranks)
+    u, _, schedule = a.degrees(w) if hasattr(a, "degrees") else (1, w.world, a.schedule)
+    two_d = u > 1  # distattn's 2-D: its own counters and the simulator include the all-to-alls
+    mine = [tuple(r["data"] if two_d else r["p2p"]) for r in ranks]
+    own_ok = all(tuple(m) == tuple(r["own"]) for m, r in zip(mine, ranks))
     text = f"own counters {'equal' if own_ok else 'DIFFER'}"
     try:
         from distattn.schedule import MaskSpec, Shapes, simulate
@@ -247,8 +250,8 @@ def _crosscheck(w: Workload, a, ranks) -> str:
                         cu_seqlens=tuple(w.cu_seqlens()) if w.mask == "docs" else None)
         shapes = Shapes(batch=w.batch, seq_per_rank=w.tokens_per_rank, heads_q=w.heads_q, heads_kv=w.heads_kv,
                         head_dim=w.head_dim, dtype_bytes=w.torch_dtype.itemsize)
-        sim = simulate(w.world, True, a.schedule, shapes, mask=None if mask.dense else mask)
-        sim_ok = list(sim.bytes_sent) == [r["p2p"][0] for r in ranks]
+        sim = simulate(w.world, True, schedule, shapes, mask=None if mask.dense else mask, ulysses=u)
+        sim_ok = list(sim.bytes_sent) == [m[0] for m in mine]
         text += f", simulator {'equal' if sim_ok else 'differs: ' + str(list(sim.bytes_sent))}"
     except Exception as exc:  # noqa: BLE001 - a cross-check that cannot run says why
         text += f", simulator n/a ({type(exc).__name__}: {exc})"[:160]

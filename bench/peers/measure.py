@@ -202,6 +202,13 @@ class ByteCounter:
         return (self.by_op["send"][0] + self.by_op["isend"][0], self.by_op["recv"][1] + self.by_op["irecv"][1])
 
 
+    def data(self) -> tuple[int, int]:
+        """Bytes of point-to-point transfers and all-to-alls: the data movement, without the small all-reduces and
+        barriers of checks (distattn's own counters count exactly these)."""
+        a2a = [v for k, v in self.by_op.items() if k.split(".")[-1] in ("all_to_all", "all_to_all_single")]
+        return (self.p2p()[0] + sum(v[0] for v in a2a), self.p2p()[1] + sum(v[1] for v in a2a))
+
+
 def count_bytes() -> ByteCounter:
     """Context manager: count this rank's ``torch.distributed`` bytes in the region (see ``ByteCounter``)."""
     return ByteCounter()

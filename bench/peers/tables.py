@@ -1,0 +1,74 @@
+"""The peers run as one table per measure, systems as columns: ``python -m bench.peers.tables bench/results/peers``.
+
+Reads ``peers.csv`` (written by ``python -m bench.peers``) and writes ``tables.md`` beside it: exactness, bytes sent,
+saved activations, peak rise of live bytes and work balance, one row per (P, workload), every cell as measured
+("refused" where the system refused the workload, "error"/"timeout" where it failed, "–" where it does not apply).
+The README of a results folder quotes these tables; nothing in them is typed by hand.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+__all__ = ["tables", "main"]
+
+# column order: distattn first, then the peers, as the adapters list them
+_SHORT = {"distattn (balanced)": "distattn bal.", "distattn (zigzag)": "distattn zigzag",
+          "distattn (placed)": "distattn placed", "distattn (2-D)": "distattn 2-D",
+          "PyTorch CP (alltoall)": "CP a2a", "PyTorch CP (allgather)": "CP allgather", "USP (yunchang)": "USP (fwd only)",
+          "megatron-core (TP+SP)": "megatron TP+SP", "megatron-core (CP)": "megatron CP"}
+
+_MEASURES = [
+    ("Exactness (max error of out/dq/dk/dv against fp64)", "exact"),
+    ("Bytes sent per rank, KiB (forward + backward; USP forward only)", "sent_max"),
+    ("Saved activations per rank, KiB", "saved_max"),
+    ("Peak rise of live bytes per rank, KiB (forward + backward)", "peak_max"),
+    ("Work balance (busiest rank's visible (q, k) pairs x heads / mean; 1.00 = perfect)", "balance"),
+]
+
+
+def _cell(row: dict, field: str) -> str:
+    if row["status"] == "n/a":
+        return "–"
+    if row["status"] != "ok":
+        return row["status"]
+    if field == "exact":
+        errs = [float(row[k]) for k in ("err_out", "err_dq", "err_dk", "err_dv") if row[k] not in ("", "None")]
+        verdict = "yes" if row["exact"] == "True" else "**NO**"
+        return f"{verdict} {max(errs):.1e}" if errs else verdict
+    if row[field] in ("", "None"):
+        return ""
+    if field == "balance":
+        return f"{float(row[field]):.2f}"
+    return f"{int(row[field]) / 1024:.1f}"
+
+
+def tables(rows: list[dict]) -> str:
+    """Markdown: one table per measure; a column per system in the order of first appearance."""
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    keys = list(dict.fromkeys((int(r["world"]), r["workload"]) for r in rows))
+    at = {(int(r["world"]), r["workload"], r["system"]): r for r in rows}
+    out = []
+    for title, field in _MEASURES:
+        out += [f"## {title}", "", "| P | workload | " + " | ".join(_SHORT.get(s, s) for s in systems) + " |",
+                "|---|---|" + "---|" * len(systems)]
+        for world, workload in keys:
+            cells = [_cell(at[world, workload, s], field) if (world, workload, s) in at else "" for s in systems]
+            out.append(f"| {world} | {workload} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    folder = Path((argv if argv is not None else sys.argv[1:])[0])
+    with open(folder / "peers.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    (folder / "tables.md").write_text(tables(rows))
+    print(f"wrote {folder / 'tables.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
