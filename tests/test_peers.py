@@ -169,6 +169,7 @@ def test_tables_show_every_cell_as_measured():
     assert "| 8 | docs | 2.0 | refused |  |  |" in md  # bytes sent, KiB
     assert "| 8 | mha |  |  | – | timeout |" in md
     assert "| 8 | docs | 1.00 | refused |  |  |" in md  # balance
+    assert "| 8 | docs | 2 / 4 | refused |  |  |" in md  # bytes / peak together
 
 
 def test_refusal_is_a_row_with_its_reason():

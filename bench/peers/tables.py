@@ -45,12 +45,26 @@ def _cell(row: dict, field: str) -> str:
     return f"{int(row[field]) / 1024:.1f}"
 
 
+def _pair(row: dict) -> str:
+    """``bytes sent / peak rise`` in whole KiB (the README's combined cell)."""
+    if row["status"] != "ok":
+        return _cell(row, "sent_max")
+    return f"{int(row['sent_max']) / 1024:.0f} / {int(row['peak_max']) / 1024:.0f}"
+
+
 def tables(rows: list[dict]) -> str:
-    """Markdown: one table per measure; a column per system in the order of first appearance."""
+    """Markdown: bytes / peak together, then one table per measure; a column per system in the order of first
+    appearance."""
     systems = list(dict.fromkeys(r["system"] for r in rows))
     keys = list(dict.fromkeys((int(r["world"]), r["workload"]) for r in rows))
     at = {(int(r["world"]), r["workload"], r["system"]): r for r in rows}
-    out = []
+    out = ["## Bytes sent / peak rise of live bytes, KiB per rank (the largest rank), forward + backward", "",
+           "| P | workload | " + " | ".join(_SHORT.get(s, s) for s in systems) + " |",
+           "|---|---|" + "---|" * len(systems)]
+    for world, workload in keys:
+        cells = [_pair(at[world, workload, s]) if (world, workload, s) in at else "" for s in systems]
+        out.append(f"| {world} | {workload} | " + " | ".join(cells) + " |")
+    out.append("")
     for title, field in _MEASURES:
         out += [f"## {title}", "", "| P | workload | " + " | ".join(_SHORT.get(s, s) for s in systems) + " |",
                 "|---|---|" + "---|" * len(systems)]
