@@ -13,10 +13,10 @@ Three stacks on the same batch and the same initial weights, a few AdamW steps e
 Per stack and step: the loss, held to an fp64 one-process run by the accuracy rule (STYLE.md 14: the error against
 fp64 is at most twice the fp32 reference's plus a floor); per rank, the measured peak of live tensors, device- and
 host-resident apart (``bench/peers/train_measure.py``: one measure for all three), and the planner's prediction
-(``distattn.memory.techniques.technique_peak``). Every rank runs under ``tests.dist_utils.run_distributed`` with a
+(``distattn.memory.techniques.technique_peak``) for this CPU run and for the same step on a GPU. Every rank runs under ``tests.dist_utils.run_distributed`` with a
 timeout; a stack that fails gives its row the error.
 
-    python -m bench.peers.train_step                      # P = 2 and 4, writes bench/results/peers-train-step/
+    python -m bench.peers.train_step --seq 8192           # P = 2 and 4, writes bench/results/peers-train-step/
     python -m bench.peers.train_step --world 2 --seq 256 --layers 2 --steps 2 --out runs/x   # smoke
 """
 
@@ -191,7 +191,9 @@ def alst_rank(rank: int, world: int, setup: Setup):
 
 # -- the planner's prediction ---------------------------------------------------------------------------------
 def predictions(setup: Setup, world: int) -> dict[str, dict]:
-    """``technique_peak`` per stack: device bytes at its peak moment and host bytes (fp32, unpinned host)."""
+    """``technique_peak`` per stack: device bytes at its peak moment and host bytes (fp32, unpinned host), for the
+    machine it is measured on (``device="cpu"``: AdamW's for-loop temporaries, an offloaded checkpoint used from its
+    host copy) and, as ``gpu``, the same step on a GPU (foreach AdamW, checkpoints fetched back to the device)."""
     from distattn.memory.plan import model_spec
     from distattn.memory.techniques import Techniques, technique_peak
 
@@ -203,8 +205,9 @@ def predictions(setup: Setup, world: int) -> dict[str, dict]:
             "hf": dict(sp=1, strategy="full", impl="sdpa", tech=Techniques())}
     out = {}
     for name, kw in runs.items():
-        peak = technique_peak(spec, 1, setup.seq, precision="fp32", pinned=False, **kw)
-        out[name] = {"device": peak.total, "host": peak.host_total, "moment": peak.moment}
+        peak = technique_peak(spec, 1, setup.seq, precision="fp32", pinned=False, device="cpu", **kw)
+        gpu = technique_peak(spec, 1, setup.seq, precision="fp32", pinned=False, device="cuda", **kw)
+        out[name] = {"device": peak.total, "host": peak.host_total, "moment": peak.moment, "gpu": gpu.total}
     return out
 
 
@@ -261,7 +264,8 @@ def summarize(setup: Setup, world: int, results: dict, ref64: list[float]) -> li
                    host_peak=host, at_peak=last["at_peak"],
                    allocator=max(r["steps"][-1]["resident"] + r["steps"][-1]["allocator_peak"] for r in ranks),
                    offloaded=max(r.get("offloaded", 0) for r in ranks),
-                   pred_device=pred[name]["device"], pred_host=pred[name]["host"], pred_moment=pred[name]["moment"])
+                   pred_device=pred[name]["device"], pred_host=pred[name]["host"], pred_moment=pred[name]["moment"],
+                   pred_gpu=pred[name]["gpu"])
         rows.append(row)
     return rows
 
@@ -274,7 +278,7 @@ def write(rows: list[dict], setup: Setup, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = ["stack", "P", "seq", "loss_ok", "losses", "loss_err", "loss_allowed", "resident", "step_peak",
               "device_peak", "host_peak", "allocator", "offloaded", "pred_device", "pred_host", "pred_moment",
-              "at_peak", "seconds", "error"]
+              "pred_gpu", "at_peak", "seconds", "error"]
     with open(out / "train_step.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -296,19 +300,21 @@ def write(rows: list[dict], setup: Setup, out: Path, command: str) -> None:
              "allocated during the step on top (gradients, activations, buffers); device = resident + step peak; "
              "allocator (all): resident + the rise of the CPU allocator's live bytes over the step, every allocation "
              "(op scratch included; device and host together; the harness's `allocator_peak`); "
-             "predicted: `technique_peak` (fp32, unpinned).",
+             "predicted: `technique_peak` (fp32, unpinned host) for this CPU run (`device=\"cpu\"`: AdamW's "
+             "for-loop temporaries, offloaded checkpoints used from their host copies); predicted on a GPU: the same "
+             "step as the planner models it on a GPU (foreach AdamW, checkpoints fetched back), not measured here.",
              "", "| stack | P | loss = fp64 ref (rule) | resident | step peak | device peak | host peak | "
-             "allocator (all) | predicted device | predicted host | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "allocator (all) | predicted device | predicted host | predicted on a GPU | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['stack']} | {r['P']} | error: {r['error'][:200]} | | | | | | | | {r['seconds']} |")
+            lines.append(f"| {r['stack']} | {r['P']} | error: {r['error'][:200]} | | | | | | | | | {r['seconds']} |")
             continue
         ok = "yes" if r["loss_ok"] else "**no**"
         lines.append(f"| {r['stack']} | {r['P']} | {ok} (max err {max(r['loss_err']):.1e}) | {_mib(r['resident'])} | "
                      f"{_mib(r['step_peak'])} | {_mib(r['device_peak'])} | {_mib(r['host_peak'])} | "
                      f"{_mib(r['allocator'])} | "
-                     f"{_mib(r['pred_device'])} | {_mib(r['pred_host'])} | {r['seconds']} |")
+                     f"{_mib(r['pred_device'])} | {_mib(r['pred_host'])} | {_mib(r['pred_gpu'])} | {r['seconds']} |")
     lines += ["", "Live device-resident bytes at each device peak (last step, largest rank) by the op that allocated "
               "them, MiB (the largest six; parameters and AdamW states are in resident):", ""]
     for r in rows:
