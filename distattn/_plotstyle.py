@@ -51,6 +51,16 @@ STYLES: dict[str, dict] = {
     # bench/gpu_check.py memory bars
     "predicted": dict(color=_GREY),
     "measured": dict(color=_BLUE),
+    # bench/peers (python -m bench.peers.tables: peers.png), the systems by their row names
+    "distattn (balanced)": dict(color=_BLUE, ls="-", marker="h"),
+    "distattn (zigzag)": dict(color=_BLUE, ls="-.", marker="d"),
+    "distattn (placed)": dict(color=_GREEN, ls="-", marker="P"),
+    "distattn (2-D)": dict(color=_BLUE, ls=":", marker="*"),
+    "DeepSpeed-Ulysses": dict(color=_PURPLE, ls="-.", marker="^"),
+    "PyTorch CP (alltoall)": dict(color=_BROWN, ls="-", marker="<"),
+    "PyTorch CP (allgather)": dict(color=_BROWN, ls="--", marker=">"),
+    "USP (yunchang)": dict(color=_PINK, ls="-", marker="X"),
+    "megatron-core (TP+SP)": dict(color=_RED, ls="-.", marker="s"),
 }
 # The planner's Megatron row with selective recompute is "megatron": on its own plot it can lie on top of
 # distattn's "none" row, so there it is drawn dashed with hollow markers (style(name, dashed=True)).

@@ -217,3 +217,28 @@ def test_every_name_has_its_own_style_and_unknown_names_are_refused():
     assert _plotstyle.log_ticks(14, 90) == [15, 20, 30, 40, 60, 80]
     assert _plotstyle.same_values_note({"a": ((1, 2.0),), "b": ((1, 2.0),), "c": ((1, 3.0),)}) == \
         ["same values: a = b"]
+
+
+def test_peers_plot_fixed_styles_one_legend_and_equal_lines_named(tmp_path, figures):
+    """bench/peers/tables.py's peers.png: a line per system that ran, its fixed style, one legend; refused rows
+    draw nothing; lines drawn on top of each other are named in the panel's title."""
+    from bench.peers.tables import plot
+
+    rows = []
+    for world in (2, 4, 8):
+        for workload in ("llama3-gqa", "docs-longtail"):
+            for i, system in enumerate(("distattn (balanced)", "distattn (2-D)", "DeepSpeed-Ulysses",
+                                        "PyTorch CP (alltoall)")):
+                refused = system == "PyTorch CP (alltoall)" and workload == "docs-longtail"
+                rows.append({"system": system, "workload": workload, "world": str(world),
+                             "status": "refused" if refused else "ok", "sent_max": str(1024 * world * (i + 1)),
+                             "saved_max": "516" if system.startswith("distattn") else str(1284 + i),
+                             "peak_max": str(4096 + 512 * i)})
+    assert plot(rows, tmp_path / "peers.png") and (tmp_path / "peers.png").is_file()
+    (fig,) = figures
+    drawn = check_mapping(fig, {r["system"] for r in rows})
+    assert drawn == {r["system"] for r in rows}
+    docs_panels = [ax for ax in fig.axes if ax.get_title().startswith("docs-longtail")]
+    assert all("PyTorch CP (alltoall)" not in {ln.get_gid() for ln in ax.get_lines()} for ax in docs_panels)
+    saved = next(ax for ax in fig.axes if ax.get_title().startswith("llama3-gqa: saved"))
+    assert "equal: (balanced) = (2-D)" in saved.get_title()

@@ -1,6 +1,7 @@
 """The peers run as one table per measure, systems as columns: ``python -m bench.peers.tables bench/results/peers``.
 
-Reads ``peers.csv`` (written by ``python -m bench.peers``) and writes ``tables.md`` beside it: exactness, bytes sent,
+Reads ``peers.csv`` (written by ``python -m bench.peers``) and writes ``tables.md`` beside it (and ``peers.png``: bytes,
+saved activations and peak against P for three workloads, with matplotlib): exactness, bytes sent,
 saved activations, peak rise of live bytes and work balance, one row per (P, workload), every cell as measured
 ("refused" where the system refused the workload, "error"/"timeout" where it failed, "–" where it does not apply).
 The README of a results folder quotes these tables; nothing in them is typed by hand.
@@ -12,7 +13,7 @@ import csv
 import sys
 from pathlib import Path
 
-__all__ = ["tables", "main"]
+__all__ = ["tables", "plot", "main"]
 
 # column order: distattn first, then the peers, as the adapters list them
 _SHORT = {"distattn (balanced)": "distattn bal.", "distattn (zigzag)": "distattn zigzag",
@@ -75,12 +76,58 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+PLOT_WORKLOADS = ("llama3-gqa", "mha", "docs-longtail")
+PLOT_MEASURES = (("sent_max", "bytes sent, KiB"), ("saved_max", "saved for backward, KiB"),
+                 ("peak_max", "peak rise of live bytes, KiB"))
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """``path`` (png): bytes sent, saved activations and peak per rank against P, a panel per (workload, measure),
+    a line per system that ran (its fixed style, ``distattn._plotstyle``); ``False`` without matplotlib."""
+    from bench._util import pyplot_or_note
+    from distattn import _plotstyle
+
+    plt = pyplot_or_note("the peers plot")
+    if plt is None:
+        return False
+    workloads = [w for w in PLOT_WORKLOADS if any(r["workload"] == w for r in rows)]
+    fig, axes = plt.subplots(len(workloads), len(PLOT_MEASURES), figsize=(4.4 * len(PLOT_MEASURES),
+                                                                          3.4 * len(workloads) + 0.8),
+                             squeeze=False)
+    for i, workload in enumerate(workloads):
+        for j, (field, label) in enumerate(PLOT_MEASURES):
+            ax, series = axes[i][j], {}
+            for system in dict.fromkeys(r["system"] for r in rows):
+                pts = sorted((int(r["world"]), int(r[field]) / 1024) for r in rows
+                             if r["system"] == system and r["workload"] == workload and r["status"] == "ok"
+                             and r[field] not in ("", "None"))
+                if pts:
+                    series[system] = tuple(pts)
+                    ax.plot(*zip(*pts), label=system, gid=system, **_plotstyle.style(system))
+            notes = _plotstyle.same_values_note(series, rel=1e-3)  # lines drawn on top of each other: say so
+            short = [n.replace("same values: ", "equal: ").replace("distattn ", "").replace("PyTorch ", "")
+                     for n in notes]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(sorted({int(r["world"]) for r in rows}))
+            ax.set_xticklabels([str(t) for t in ax.get_xticks()])
+            ax.set_title("\n".join([f"{workload}: {label}", *short]), fontsize=8)
+            ax.set_xlabel("P (ranks)")
+    _plotstyle.figure_legend(fig, [ax for row in axes for ax in row], ncol=5, fontsize=8)
+    _plotstyle.tight_with_legend(fig, 0.8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     folder = Path((argv if argv is not None else sys.argv[1:])[0])
     with open(folder / "peers.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     (folder / "tables.md").write_text(tables(rows))
     print(f"wrote {folder / 'tables.md'}")
+    if plot(rows, folder / "peers.png"):
+        print(f"wrote {folder / 'peers.png'}")
     return 0
 
 
