@@ -27,7 +27,11 @@ step time, so on InfiniBand the solver gives up balance for bytes where that is 
 when a rank's own rows' work already passes the best time (a rank computes its own rows, so that bounds the makespan
 from below). The search starts at the smallest group whose dealt work balances within :data:`BALANCED` (so it is never
 worse than that rule), climbs down and up the divisors while the step improves, and always tries a node's size.
-Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
+With the group size chosen, the *windowed deal* of those groups (``distattn.schedule.windows``: each document over an
+aligned window of the ranks its work needs, not over the whole group, so a pair shares fewer documents and a step moves
+fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES`, and kept where it is faster
+(``bench/results/placement-sim/REFINE.md``: it lowers some of the worst seeds, never one on the timeline it is judged
+by). Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
 the blocks' row work and in the timed plan. The callers of the library (``make_placed_plan``,
 ``distattn.sharding.placement``, ``layout_of``) pass the documents and the call's window, causal
 (``distattn.schedule.build.placement_mask``: the window's left side), so a windowed call's group is chosen for its
@@ -52,7 +56,8 @@ Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement 
 ``r``'s tokens in position order (``distattn.schedule.layouts.layout_of("placed", R, U, mask=, n=)``), so the
 all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 
-Cost: a deal, a plan and its timeline per group size tried (3-4 of them); at 4096 tokens per rank the median over 20
+Cost: a deal, a plan and its timeline per group size tried (3-4 of them) and per windowed deal (3, often cut short
+by the bound above); before the windowed deal, at 4096 tokens per rank the median over 20
 seeds is 0.1-0.25 s of CPU at P = 64 and 0.4-2 s at P = 256 (``bench/results/placement-sim/SWEEP.md``, solver time,
 on a loaded 2-core machine), 3.4 s (NVLink) / 8.2 s (IB) at P = 4096. Pure Python + numpy.
 """
@@ -70,6 +75,7 @@ from distattn.schedule.layouts import Layout
 from distattn.schedule.masked import make_masked_plan
 from distattn.schedule.masks import MaskSpec
 from distattn.schedule.timeline import step_timeline
+from distattn.schedule.windows import SHARES, window_owners
 from distattn.schedule.wire import Shapes
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "place", "block_size"]
@@ -131,17 +137,19 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     shapes = dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=n)
     per_key = 4 * shapes.heads_q * shapes.head_dim * (1 + BWD_FLOP_FACTOR) / cluster.flops  # s per visible key
 
-    def dealt(k: int, limit: float = float("inf")) -> Layout | None:
+    def dealt(k: int, limit: float = float("inf"), share: float | None = None) -> Layout | None:
         """Groups of ``k``, or ``None`` as soon as a group's (then a dealt rank's) work passes ``limit`` per group: a
         document that fits a group (never cut), a group's documents, then a rank's blocks; loads only grow."""
         if whole[lengths <= k * n].max(initial=0) > limit:
             return None
         pieces = _assign_groups(starts, lengths, rows, p // k, k * n, limit)
-        segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k)  # per rank
+        segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k, share,
+                                                      whole.sum() / p)  # per rank
         if segments is None:
             return None
+        how = "" if share is None else f", documents over windows of their work (share {share})"
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
-                                                                       f"tokens")
+                                                                       f"tokens{how}")
 
     if group is not None:
         return dealt(group)
@@ -173,6 +181,12 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         timed(cluster.gpus_per_node)
     k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: small k
     best_time, best = times[k]
+    for share in SHARES:  # the chosen groups, each document over a window of them (distattn.schedule.windows)
+        lay = dealt(k, best_time / per_key * k, share)
+        plan = None if lay is None else make_masked_plan.__wrapped__(p, "placed", spec, n, lay)
+        t = float("inf") if plan is None else step_timeline(plan, shapes, cluster, stride=stride)["makespan"]
+        if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
+            best_time, best = t, lay
     if spec.window != (-1, -1):  # never worse than the documents-only placement, timed on the same windowed plan
         plain = _place_cached(dataclasses.replace(spec, window=(-1, -1)), p, n, None, cluster, stride)
         if plain.kind == "placed" and plain.placement != best.placement:
@@ -341,7 +355,8 @@ def _units(key: np.ndarray, idx: np.ndarray, unit_piece: np.ndarray, blocks: int
     return unit
 
 
-def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf")):
+def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf"),
+          share: float | None = None, mean: float = 0.0):
     """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring:
     snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns every rank's segments
     (:func:`_segments`); ``None`` as soon as a rank's work (its rows' visible keys) exceeds ``limit``."""
@@ -375,6 +390,10 @@ def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b:
     rnd, pos = np.divmod(t, k)
     owner = np.full(len(work), -1, dtype=np.int64)
     owner[key[cyc]] = group[idx][cyc] * k + np.where(rnd[cyc] % 2 == 0, pos[cyc], k - 1 - pos[cyc])
+    if share is not None:  # the windowed deal instead (distattn.schedule.windows): blocks by their main piece
+        most = np.lexsort((-(hi - lo), key))
+        top = idx[most][np.flatnonzero(np.append(True, key[most][1:] != key[most][:-1]))]
+        owner = window_owners(top, group, work, k, n // b, share, mean, unit_piece)
     owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group, limit)
     if owner is None:
         return None

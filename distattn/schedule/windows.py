@@ -1,0 +1,74 @@
+"""The placement's windowed deal: inside a group, each document's blocks over an aligned window of the ranks its work
+needs, not over the whole group (issue 39, the worst seeds).
+
+The group deal (``distattn.schedule.placement._deal``) snakes every document of a group over all ``k`` ranks, so
+every pair of the group shares every document and each of its ``k - 1`` steps moves a whole shard's keys: with short
+documents (little work per key) the per-pair timeline is bound by those bytes. Here, per group:
+
+* each block belongs to the document piece holding most of its tokens (a block shared by two documents goes with one of
+  them, not to a third rank that would then need both documents' keys);
+* pieces heaviest first; a piece's width ``w`` is the smallest divisor of ``k`` with ``work / w <= share * mean``
+  (``mean``: a rank's mean work; ``share``: the candidate's parameter), so a short document stays on one rank (no pair,
+  no bytes) and a long one spreads as far as its work asks;
+* the window: ``w`` neighbouring ranks at a multiple of ``w`` (aligned, so windows of one width never half overlap),
+  the one whose most loaded rank is least loaded among those with room for ``ceil(blocks / w)`` blocks each; none
+  with room: the next width;
+* the piece's blocks snake over the window from the document's end: full cycles of ``2w`` from the heavy end (every
+  window rank gets the same work from them), the light start going on in the snake.
+
+Returns each block's rank, ``-1`` for the blocks it leaves (no window had room) to the group deal's own fill
+(``_fill_rest``: heaviest first to the least loaded rank with room). The solver times this deal as one more
+candidate and keeps it only where the per-pair timeline finds it faster. Deterministic; pure numpy + Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["SHARES", "window_owners"]
+
+SHARES = (0.25, 0.5, 1.0)
+"""The candidates' ``share``: the most of a rank's mean work one window rank takes from a document (0.25: documents
+spread wider, the balance of the group deal with fewer pairs; 1.0: over the fewest ranks, the fewest bytes). Which one
+wins depends on the batch (``bench/results/placement-sim/REFINE.md``): each is timed."""
+
+
+def window_owners(top: np.ndarray, piece_group: np.ndarray, work: np.ndarray, k: int, slots: int, share: float,
+                  mean: float, single: np.ndarray) -> np.ndarray:
+    """Each block's rank (``-1``: left to the caller's fill). ``top[x]``: the piece holding most of block ``x``'s
+    tokens (blocks are numbered group by group, ``k * slots`` per group, in position order); ``piece_group``: each
+    piece's group; ``work``: each block's work; ``slots``: blocks per rank; ``mean``: a rank's mean work;
+    ``single``: the pieces kept on one rank (short pieces of documents cut across groups, as the group deal keeps
+    them)."""
+    owner = np.full(len(top), -1, dtype=np.int64)
+    first = np.flatnonzero(np.append(True, top[1:] != top[:-1]))  # a piece's blocks are consecutive
+    stop = np.append(first[1:], len(top))
+    piece, piece_work = top[first], np.add.reduceat(work, first)
+    widths = [w for w in range(1, k + 1) if k % w == 0]
+    groups = int(piece_group.max(initial=0)) + 1
+    load, used = np.zeros((groups, k)), np.zeros((groups, k), dtype=np.int64)
+    for i in np.lexsort((first, -piece_work)).tolist():
+        a, z, g = int(first[i]), int(stop[i]), int(piece_group[piece[i]])
+        need = 1 if single[piece[i]] else next((w for w in widths if piece_work[i] <= share * mean * w), k)
+        for w in (x for x in widths if x >= need):
+            at = _window(load[g], used[g], w, -(-(z - a) // w), slots)
+            if at is None:
+                continue
+            t = np.arange(z - a)  # from the document's end: block z - 1 - t
+            rnd, pos = np.divmod(t, w)
+            rank = at + np.where(rnd % 2 == 0, pos, w - 1 - pos)
+            blocks = z - 1 - t
+            owner[blocks] = g * k + rank
+            np.add.at(load[g], rank, work[blocks])
+            np.add.at(used[g], rank, 1)
+            break
+    return owner
+
+
+def _window(load: np.ndarray, used: np.ndarray, w: int, each: int, slots: int) -> int | None:
+    """The first rank of the aligned window of ``w`` ranks whose most loaded rank is least loaded among those where
+    every rank has room for ``each`` more blocks (a tie: the first); ``None`` when none has."""
+    room = (slots - used).reshape(-1, w).min(axis=1)
+    top = load.reshape(-1, w).max(axis=1)
+    ok = np.flatnonzero(room >= each)
+    return None if not len(ok) else int(ok[np.argmin(top[ok])]) * w
