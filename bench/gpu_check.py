@@ -5,19 +5,25 @@
 Parts, in order; each runs as a subprocess with its own time budget (seconds: full / --quick), its output streamed to
 the console with a ``[part]`` prefix and to ``OUT/<part>/log.txt``. A part that fails or runs past its budget is
 recorded (``OUT/<part>/error.txt``: the exit status and the log's tail, or the driver's traceback) and the next
-part runs. The budgets add up to under 9 minutes (--quick: under 4) on one H100, compile time included:
+part runs. The budgets add up to under 9 minutes (--quick: under 4) on one H100, compile time included (kernel and
+checkpoint gave 20 / 10 s to packed; both write their tables as they go, so a part stopped at its budget keeps what it
+measured):
 
   machine     10 / 10   OUT/machine.md: nvidia-smi, torch.cuda.get_device_properties, versions, the command
   tier       250 / 95   ``pytest -m gpu`` over the GPU-tier files: OUT/tier/junit.xml (every part: OUT/<part>/log.txt)
                         (--quick: 16k/32k-token kernel cases, autotune and the planner's 32k job left out)
-  kernel     110 / 55   bench/kernel.py: distattn vs SDPA flash/cuDNN/efficient (flash-attn if installed), fwd, bwd,
+  kernel      90 / 50   bench/kernel.py: distattn vs SDPA flash/cuDNN/efficient (flash-attn if installed), fwd, bwd,
                         fwd+bwd TFLOP/s, bf16, d 64/128, causal and not, 1k-32k (quick: d 128, 2k/16k), and the
                         carrying overhead, keys folded as 1 vs 8 chunks: OUT/kernel/kernel.{md,csv,png},
                         kernel_carry.csv
-  checkpoint  90 / 45   bench/checkpoint.py: remat vs HF full-layer checkpointing, LLaMA-7B-shaped layers, one GPU,
+  checkpoint  80 / 40   bench/checkpoint.py: remat vs HF full-layer checkpointing, LLaMA-7B-shaped layers, one GPU,
                         8k/16k/32k tokens (quick: 8k/16k, 2 layers): OUT/checkpoint/checkpoint.{md,csv,png}
   memory      55 / 25   launch/train.py one-GPU jobs: distattn.memory's predicted peak vs the allocator's measured
                         peak (torch.cuda.max_memory_allocated): OUT/memory/memory.{md,csv,png}
+  packed      30 / 15   bench/packed_time.py (issue 39): one packed long-tail batch, 4 ranks sharing the GPU over
+                        gloo (CUDA tensors), LLaMA-3-8B heads, bf16, forward + backward per call under balanced,
+                        zigzag and placed, beside the per-pair timeline's modelled ratio (quick: 2048 tokens per rank,
+                        full: 4096): OUT/packed/packed.{md,csv}
 
 Then OUT/summary.md and OUT/summary.json: each part's status (passed / failed / timeout), seconds and budget.
 Never needs the network. ``--dry-run`` runs the same parts on CPU with tiny stand-ins (CUDA hidden; the Triton
@@ -45,11 +51,11 @@ sys.path.insert(0, str(ROOT))  # bench._util from a checkout
 
 from bench._util import pyplot_or_note  # noqa: E402
 
-PARTS = ("machine", "tier", "kernel", "checkpoint", "memory")
-BUDGET_S = {"full": {"machine": 10, "tier": 250, "kernel": 110, "checkpoint": 90, "memory": 55},
-            "quick": {"machine": 10, "tier": 95, "kernel": 55, "checkpoint": 45, "memory": 25},
-            # dry run: ~35 s of CPU in all; these only stop a hang on a loaded machine (CI's pytest limit: 600 s)
-            "dry": {"machine": 40, "tier": 100, "kernel": 150, "checkpoint": 120, "memory": 120}}
+PARTS = ("machine", "tier", "kernel", "checkpoint", "memory", "packed")
+BUDGET_S = {"full": {"machine": 10, "tier": 250, "kernel": 90, "checkpoint": 80, "memory": 55, "packed": 30},
+            "quick": {"machine": 10, "tier": 95, "kernel": 50, "checkpoint": 40, "memory": 25, "packed": 15},
+            # dry run: ~50 s of CPU in all; these only stop a hang on a loaded machine (CI's pytest limit: 600 s)
+            "dry": {"machine": 40, "tier": 100, "kernel": 120, "checkpoint": 100, "memory": 100, "packed": 90}}
 QUICK_TIER_EXCLUDE = "not s16384 and not s32768 and not autotune and not planner"
 # (model preset, seq len, --remat) of the memory part's one-GPU jobs; CPU stand-in: tiny, one short job
 MEMORY_JOBS = {"full": [("small", 16384, False), ("small", 32768, True)], "quick": [("small", 16384, True)],
@@ -137,6 +143,16 @@ def checkpoint_cmd(out: Path, mode: str) -> list[str]:
     if mode == "quick":
         return base + ["--tokens", "8192", "16384", "--layers", "2", "--steps", "2"]
     return base + ["--tokens", "8192", "16384", "32768", "--layers", "4", "--steps", "3"]
+
+
+def packed_cmd(out: Path, mode: str) -> list[str]:
+    base = [sys.executable, "bench/packed_time.py", "--out", str(out), "--world", "4", "--docs", "longtail:2048",
+            "--timeout", str(BUDGET_S[mode]["packed"])]
+    if mode == "dry":
+        return base + ["--device", "cpu", "--tokens-per-rank", "64", "--heads", "4", "2", "--head-dim", "16",
+                       "--reps", "1"]
+    return base + ["--tokens-per-rank", "2048" if mode == "quick" else "4096", "--reps", "2" if mode == "quick"
+                   else "3"]
 
 
 def memory_part(out: Path, mode: str, budget_s: float, env: dict) -> tuple[str, int | None]:
@@ -267,7 +283,7 @@ def run_part(name: str, out: Path, mode: str, command: str, env: dict) -> dict:
             status, rc = memory_part(part_dir, mode, budget, env)
             log = None
         else:
-            make = {"tier": tier_cmd, "kernel": kernel_cmd, "checkpoint": checkpoint_cmd}[name]
+            make = {"tier": tier_cmd, "kernel": kernel_cmd, "checkpoint": checkpoint_cmd, "packed": packed_cmd}[name]
             status, rc = run_logged(make(part_dir, mode), log, budget, env, name)
     except Exception as error:  # noqa: BLE001 - recorded, and the next part runs
         exc = error

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DRY_RUN_TIMEOUT_S = 570  # ~30 s of CPU, ~2 min on a loaded two-core machine; the driver's dry budgets sum to 530 s
-PARTS = ("machine", "tier", "kernel", "checkpoint", "memory")
+DRY_RUN_TIMEOUT_S = 570  # ~50 s of CPU, ~2 min on a loaded two-core machine; the driver's dry budgets sum to 550 s
+PARTS = ("machine", "tier", "kernel", "checkpoint", "memory", "packed")
 FILES = ["command.txt", "machine.md", "machine.json", "summary.md", "summary.json",
          "tier/log.txt", "tier/junit.xml",
          "kernel/log.txt", "kernel/kernel.md", "kernel/kernel.csv", "kernel/kernel_carry.csv",
          "checkpoint/log.txt", "checkpoint/checkpoint.md", "checkpoint/checkpoint.csv",
-         "memory/job0.log", "memory/memory.md", "memory/memory.csv"]
+         "memory/job0.log", "memory/memory.md", "memory/memory.csv",
+         "packed/log.txt", "packed/packed.md", "packed/packed.csv"]
 PLOTS = ["kernel/kernel.png", "checkpoint/checkpoint.png", "memory/memory.png"]
 
 
@@ -53,6 +54,9 @@ def test_dry_run_writes_every_file_and_every_part_passes(dry_run):
     tier = next(r for r in summary["parts"] if r["part"] == "tier")
     assert "skipped" in tier["note"] and "failed" not in tier["note"], tier  # CUDA hidden: the tier skips
     assert "not a measurement" in (out / "memory" / "memory.md").read_text()
+    packed = (out / "packed" / "packed.md").read_text()
+    assert "a dry run, not a GPU measurement" in packed
+    assert all(f"| {s} |" in packed for s in ("balanced", "zigzag", "placed")), packed
     assert "bench/gpu_check.sh" in (out / "command.txt").read_text()
 
 
