@@ -138,9 +138,17 @@ class TorchBackend:
         to_bshd = lambda t: t.permute(0, 2, 1)[..., None]  # (b, h, s) -> (b, s, h, 1)  # noqa: E731
         # An empty side (weight exactly 0) may hold anything in its output: select, never multiply by a zero
         # weight. A NaN weight is not zero: its NaN reaches the merged row.
-        part1 = torch.where(to_bshd(w1) != 0, to_bshd(w1) * out_f32, 0.0)
-        part2 = torch.where(to_bshd(w2) != 0, to_bshd(w2) * out_part.float(), 0.0)
-        out_f32.copy_((part1 + part2) / to_bshd(total_safe))
+        # In place, a block of query rows at a time: the state is scaled where it stands and the partial's share is
+        # added block by block, so the scratch is one block (~1 MiB), not four partials' worth. The same operations
+        # in the same order as (where(w1 != 0, w1 * out1, 0) + where(w2 != 0, w2 * out2, 0)) / total: bitwise equal.
+        w1b, w2b, total_b = to_bshd(w1), to_bshd(w2), to_bshd(total_safe)
+        out_f32.mul_(w1b).masked_fill_(w1b == 0, 0.0)
+        _, s_q, h, d = out_f32.shape
+        rows = max(1, (1 << 18) // max(1, h * d))
+        for i in range(0, s_q, rows):
+            part2 = w2b[:, i:i + rows] * out_part[:, i:i + rows].float()
+            out_f32[:, i:i + rows].add_(part2.masked_fill_(w2b[:, i:i + rows] == 0, 0.0))
+        out_f32.div_(total_b)
         lse.copy_(torch.where(seen, m + torch.log(total_safe), _NEG_INF))
 
     # -- backward --------------------------------------------------------------------------------------
