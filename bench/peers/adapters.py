@@ -80,14 +80,20 @@ class DistAttn(Adapter):
             from distattn.sharding import placement
             self.layout = placement(w.cu_seqlens(), w.tokens_per_rank)
 
+    group = None  # the process group distattn is called with (None: the world; 2-D: its two groups)
+
+    @property
+    def ring_schedule(self) -> str:
+        return self.schedule
+
     def shard(self, w, full):
-        kw = {"layout": self.layout} if self.layout is not None else {"schedule": self.schedule}
+        kw = {"layout": self.layout} if self.layout is not None else {"schedule": self.ring_schedule}
         pos = torch.arange(w.total)[None]
-        self.rows = self.da.shard_sequence(pos, **kw)[0]
-        return {k: self.da.shard_sequence(t, **kw).contiguous() for k, t in full.items()}
+        self.rows = self.da.shard_sequence(pos, group=self.group, **kw)[0]
+        return {k: self.da.shard_sequence(t, group=self.group, **kw).contiguous() for k, t in full.items()}
 
     def forward(self, q, k, v, w):
-        kw = dict(causal=True, schedule=self.schedule)
+        kw = dict(causal=True, schedule=self.ring_schedule, group=self.group)
         if w.mask == "window":
             kw["window_size"] = (w.window, 0)
         if w.mask == "docs":
@@ -145,28 +151,16 @@ class DistAttn2D(DistAttn):
     def prepare(self, w):
         import distattn
         self.da = distattn
-        self.U, self.R, self.ring_schedule = self.degrees(w)
+        self.U, self.R, self._ring = self.degrees(w)
         self.group = distattn.make_2d_groups(self.U)  # a collective: every rank, in the same order
         self.layout = None
-        if self.ring_schedule == "placed":
+        if self._ring == "placed":
             from distattn.sharding import placement
             self.layout = placement(w.cu_seqlens(), w.tokens_per_rank, self.group)
 
-    def shard(self, w, full):
-        kw = {"layout": self.layout} if self.layout is not None else {"schedule": self.ring_schedule}
-        pos = torch.arange(w.total)[None]
-        self.rows = self.da.shard_sequence(pos, group=self.group, **kw)[0]
-        return {k: self.da.shard_sequence(t, group=self.group, **kw).contiguous() for k, t in full.items()}
-
-    def forward(self, q, k, v, w):
-        kw = dict(causal=True, schedule=self.ring_schedule, group=self.group)
-        if w.mask == "window":
-            kw["window_size"] = (w.window, 0)
-        if w.mask == "docs":
-            cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32)
-            lens = cu[1:] - cu[:-1]
-            return self.da.dist_flash_attn_varlen_func(q[0], k[0], v[0], cu, int(lens.max()), **kw)[None]
-        return self.da.dist_flash_attn_func(q, k, v, **kw)
+    @property
+    def ring_schedule(self) -> str:
+        return self._ring
 
     def work(self, w):
         """Visible pairs of this rank's ring shard (all ``U * n`` of its rows) x its ``h_q / U`` query heads."""

@@ -104,8 +104,8 @@ def _rank(rank, world, system, w, reps):
         res.update({"d" + n: to_bshd("d" + n, leaves[n].grad) for n in "qkv"})
     if hasattr(a, "finish"):
         a.finish()
-    return {"rows": a.rows, "res": res, "sent": c.sent, "recv": c.recv, "p2p": c.p2p(), "data": c.data(), "calls": dict(c.calls),
-            "saved": m.saved, "peak": m.peak, "work": a.work(w),
+    return {"rows": a.rows, "res": res, "sent": c.sent, "recv": c.recv, "p2p": c.p2p(), "data": c.data(),
+            "calls": dict(c.calls), "saved": m.saved, "peak": m.peak, "work": a.work(w),
             "wall": statistics.median(times) if times else None, "own": own}
 
 
@@ -238,7 +238,8 @@ def _fill(row: Row, w: Workload, a, ranks) -> Row:
 
 
 def _crosscheck(w: Workload, a, ranks) -> str:
-    """The one counter's point-to-point bytes against distattn's own counters, and against its simulator."""
+    """The one counter's point-to-point bytes (2-D: and all-to-alls) against distattn's own counters, and against its
+    simulator."""
     u, _, schedule = a.degrees(w) if hasattr(a, "degrees") else (1, w.world, a.schedule)
     two_d = u > 1  # distattn's 2-D: its own counters and the simulator include the all-to-alls
     mine = [tuple(r["data"] if two_d else r["p2p"]) for r in ranks]

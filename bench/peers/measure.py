@@ -201,7 +201,6 @@ class ByteCounter:
         """Bytes of point-to-point transfers only (``send``/``isend``, ``recv``/``irecv``; batched or not)."""
         return (self.by_op["send"][0] + self.by_op["isend"][0], self.by_op["recv"][1] + self.by_op["irecv"][1])
 
-
     def data(self) -> tuple[int, int]:
         """Bytes of point-to-point transfers and all-to-alls: the data movement, without the small all-reduces and
         barriers of checks (distattn's own counters count exactly these)."""
