@@ -1,10 +1,10 @@
 """The peers run as one table per measure, systems as columns: ``python -m bench.peers.tables bench/results/peers``.
 
-Reads ``peers.csv`` (written by ``python -m bench.peers``) and writes ``tables.md`` beside it (and ``peers.png``: bytes,
-saved activations and peak against P for three workloads, with matplotlib): exactness, bytes sent,
-saved activations, peak rise of live bytes and work balance, one row per (P, workload), every cell as measured
-("refused" where the system refused the workload, "error"/"timeout" where it failed, "–" where it does not apply).
-The README of a results folder quotes these tables; nothing in them is typed by hand.
+Reads ``peers.csv`` (written by ``python -m bench.peers``) and writes beside it ``tables.md``: bytes sent / peak
+together, then exactness, bytes sent, saved activations, peak rise of live bytes and work balance, one row per
+(P, workload), every cell as measured ("refused" where the system refused the workload, "error"/"timeout" where it
+failed, "–" where it does not apply); and, with matplotlib, ``peers.png``: bytes, saved activations and peak against
+P for three workloads. The README of a results folder quotes these tables; nothing in them is typed by hand.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 __all__ = ["tables", "plot", "main"]
 
-# column order: distattn first, then the peers, as the adapters list them
+# column headers (the columns keep the order in which the run's rows name the systems)
 _SHORT = {"distattn (balanced)": "distattn bal.", "distattn (zigzag)": "distattn zigzag",
           "distattn (placed)": "distattn placed", "distattn (2-D)": "distattn 2-D",
           "PyTorch CP (alltoall)": "CP a2a", "PyTorch CP (allgather)": "CP allgather", "USP (yunchang)": "USP (fwd only)",
