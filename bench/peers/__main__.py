@@ -5,8 +5,8 @@
 Writes ``peers.csv`` (every field of every row), ``tables.md`` (one table per measure: ``bench.peers.tables``),
 ``peers.md`` (the table, the patches, the machine, the versions and the command) and ``machine.txt``. Each system x
 workload runs in its own process group under ``--timeout`` seconds; a system that is not installed, refuses a
-workload, crashes or hangs still has its row. Wall times are gloo on this
-machine's CPU cores (labelled CPU): compare them within one run only.
+workload, crashes or hangs still has its row. Wall times are gloo on this machine's CPU cores (labelled CPU): compare
+them within one run only.
 """
 
 from __future__ import annotations

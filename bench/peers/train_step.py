@@ -13,8 +13,8 @@ Three stacks on the same batch and the same initial weights, a few AdamW steps e
 Per stack and step: the loss, held to an fp64 one-process run by the accuracy rule (STYLE.md 14: the error against
 fp64 is at most twice the fp32 reference's plus a floor); per rank, the measured peak of live tensors, device- and
 host-resident apart (``bench/peers/train_measure.py``: one measure for all three), and the planner's prediction
-(``distattn.memory.techniques.technique_peak``) for this CPU run and for the same step on a GPU. Every rank runs under ``tests.dist_utils.run_distributed`` with a
-timeout; a stack that fails gives its row the error.
+(``distattn.memory.techniques.technique_peak``) for this CPU run and for the same step on a GPU. Every rank runs under
+``tests.dist_utils.run_distributed`` with a timeout; a stack that fails gives its row the error.
 
     python -m bench.peers.train_step --seq 8192           # P = 2 and 4, writes bench/results/peers-train-step/
     python -m bench.peers.train_step --world 2 --seq 256 --layers 2 --steps 2 --out runs/x   # smoke
