@@ -13,39 +13,28 @@ refine.csv and REFINE.md (worst / median / best per setting). Modelled, not meas
 from __future__ import annotations
 
 import argparse
-import csv
-import importlib.util
-import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from distattn.schedule import MaskSpec, Shapes
-from distattn.schedule.cli import document_lengths
-from distattn.schedule.cluster import Cluster
-from distattn.schedule.masked import make_masked_plan
-from distattn.schedule.placement import _place_cached
-from distattn.schedule.timeline import step_timeline
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: bench.placement_sweep
+
+from bench.placement_sweep import SHAPES, _old_place, _stats, run_jobs  # noqa: E402
+from distattn.schedule import MaskSpec, Shapes  # noqa: E402
+from distattn.schedule.cli import document_lengths  # noqa: E402
+from distattn.schedule.cluster import Cluster  # noqa: E402
+from distattn.schedule.masked import make_masked_plan  # noqa: E402
+from distattn.schedule.placement import _place_cached  # noqa: E402
+from distattn.schedule.timeline import step_timeline  # noqa: E402
 
 BEFORE = "891bca2"  # main before the windowed deal
-SHAPES = {"heads_q": 32, "heads_kv": 8, "head_dim": 128, "dtype_bytes": 2}
-
-
-def _old_place():
-    """The solver of commit BEFORE, loaded from git (its imports all still exist)."""
-    src = subprocess.run(["git", "show", f"{BEFORE}:distattn/schedule/placement.py"], check=True, capture_output=True,
-                         text=True).stdout
-    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("_placement_before", loader=None))
-    exec(compile(src, "placement_before.py", "exec"), mod.__dict__)  # noqa: S102  (our own file at a fixed commit)
-    return mod
 
 
 def one(job):
     docs, p, seed, n, links = job
-    old = _old_place()
+    old = _old_place(BEFORE)
     shapes = Shapes(seq_per_rank=n, **SHAPES)
     spec = MaskSpec(causal=True, cu_seqlens=document_lengths(docs, p * n, seed=seed))
     rows = []
@@ -61,11 +50,6 @@ def one(job):
                          "compute idle": round(tl["compute_idle"], 4), "group": lay.group,
                          "windowed": int("windows" in lay.note), "solver ms": round(ms, 2)})
     return rows
-
-
-def _stats(v):
-    v = np.asarray(v, dtype=float)
-    return f"{v.max():.3f} / {np.median(v):.3f} / {v.min():.3f}"
 
 
 def _column(by_seed: dict, field: str) -> np.ndarray:
@@ -102,16 +86,7 @@ def main(argv=None) -> None:
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
     links = ("nvlink", "ib") if args.ib else ("nvlink",)
     jobs = [(d, p, s, args.seq_per_rank, links) for d in args.docs for p in args.world for s in seeds]
-    rows = []
-    with ProcessPoolExecutor(args.jobs) as pool:
-        for i, part in enumerate(pool.map(one, jobs, chunksize=1)):
-            rows += part
-            print(f"{i + 1}/{len(jobs)}", file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "refine.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    rows = run_jobs(one, jobs, args.jobs, args.out / "refine.csv", every=1)
     cmd = " ".join(["python bench/placement_refine.py", *(argv if argv is not None else sys.argv[1:])])
     head = (f"`{cmd}`: the placed step over perfect balance on the per-pair timeline, causal, {args.seq_per_rank} "
             f"tokens per rank, LLaMA-3-8B shapes; before = commit {BEFORE}'s solver. Modelled, not measured.")

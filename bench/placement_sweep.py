@@ -42,9 +42,9 @@ OTHERS = ("ring", "balanced", "zigzag")
 WEIGHED = "placed, window weighed"
 
 
-def _old_place():
-    """The solver of commit BEFORE, loaded from git (it imports only layouts and masks, which still hold its names)."""
-    src = subprocess.run(["git", "show", f"{BEFORE}:distattn/schedule/placement.py"], check=True, capture_output=True,
+def _old_place(commit: str = BEFORE):
+    """The solver of ``commit``, loaded from git (it imports only modules that still hold its names)."""
+    src = subprocess.run(["git", "show", f"{commit}:distattn/schedule/placement.py"], check=True, capture_output=True,
                          text=True).stdout
     spec = importlib.util.spec_from_loader("_placement_before", loader=None)
     mod = importlib.util.module_from_spec(spec)
@@ -145,6 +145,23 @@ def summary(rows, seeds) -> list[str]:
     return out
 
 
+def run_jobs(fn, jobs: list, workers: int, csv_path: Path, every: int = 20) -> list[dict]:
+    """Every job's rows (``fn(job)`` returns a list of dicts) over ``workers`` processes, in job order, written to
+    ``csv_path``; progress on stderr every ``every`` jobs."""
+    rows = []
+    with ProcessPoolExecutor(workers) as pool:
+        for i, part in enumerate(pool.map(fn, jobs, chunksize=1)):
+            rows += part
+            if i % every == 0 or i + 1 == len(jobs):
+                print(f"{i + 1}/{len(jobs)}", file=sys.stderr, flush=True)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/placement-sim"))
@@ -157,17 +174,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     jobs = [(d, p, s, args.seq_per_rank, args.window) for d in args.docs for p in args.world
             for s in range(args.seeds)]
-    rows = []
-    with ProcessPoolExecutor(args.jobs) as pool:
-        for i, part in enumerate(pool.map(one, jobs, chunksize=1)):
-            rows += part
-            if i % 20 == 0:
-                print(f"{i + 1}/{len(jobs)}", file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    rows = run_jobs(one, jobs, args.jobs, args.out / "sweep.csv")
     cmd = " ".join(["python bench/placement_sweep.py", *(argv if argv is not None else sys.argv[1:])])
     text = ["# Packed documents over many seeds: the placement on the per-pair timeline (issue 39)", "",
             f"`{cmd}`: seeds 0..{args.seeds - 1} per setting, {args.seq_per_rank} tokens per rank, LLaMA-3-8B "
