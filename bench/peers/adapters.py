@@ -82,6 +82,10 @@ class DistAttn(Adapter):
 
     group = None  # the process group distattn is called with (None: the world; 2-D: its two groups)
 
+    def degrees(self, w) -> tuple[int, int, str]:
+        """``(U, R, the ring's schedule)``: no Ulysses level, every rank on the ring (the 2-D adapter overrides)."""
+        return 1, w.world, self.schedule
+
     @property
     def ring_schedule(self) -> str:
         return self.schedule
@@ -132,8 +136,7 @@ class DistAttn2D(DistAttn):
     def applies(self, w):
         return True
 
-    @staticmethod
-    def degrees(w) -> tuple[int, int, str]:
+    def degrees(self, w) -> tuple[int, int, str]:
         """``(U, R, the ring's schedule)`` for ``w`` (no communication: the harness's cross-check reads it too)."""
         from distattn.schedule import ulysses_heads
 

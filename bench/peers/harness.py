@@ -240,7 +240,7 @@ def _fill(row: Row, w: Workload, a, ranks) -> Row:
 def _crosscheck(w: Workload, a, ranks) -> str:
     """The one counter's point-to-point bytes (2-D: and all-to-alls) against distattn's own counters, and against its
     simulator."""
-    u, _, schedule = a.degrees(w) if hasattr(a, "degrees") else (1, w.world, a.schedule)
+    u, _, schedule = a.degrees(w)
     two_d = u > 1  # distattn's 2-D: its own counters and the simulator include the all-to-alls
     mine = [tuple(r["data"] if two_d else r["p2p"]) for r in ranks]
     own_ok = all(tuple(m) == tuple(r["own"]) for m, r in zip(mine, ranks))
