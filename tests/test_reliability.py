@@ -148,11 +148,19 @@ def _faults(rank, world, clean):
 def _outsider(rank, world):
     """A rank outside ``group`` gets a distattn message (every rank creates the group: new_group is collective)."""
     group = dist.new_group(ranks=list(range(world - 1)))
+    # new_group, like init, returns on a rank once its own pairs are up, possibly before a peer has finished its
+    # handshake: a member that returned at once and exited would close a socket a slower member is still connecting
+    # through ("Connection closed by peer" in its new_group, then a hang). The members use the group once, and every
+    # rank waits for the others before leaving.
+    found = None
     if rank != world - 1:
-        return None
-    x = torch.zeros(1, 4, 2, 8)
-    exc, _ = _timed(lambda: distattn.dist_flash_attn_func(x, x, x, group=group))
-    return f"{type(exc).__name__}: {exc}"
+        dist.all_reduce(torch.ones(1), group=group)
+    else:
+        x = torch.zeros(1, 4, 2, 8)
+        exc, _ = _timed(lambda: distattn.dist_flash_attn_func(x, x, x, group=group))
+        found = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    return found
 
 
 def _worker(rank, world):
