@@ -1,5 +1,6 @@
 """bench/gpu_check.sh, the one-command GPU check, proven on CPU: its ``--dry-run`` writes every file a GPU run writes,
 and a part that fails or overruns its budget is recorded while the next part still runs."""
+import csv
 import importlib.util
 import json
 import os
@@ -10,14 +11,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DRY_RUN_TIMEOUT_S = 570  # ~50 s of CPU, ~2 min on a loaded two-core machine; the driver's dry budgets sum to 550 s
-PARTS = ("machine", "tier", "kernel", "checkpoint", "memory", "packed")
+DRY_RUN_TIMEOUT_S = 570  # ~50 s of CPU, ~2 min on a loaded two-core machine; the driver's dry budgets sum to 560 s
+PARTS = ("machine", "tier", "kernel", "checkpoint", "memory", "packed", "peers")
 FILES = ["command.txt", "machine.md", "machine.json", "summary.md", "summary.json",
          "tier/log.txt", "tier/junit.xml",
          "kernel/log.txt", "kernel/kernel.md", "kernel/kernel.csv", "kernel/kernel_carry.csv",
          "checkpoint/log.txt", "checkpoint/checkpoint.md", "checkpoint/checkpoint.csv",
          "memory/job0.log", "memory/memory.md", "memory/memory.csv",
-         "packed/log.txt", "packed/packed.md", "packed/packed.csv"]
+         "packed/log.txt", "packed/packed.md", "packed/packed.csv", "peers/log.txt", "peers/peers.md", "peers/peers.csv",
+         "peers/tables.md"]
 PLOTS = ["kernel/kernel.png", "checkpoint/checkpoint.png", "memory/memory.png"]
 
 
@@ -57,6 +59,10 @@ def test_dry_run_writes_every_file_and_every_part_passes(dry_run):
     packed = (out / "packed" / "packed.md").read_text()
     assert "a dry run, not a GPU measurement" in packed
     assert all(f"| {s} |" in packed for s in ("balanced", "zigzag", "placed")), packed
+    with open(out / "peers" / "peers.csv", newline="") as f:  # the peers harness: distattn and a peer, exact
+        peers = {r["system"]: r for r in csv.DictReader(f)}
+    assert peers["distattn (zigzag)"]["status"] == "ok" and peers["distattn (zigzag)"]["exact"] == "True", peers
+    assert peers["PyTorch CP (alltoall)"]["status"] == "ok", peers
     assert "bench/gpu_check.sh" in (out / "command.txt").read_text()
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench.peers.adapters import RingFlashAttn
 from tests.dist_utils import run_distributed
 
 WORLD = 2
@@ -282,3 +283,44 @@ def test_hang_and_raise_give_error_rows_within_the_deadline():
     assert row.status == "error" and "timed out after 8 s" in row.note, row
     row = run_one(_Raises, _tiny(), timeout=60, reps=1)
     assert row.status == "error" and "peer exploded on purpose" in row.note, row
+
+
+# -- ring-flash-attention (GPU only: flash-attn's CUDA build) and the CUDA mode ------------------------------------
+class _RingFlashAttnThroughDropIn(RingFlashAttn):
+    """The ring-flash-attn adapter with its calls sent to distattn's drop-in of the same API (module-level: the
+    harness's ranks unpickle it)."""
+
+    name = "ring-flash-attn (API through distattn.compat)"
+    module = "distattn.compat.ring_flash_attn"
+
+    def version(self):
+        return "drop-in"
+
+
+@pytest.mark.parametrize("mask", ["causal", "window", "docs"])
+def test_ring_flash_attn_adapter_shards_and_calls_its_api_exactly(mask):
+    """The adapter's zigzag shards, llama3 varlen arguments (``llama3_flash_attn_prepare_cu_seqlens``) and the
+    placement of its results back, held to fp64 through an implementation of the same API that runs on the CPU;
+    the real package (CUDA only) gives a "not installed" row here, without starting a process."""
+    from bench.peers.harness import run_one
+    row = run_one(_RingFlashAttnThroughDropIn, _tiny(mask), timeout=150, reps=1)
+    assert row.status == "ok", row.note
+    assert row.exact, (row.err_out, row.err_dq, row.err_dk, row.err_dv)
+    assert row.sent_max > 0
+    real = run_one("ring-flash-attn", _tiny(mask), timeout=5, reps=1)
+    if real.version is None or real.status == "not installed":
+        assert real.status == "not installed" and "pip install ring-flash-attn" in real.note, real
+
+
+def test_cuda_mode_without_a_gpu_is_a_row_that_says_so():
+    """``device="cuda"`` on a machine without CUDA: an error row naming it, no process started, never a crash; an
+    unknown device is the caller's mistake (ValueError)."""
+    import torch
+
+    from bench.peers.harness import run_one
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA (the GPU check runs the CUDA mode)")
+    row = run_one("distattn-zigzag", _tiny(), timeout=5, reps=1, device="cuda")
+    assert row.status == "error" and "no CUDA device" in row.note and row.device == "cuda", row
+    with pytest.raises(ValueError, match="use 'cpu' or 'cuda'"):
+        run_one("distattn-zigzag", _tiny(), device="tpu")

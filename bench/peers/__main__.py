@@ -39,6 +39,9 @@ def _args(argv=None):
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per system x workload")
     p.add_argument("--reps", type=int, default=3, help="timed calls after the measured one")
     p.add_argument("--out", default="bench/results/peers")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the ranks share this machine's GPUs over gloo, CUDA tensors (issue 37's GPU part)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     return p.parse_args(argv)
 
 
@@ -61,18 +64,22 @@ def _err(row):
     return f"{max(errs):.1e}" if errs else ""
 
 
-def markdown(rows, workloads, command: str, machine: str, versions: dict) -> str:
+def markdown(rows, workloads, command: str, machine: str, versions: dict, device: str = "cpu") -> str:
+    where = ("gloo over CPU; wall times labelled CPU" if device == "cpu" else
+             "the ranks share the GPU(s), joined by gloo with CUDA tensors; wall times are the shared GPU's")
+    live = "live CPU bytes" if device == "cpu" else "the CUDA caching allocator's allocated bytes"
+    clock = "CPU" if device == "cpu" else "GPU"
     lines = ["# distattn and its peers on the same work (issue 37)", "",
-             f"Command: `{command}`", "", f"Machine: {machine} (gloo over CPU; wall times labelled CPU)", "",
+             f"Command: `{command}`", "", f"Machine: {machine} ({where})", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "", "Workloads:", ""]
     lines += [f"- `{w.name}` P={w.world}: {w.describe()}" for w in workloads]
     lines += ["", "Per rank, the largest rank: bytes sent (forward + backward, KiB; the one counter: "
               "torch.distributed and functional collectives, ring convention), saved activations (KiB, inputs "
-              "excluded), peak rise of live CPU bytes over forward + backward (KiB), work = visible (q, k) pairs x "
+              "excluded), peak rise of " + live + " over forward + backward (KiB), work = visible (q, k) pairs x "
               "heads of the busiest rank / mean (1.00 = perfect balance), max error of out/dq/dk/dv vs fp64, exact = "
               "within 2x plain PyTorch's error.", "",
               "| P | workload | system | status | exact | max err | sent KiB | saved KiB | peak KiB | balance | "
-              "CPU ms/call | calls | note |", "|" + "---|" * 13]
+              f"{clock} ms/call | calls | note |", "|" + "---|" * 13]
     for r in rows:
         exact = "" if r.exact is None else ("yes" if r.exact else "NO")
         bal = "" if r.balance is None else f"{r.balance:.2f}"
@@ -97,26 +104,31 @@ def main(argv=None) -> int:
         machine = f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     except Exception:  # noqa: BLE001 - the plain description stays
         pass
+    if args.device == "cuda":
+        import torch
+        gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                if torch.cuda.is_available() else ["no CUDA device"])
+        machine = f"{len(gpus)} x {gpus[0]}; {machine}"
     rows, workloads = [], []
     for world in args.world:
-        for w in WORKLOADS(world, args.tokens):
+        for w in WORKLOADS(world, args.tokens, args.dtype):
             if args.workloads and w.name not in args.workloads:
                 continue
             workloads.append(w)
             for system in args.systems:
                 t0 = time.monotonic()
-                row = run_one(system, w, timeout=args.timeout, reps=args.reps)
+                row = run_one(system, w, timeout=args.timeout, reps=args.reps, device=args.device)
                 rows.append(row)
-                _write(out, rows, workloads, command, machine)  # after every row: a stopped run keeps its rows
+                _write(out, rows, workloads, command, machine, args.device)  # after every row: a stopped run keeps its rows
                 print(f"P={world} {w.name:14s} {row.system:22s} {row.status:13s} exact={row.exact} "
                       f"sent={row.sent_max} peak={row.peak_max} ({time.monotonic() - t0:.0f} s) {row.note[:80]}",
                       flush=True)
-    _write(out, rows, workloads, command, machine)
+    _write(out, rows, workloads, command, machine, args.device)
     print(f"wrote {out}/peers.csv, peers.md, machine.txt")
     return 0
 
 
-def _write(out: Path, rows, workloads, command: str, machine: str) -> None:
+def _write(out: Path, rows, workloads, command: str, machine: str, device: str = "cpu") -> None:
     with open(out / "peers.csv", "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=FIELDS)
         wr.writeheader()
@@ -124,7 +136,7 @@ def _write(out: Path, rows, workloads, command: str, machine: str) -> None:
     with open(out / "peers.csv", newline="") as f:
         (out / "tables.md").write_text(tables(list(csv.DictReader(f))))
     versions = _versions()
-    (out / "peers.md").write_text(markdown(rows, workloads, command, machine, versions))
+    (out / "peers.md").write_text(markdown(rows, workloads, command, machine, versions, device))
     (out / "machine.txt").write_text(f"{machine}\n{command}\n" + "\n".join(f"{k} {v}" for k, v in versions.items())
                                      + "\n")
 

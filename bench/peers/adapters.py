@@ -6,12 +6,15 @@ init, patches; raises :class:`Refused` with the system's own constraint when it 
 global positions of this rank's tokens, to put results back), ``forward(q, k, v)`` is the system's call (the harness
 runs backward on its output), ``work(w)`` the visible (query, key) pairs x heads this rank computes. The patches a
 peer needs on CPU are named functions in :mod:`bench.peers.patches`, listed in ``patches`` (and in the results).
+``device`` is set by the harness before ``prepare``: the CPU, or this rank's GPU (``cuda_patches``: the patches a
+peer needs there; none does: on CUDA each runs unpatched, as its users run it, and the inputs arrive on the GPU).
 
 Imports: torch, distattn, the peers' packages (lazily, in ``prepare``), ``bench.peers.workload`` and ``.patches``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 
 import torch
@@ -31,7 +34,13 @@ class Refused(Exception):
 class Adapter:
     name = ""
     package = ""  # the distribution whose version the row reports ("" : none needed)
-    patches: tuple[str, ...] = ()  # names of bench.peers.patches functions this adapter applies
+    patches: tuple[str, ...] = ()  # names of bench.peers.patches functions this adapter applies (on CPU)
+    cuda_patches: tuple[str, ...] = ()  # ... and on a GPU
+    device = torch.device("cpu")  # where the harness runs this rank (set before ``prepare``)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
     forward_only = False  # the system has no backward here (its gradients are not compared)
 
     def version(self) -> str | None:
@@ -101,7 +110,7 @@ class DistAttn(Adapter):
         if w.mask == "window":
             kw["window_size"] = (w.window, 0)
         if w.mask == "docs":
-            cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32)
+            cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32, device=q.device)
             lens = cu[1:] - cu[:-1]
             out = self.da.dist_flash_attn_varlen_func(q[0], k[0], v[0], cu, int(lens.max()), **kw)
             return out[None]
@@ -178,9 +187,10 @@ class DistAttn2D(DistAttn):
 # -- DeepSpeed-Ulysses -----------------------------------------------------------------------------------------
 def _local_sdpa(w: Workload):
     """The local attention a DeepSpeed user hands ``DistributedAttention``: SDPA on the whole sequence, its heads."""
-    mask = None if w.mask == "causal" else visible(w)
+    seen = None if w.mask == "causal" else visible(w)
 
     def attn(q, k, v, *args, **kwargs):  # (b, T, h/P, d) after the all-to-all
+        mask = None if seen is None else seen.to(q.device)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         gqa = qt.shape[1] != kt.shape[1]
         out = (F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa) if mask is None else
@@ -197,13 +207,13 @@ class DeepSpeedUlysses(Adapter):
 
     def prepare(self, w):
         import os
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if self.on_cpu else "cuda")
         os.environ.setdefault("DS_BUILD_OPS", "0")
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
         if w.heads_kv % w.world and w.world % w.heads_kv:
             raise Refused(f"heads_kv ({w.heads_kv}) and P ({w.world}): Ulysses splits kv heads over the ranks")
-        with patches.deepspeed_no_shm_build():
+        with patches.deepspeed_no_shm_build() if self.on_cpu else contextlib.nullcontext():
             deepspeed.init_distributed(dist_backend="gloo")  # wraps torch's process group, made by the harness
         self.attn = DistributedAttention(_local_sdpa(w), dist.group.WORLD, scatter_idx=2, gather_idx=1)
 
@@ -236,9 +246,10 @@ class TorchCP(Adapter):
         if w.tokens_per_rank % 2:
             raise Refused(f"causal load balancing needs the sequence ({w.total}) to be a multiple of 2P "
                           f"({2 * w.world})")
-        patches.torch_cp_cpu_sdpa()
+        if self.on_cpu:
+            patches.torch_cp_cpu_sdpa()
         set_rotate_method(self.rotate)
-        self.mesh = init_device_mesh("cpu", (w.world,))
+        self.mesh = init_device_mesh(self.device.type, (w.world,))
 
     def shard(self, w, full):
         from torch.distributed.tensor.experimental import context_parallel
@@ -248,10 +259,10 @@ class TorchCP(Adapter):
         bufs = [full["q"].transpose(1, 2).contiguous(),
                 full["k"].repeat_interleave(rep, dim=2).transpose(1, 2).contiguous(),
                 full["v"].repeat_interleave(rep, dim=2).transpose(1, 2).contiguous(),
-                full["dout"].transpose(1, 2).contiguous(), torch.arange(w.total)]
+                full["dout"].transpose(1, 2).contiguous(), torch.arange(w.total, device=full["q"].device)]
         self.ctx = context_parallel(self.mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2, 0])
         self.ctx.__enter__()  # left by the harness's finish()
-        self.rows = bufs[4].clone()
+        self.rows = bufs[4].cpu().clone()
         self.rep = rep
         return {"q": bufs[0], "k": bufs[1], "v": bufs[2], "dout": bufs[3]}
 
@@ -295,7 +306,7 @@ class USP(Adapter):
         return self.contiguous_shard(w, full)
 
     def forward(self, q, k, v, w):
-        with patches.yunchang_cpu_flash():
+        with patches.yunchang_cpu_flash() if self.on_cpu else contextlib.nullcontext():
             return self.attn(q, k, v, causal=True)  # (b, s/P, h, d)
 
 
@@ -321,15 +332,14 @@ class MegatronCore(Adapter):
         self.name = "megatron-core (CP)" if context_parallel else "megatron-core (TP+SP)"
 
     def prepare(self, w):
-        import contextlib
-
         from megatron.core import parallel_state
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.enums import AttnMaskType
         from megatron.core.transformer.transformer_config import TransformerConfig
         self._patched = contextlib.ExitStack()  # held until finish(): the backward allocates too
-        self._patched.enter_context(patches.megatron_cpu_device())
-        self._patched.enter_context(patches.megatron_cpu_masks())
+        if self.on_cpu:
+            self._patched.enter_context(patches.megatron_cpu_device())
+            self._patched.enter_context(patches.megatron_cpu_masks())
         tp, cp = (1, w.world) if self.cp else (w.world, 1)
         dtype, why = w.torch_dtype, ""
         try:
@@ -346,11 +356,14 @@ class MegatronCore(Adapter):
                 why = (f"DotProductAttention splits num_query_groups ({w.heads_kv}) over tensor_model_parallel_size "
                        f"({tp}): ")
             self.core = DotProductAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self")
+            if not self.on_cpu:  # what a Megatron user's setup does on GPUs (its RNG tracker's seeds)
+                from megatron.core import tensor_parallel
+                tensor_parallel.model_parallel_cuda_manual_seed(1234)
         except (AssertionError, ValueError) as exc:
             self._patched.close()
             raise Refused(f"megatron-core {self.version()}: {why}{exc}") from exc
         # Megatron's masks: True = masked; the block-diagonal causal mask of packed documents, as its dataset builds it
-        self.mask = None if w.mask != "docs" else ~visible(w)[None, None]
+        self.mask = None if w.mask != "docs" else ~visible(w)[None, None].to(self.device)
         self.tp_rank, self.tp = parallel_state.get_tensor_model_parallel_rank(), tp
 
     def shard(self, w, full):
@@ -380,6 +393,46 @@ class MegatronCore(Adapter):
         self._patched.close()
 
 
+# -- ring-flash-attention --------------------------------------------------------------------------------------------
+class RingFlashAttn(Adapter):
+    """``ring_flash_attn`` (zhuzilin/ring-flash-attention) as its users call it: ``zigzag_ring_flash_attn_func`` on
+    zigzag shards (chunks ``r`` and ``2P-1-r`` of ``2P``) for the dense masks, and on packed documents
+    ``llama3_flash_attn_varlen_func`` on contiguous shards with the arguments of
+    ``llama3_flash_attn_prepare_cu_seqlens`` (what its Hugging Face adapter does), ``heads_k_stride=1``. It needs
+    flash-attn's CUDA build: a GPU-only row ("not installed" elsewhere). ``module``: the module the calls go to (the
+    tests point it at distattn's drop-in of the same API, ``distattn.compat.ring_flash_attn``, to hold this adapter's
+    sharding and arguments to fp64 on the CPU)."""
+
+    name = "ring-flash-attn"
+    package = "ring-flash-attn"
+    module = "ring_flash_attn"
+
+    def prepare(self, w):
+        import importlib
+        if w.mask != "docs" and w.tokens_per_rank % 2:
+            raise Refused(f"zigzag shards need an even number of tokens per rank (2P chunks), got {w.tokens_per_rank}")
+        self.rfa = importlib.import_module(self.module)
+
+    def shard(self, w, full):
+        if w.mask == "docs":
+            return self.contiguous_shard(w, full)
+        rank, P, half = dist.get_rank(), w.world, w.tokens_per_rank // 2
+        chunks = (rank, 2 * P - 1 - rank)
+        self.rows = torch.cat([torch.arange(c * half, (c + 1) * half) for c in chunks])
+        return {k: torch.cat([t[:, c * half:(c + 1) * half] for c in chunks], 1).contiguous() for k, t in full.items()}
+
+    def forward(self, q, k, v, w):
+        window = (w.window, 0) if w.mask == "window" else (-1, -1)
+        if w.mask != "docs":
+            return self.rfa.zigzag_ring_flash_attn_func(q, k, v, causal=True, window_size=window)
+        cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32, device=q.device)
+        cu_q, cu_k, max_q, max_k, k_slice = self.rfa.llama3_flash_attn_prepare_cu_seqlens(
+            cu, causal=True, rank=dist.get_rank(), world_size=w.world)
+        out = self.rfa.llama3_flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, heads_k_stride=1,
+                                                     local_k_slice=k_slice, causal=True)
+        return out[None]
+
+
 ADAPTERS = {
     "distattn-balanced": lambda: DistAttn("balanced"),
     "distattn-zigzag": lambda: DistAttn("zigzag"),
@@ -391,6 +444,7 @@ ADAPTERS = {
     "usp": USP,
     "megatron-core": MegatronCore,
     "megatron-core-cp": lambda: MegatronCore(context_parallel=True),
+    "ring-flash-attn": RingFlashAttn,
 }
 
 

@@ -1,13 +1,20 @@
 """Run one system on one workload in its own process group under a deadline, and always return its row.
 
-``run_one(system, workload, timeout)`` starts ``P`` fresh processes (a forkserver that imported torch once), a gloo
-group over a file rendezvous, and in each rank: the adapter's ``prepare`` (a :class:`Refused` there is the row's
+``run_one(system, workload, timeout, device=...)`` starts ``P`` fresh processes (a forkserver that imported torch
+once), a gloo group over a file rendezvous, and in each rank: the adapter's ``prepare`` (a :class:`Refused` there is the row's
 refused cell, with its text), its shard, one warm-up call, one measured call (forward + backward under the one byte
 counter and the one memory measure of :mod:`bench.peers.measure`), then ``reps`` timed calls without the measures.
 The parent puts every rank's results back at their global positions and holds them to the fp64 one-process
 reference (:mod:`bench.peers.workload`). A rank that raises gives an error row with its last line; ranks that do not
 finish by the deadline are killed and give an error row that says so. Nothing here can hang the caller or drop a
 row. A system that is not installed gives a "not installed" row without starting any process.
+
+``device="cuda"`` (issue 37's GPU part): the ranks share the machine's GPUs (rank ``r`` on GPU ``r % count``: on one
+GPU all P of them), joined by gloo with CUDA tensors, each system as it runs on CUDA (no CPU patches; a peer whose
+collectives gloo cannot carry with CUDA tensors gets that error in its row). The inputs are made on the CPU from the
+seed and moved to the GPU before the system shards them; the peak is then the caching allocator's
+(``torch.cuda.max_memory_allocated`` above the level at entry) and every timed call is synchronized. On a machine
+without CUDA the row says so, without starting any process.
 
 Imports: torch, ``bench.peers.{adapters, measure, workload}``.
 """
@@ -56,7 +63,8 @@ class Row:
     peak_max: int | None = None  # peak live bytes allocated in the call (forward + backward), the largest rank
     work_max: int | None = None  # visible (q, k) pairs x heads computed, the busiest rank
     balance: float | None = None  # work makespan / perfect balance (max / mean)
-    wall_ms: float | None = None  # median forward + backward per call, gloo CPU
+    wall_ms: float | None = None  # median forward + backward per call (gloo; CPU, or ranks sharing the GPU)
+    device: str = "cpu"  # where the tensors and the computation were: cpu, or cuda (ranks sharing the GPUs)
     crosscheck: str = ""  # distattn: the counter's point-to-point bytes vs its own counters and simulator
     note: str = ""
 
@@ -64,14 +72,26 @@ class Row:
 FIELDS = [f.name for f in dataclasses.fields(Row)]
 
 
-def _rank(rank, world, system, w, reps):
+def _device(rank: int, device: str) -> torch.device:
+    """This rank's device: the CPU, or GPU ``rank % count`` (every rank on one GPU when there is one)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _rank(rank, world, system, w, reps, device="cpu"):
     import torch.distributed as dist
+    dev = _device(rank, device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     a = adapter(system) if isinstance(system, str) else system()
+    a.device = dev
     try:
         a.prepare(w)
     except Refused as exc:
         return {"refused": str(exc)}
-    full = make_inputs(w)
+    full = {name: t.to(dev) for name, t in make_inputs(w).items()}
     loc = a.shard(w, full)
     to_bshd = getattr(a, "to_bshd", lambda name, t: t)
     leaves = {n: loc[n].detach().clone().requires_grad_() for n in "qkv"}
@@ -88,20 +108,23 @@ def _rank(rank, world, system, w, reps):
         return out
 
     call()  # warm-up: lazy initialization, plan caches, the first allocation of buffers
+    sync()
     dist.barrier()
     own = _distattn_counters()
-    with count_bytes() as c, measure_memory(ignore=list(leaves.values()) + [dout]) as m:
+    with count_bytes() as c, measure_memory(ignore=list(leaves.values()) + [dout], device=dev) as m:
         out = call(m)
     own = _distattn_counters(own)
     times = []
     for _ in range(reps):
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         call()
+        sync()
         times.append(time.perf_counter() - t0)
-    res = {"out": to_bshd("out", out.detach())}
+    res = {"out": to_bshd("out", out.detach()).cpu()}
     if not a.forward_only:
-        res.update({"d" + n: to_bshd("d" + n, leaves[n].grad) for n in "qkv"})
+        res.update({"d" + n: to_bshd("d" + n, leaves[n].grad).cpu() for n in "qkv"})
     if hasattr(a, "finish"):
         a.finish()
     return {"rows": a.rows, "res": res, "sent": c.sent, "recv": c.recv, "p2p": c.p2p(), "data": c.data(),
@@ -116,7 +139,7 @@ def _distattn_counters(before=None):
     return now if before is None else (now[0] - before[0], now[1] - before[1])
 
 
-def _worker(rank, world, init_file, system, w, reps, results, environ):
+def _worker(rank, world, init_file, system, w, reps, results, environ, device="cpu"):
     try:
         os.environ.clear()
         os.environ.update(environ)
@@ -125,7 +148,7 @@ def _worker(rank, world, init_file, system, w, reps, results, environ):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         dist.barrier()
         try:
-            value = _rank(rank, world, system, w, reps)
+            value = _rank(rank, world, system, w, reps, device)
         finally:
             dist.destroy_process_group()
         buf = io.BytesIO()
@@ -156,13 +179,13 @@ def _collect(procs, results, world, timeout):
     return out, errs, None
 
 
-def _spawn(system, w: Workload, reps: int, timeout: float):
+def _spawn(system, w: Workload, reps: int, timeout: float, device: str = "cpu"):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, w.world, init_file, system, w, reps, results, dict(os.environ)),
+        procs = [ctx.Process(target=_worker, args=(r, w.world, init_file, system, w, reps, results, dict(os.environ), device),
                              daemon=True) for r in range(w.world)]
         try:
             for p in procs:
@@ -180,18 +203,24 @@ def _last_line(tb: str) -> str:
     return lines[-1].strip() if lines else tb
 
 
-def run_one(system, w: Workload, *, timeout: float = 300.0, reps: int = 3) -> Row:
-    """Measure ``system`` (a key of ``ADAPTERS``, or an adapter class) on ``w``; always a row, never a hang."""
+def run_one(system, w: Workload, *, timeout: float = 300.0, reps: int = 3, device: str = "cpu") -> Row:
+    """Measure ``system`` (a key of ``ADAPTERS``, or an adapter class) on ``w``, on ``device`` (``"cpu"`` or
+    ``"cuda"``); always a row, never a hang."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
     a = adapter(system) if isinstance(system, str) else system()
-    row = Row(system=a.name, workload=w.name, world=w.world, patches=" ".join(a.patches))
+    row = Row(system=a.name, workload=w.name, world=w.world, device=device,
+              patches=" ".join(a.patches if device == "cpu" else a.cuda_patches))
     version = a.version()
     if version is None:
         return dataclasses.replace(row, status="not installed", note=f"pip install {a.package}")
     row.version = version
     if not a.applies(w):
         return dataclasses.replace(row, status="n/a", note="this system's variant is for another kind of mask")
+    if device == "cuda" and not torch.cuda.is_available():
+        return dataclasses.replace(row, status="error", note="device cuda: no CUDA device on this machine")
     try:
-        out, errs, timed_out = _spawn(system, w, reps, timeout)
+        out, errs, timed_out = _spawn(system, w, reps, timeout, device)
     except Exception as exc:  # noqa: BLE001 - the row says it
         return dataclasses.replace(row, status="error", note=f"could not start: {exc}")
     if timed_out or errs:

@@ -32,7 +32,8 @@ is a call.
 autograd keeps between forward and backward, the inputs excluded); ``peak`` the rise of the CPU allocator's live bytes
 above the level at entry, from the profiler's allocation events (``profile_memory``): every allocation of the process's
 thread, inside registered ops and tensor subclasses included, which ``distattn.memory.measure.live_bytes`` (a
-dispatch mode, like the counter above) cannot see.
+dispatch mode, like the counter above) cannot see. With ``device`` a CUDA device, ``peak`` is that device's caching
+allocator's peak above its level at entry (``torch.cuda.max_memory_allocated``): the same for every system too.
 
 Imports: torch and ``distattn.memory.measure`` only (the harness and ``train_step.py`` import this module).
 """
@@ -234,25 +235,38 @@ def allocator_peak(prof) -> int:
 
 
 @contextlib.contextmanager
-def measure_memory(ignore=()):
+def measure_memory(ignore=(), device=None):
     """Measure what the enclosed forward saves for backward (``ignore``'s storages excluded) and the peak rise of
     live bytes over the region (forward and backward).
 
     ``saved`` is read when ``mark_forward_done(m)`` is called (after the forward, before the backward, while its graph
-    holds what it saved); without that call, at the exit.
+    holds what it saved); without that call, at the exit. ``device``: a CUDA device measures the peak with its caching
+    allocator's statistics instead (``max_memory_allocated`` above ``memory_allocated`` at entry, synchronized at
+    both ends): every allocation on that device, by any thread of the process.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     m = MemoryMeasure()
     saved = saved_activations(ignore=list(ignore))
     m._saved_ctx = saved
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        region = contextlib.nullcontext()
+    else:
+        from torch.profiler import ProfilerActivity, profile
+        region = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with region as prof:
         with saved:
             m._forward_open = True
             yield m
             if m._forward_open:
                 mark_forward_done(m)
-    m.peak = allocator_peak(prof)
+    if cuda:
+        torch.cuda.synchronize(device)
+        m.peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        m.peak = allocator_peak(prof)
 
 
 def mark_forward_done(m: MemoryMeasure) -> None:
