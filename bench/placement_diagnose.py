@@ -23,6 +23,13 @@ over seeds 0..S-1: worst / median / best of the library's placement (the call's 
 placement the library used before, both on the per-pair timeline of that link's cluster::
 
     python bench/placement_diagnose.py --seeds 10 --out bench/results/placement-sim/window-seeds.md
+
+``--prefetch-whatif K``: instead, the K worst causal seeds per setting of ``--sweep`` (NVLink) with the executor's
+prefetch depth 1 (what it runs) against a deeper one (2, 3: a what-if of the timeline's ``prefetch``, NOT what the
+executor does; each more in flight costs a k/v buffer), and comm free (the same plan on free links)::
+
+    python bench/placement_diagnose.py --prefetch-whatif 4 --world 8 16 64 --sweep
+        bench/results/placement-sim/sweep-200.csv --out bench/results/placement-sim/prefetch-whatif.md  (one line)
 """
 
 from __future__ import annotations
@@ -77,9 +84,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, help="instead: windowed before/after over seeds 0..SEEDS-1")
     ap.add_argument("--world", type=int, nargs="+", default=[8, 16, 64, 256])
     ap.add_argument("--window", type=int, default=4096)
+    ap.add_argument("--prefetch-whatif", type=int, metavar="K", help="instead: K worst seeds, prefetch 1 / 2 / 3")
     args = ap.parse_args()
     if args.seeds:
         return over_seeds(args)
+    if args.prefetch_whatif:
+        return prefetch_whatif(args)
     os.environ["DISTATTN_LINK"] = "nvlink"  # the cluster the library's placement is timed on (make_plan's)
     n, cl = args.seq_per_rank, Cluster.preset("nvlink")
     if args.groups:
@@ -161,6 +171,32 @@ def over_seeds(args) -> None:
                 lines.append(f"| {docs} | {p} | {link} | {wmb(after)} | {groups(g_after)} | {wmb(before)} | "
                              f"{groups(g_before)} | {max(before) / max(after):.2f} | {float(np.median(solve)):.2f} |")
                 print(lines[-1], flush=True)
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+def prefetch_whatif(args) -> None:
+    """The K worst causal seeds per setting: step over perfect balance with prefetch 1 (the executor), 2 and 3
+    (what-ifs), and on free links (what no prefetch depth can remove: imbalance and the plan's step order)."""
+    n, cl = args.seq_per_rank, Cluster.preset("nvlink")
+    free_link = Link(name="free", bandwidth=1e30, latency=0.0)
+    free = dataclasses.replace(cl, intra=free_link, inter=free_link)
+    shapes = Shapes(seq_per_rank=n, **SHAPES)
+    rows = [r for r in csv.DictReader(args.sweep.open()) if r["link"] == "nvlink" and r["schedule"] == "placed"
+            and r["mask"] == "causal" and int(r["P"]) in args.world]
+    lines = ["| docs | P | seed | prefetch 1 (the executor) | prefetch 2 (what-if) | prefetch 3 (what-if) | comm free |",
+             "|" + "---|" * 7]
+    for docs, p in sorted({(r["docs"], int(r["P"])) for r in rows}):
+        mine = sorted((r for r in rows if r["docs"] == docs and int(r["P"]) == p),
+                      key=lambda r: -float(r["per-pair / perfect"]))[:args.prefetch_whatif]
+        for r in mine:
+            seed = int(r["seed"])
+            mask = MaskSpec(causal=True, cu_seqlens=document_lengths(docs, p * n, seed=seed))
+            plan = make_masked_plan.__wrapped__(p, "placed", mask, n, _place_cached.__wrapped__(mask, p, n, None, cl))
+            ratios = [tl.step_timeline(plan, shapes, cl, prefetch=d)["ratio"] for d in (1, 2, 3)]
+            ratios.append(tl.step_timeline(plan, shapes, free)["ratio"])
+            lines.append(f"| {docs} | {p} | {seed} | " + " | ".join(f"{x:.3f}" for x in ratios) + " |")
+            print(lines[-1], flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
 

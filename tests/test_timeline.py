@@ -133,3 +133,27 @@ def test_step_timeline_fields():
     out = step_timeline(plan, dataclasses.replace(SHAPES, seq_per_rank=1024))
     assert set(out) == {"makespan", "perfect", "ratio", "compute_idle", "busiest", "exposed"}
     assert out["makespan"] >= out["busiest"] >= out["perfect"] > 0
+
+
+def test_prefetch_depth_is_a_what_if():
+    """``prefetch`` (default 1, the executor's). Deeper starts a later step's fetch earlier: faster where the steps'
+    transfers and compute vary (packed documents, balanced), but not always (ring: a fetch posted earlier holds the
+    side stream while its peer is late, and the return behind it waits); on free links every depth gives the same
+    step; 0 is refused."""
+    shapes = Shapes(batch=1, seq_per_rank=1024, heads_q=8, heads_kv=2, head_dim=64, dtype_bytes=2)
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths("longtail:512", 4 * 1024, seed=3))
+    link = dataclasses.replace(Cluster(), intra=Link(name="10 GB/s", bandwidth=1e10, latency=5e-6))
+
+    def steps(schedule, cluster):
+        plan = make_plan(4, True, schedule, mask=mask, chunk=1024)
+        return [step_timeline(plan, shapes, cluster, prefetch=d)["makespan"] for d in (1, 2, 3)]
+
+    balanced, ring = steps("balanced", link), steps("ring", link)
+    assert balanced[0] == step_timeline(make_plan(4, True, "balanced", mask=mask, chunk=1024), shapes,
+                                        link)["makespan"]  # 1 is the default
+    assert balanced[1] < balanced[0] and balanced[2] <= balanced[1], balanced
+    assert ring[1] > ring[0], ring
+    free_link = Link(name="free", bandwidth=1e30, latency=0.0)
+    assert len(set(steps("balanced", dataclasses.replace(Cluster(), intra=free_link, inter=free_link)))) == 1
+    with pytest.raises(ValueError, match="prefetch=0"):
+        step_timeline(make_plan(4, True, "ring", chunk=1024), shapes, link, prefetch=0)

@@ -25,7 +25,10 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
   the cluster's FLOP/s.
 
 Per rank it reports the makespan, the compute time, the idle time and its part spent waiting inside the rank's own
-transfers (*exposed communication*; the rest of the idle is waiting for late peers, i.e. imbalance). Left out, as in
+transfers (*exposed communication*; the rest of the idle is waiting for late peers, i.e. imbalance). ``prefetch``
+(default 1, the executor's) is a what-if: ``F(t + prefetch)`` posted at step ``t``, the first ``prefetch`` rounds
+before step 0 (``bench/placement_diagnose.py`` weighs a deeper prefetch on the worst seeds). Deeper is not always
+faster: a fetch posted earlier holds the side stream while its peer is late, and the return posted after it waits. Left out, as in
 the cost model: kernel launch overheads, the absorb's adds, contention beyond a rank's own link. Pure Python + numpy.
 """
 
@@ -124,9 +127,11 @@ class _Rounds:
 
 
 def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-                   stride: int = 1) -> PhaseTimeline:
+                   stride: int = 1, prefetch: int = 1) -> PhaseTimeline:
     """One phase of ``plan`` on the per-pair timeline (module docstring)."""
     _check_phase(phase)
+    if prefetch < 1:
+        raise ValueError(f"prefetch={prefetch}: the executor posts at least the next step's fetch (>= 1)")
     p, n_steps = plan.world_size, plan.num_steps()
     kinds = ("kv", "q", "out") if phase == "forward" else ("kv", "q", "dkv", "dq")
     sizes = {kind: payload_bytes(kind, phase, shapes, partials) for kind in kinds}
@@ -142,9 +147,10 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     done = [zero, zero]  # compute end of steps t - 2, t - 1
     ends = {}  # ("F" | "R", t): end per rank (-inf: no round)
     exposed = np.zeros(p)
-    ends[("F", 0)] = fetch.run(0, zero, side)
+    for t in range(prefetch):
+        ends[("F", t)] = fetch.run(t, zero, side)
     for t in range(n_steps):
-        ends[("F", t + 1)] = fetch.run(t + 1, done[1] if t else zero, side)  # prefetch: compute t - 1's point
+        ends[("F", t + prefetch)] = fetch.run(t + prefetch, done[1] if t else zero, side)  # at compute t - 1's point
         f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 2), np.full(p, -np.inf))
         start = np.maximum.reduce([done[1], f_end, r_old])
         waited = np.clip(start - done[1], 0.0, None)  # the compute stream's gap before step t
@@ -162,18 +168,19 @@ def _own(rounds: _Rounds, t: int) -> np.ndarray:
 
 
 def timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-             stride: int = 1) -> tuple[PhaseTimeline, PhaseTimeline]:
+             stride: int = 1, prefetch: int = 1) -> tuple[PhaseTimeline, PhaseTimeline]:
     """The forward and backward of ``plan`` (ring ranks, shards shaped ``shapes``) on the per-pair timeline.
-    ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree), for which link a message takes."""
-    return tuple(phase_timeline(plan, phase, shapes, cluster, partials, stride) for phase in PHASES)
+    ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree), for which link a message takes;
+    ``prefetch``: the what-if depth (module docstring)."""
+    return tuple(phase_timeline(plan, phase, shapes, cluster, partials, stride, prefetch) for phase in PHASES)
 
 
 def step_timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-                  stride: int = 1) -> dict:
+                  stride: int = 1, prefetch: int = 1) -> dict:
     """One training step's attention (forward + backward) on the per-pair timeline: ``makespan`` (s), ``perfect``
     (total compute / ranks, s), ``ratio`` (makespan / perfect), ``compute_idle`` and ``exposed`` (the busiest-exposed
     rank's waits inside its own transfers, s)."""
-    fwd, bwd = timeline(plan, shapes, cluster, partials, stride)
+    fwd, bwd = timeline(plan, shapes, cluster, partials, stride, prefetch)
     makespan, perfect = fwd.makespan + bwd.makespan, fwd.perfect + bwd.perfect
     return {"makespan": makespan, "perfect": perfect, "ratio": makespan / perfect if perfect else 1.0,
             "compute_idle": 1.0 - perfect / makespan if makespan else 0.0,
