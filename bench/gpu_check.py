@@ -6,11 +6,11 @@ Parts, in order; each runs as a subprocess with its own time budget (seconds: fu
 the console with a ``[part]`` prefix and to ``OUT/<part>/log.txt``. A part that fails or runs past its budget is
 recorded (``OUT/<part>/error.txt``: the exit status and the log's tail, or the driver's traceback) and the next
 part runs. The budgets add up to under 9 minutes (--quick: under 4) on one H100, compile time included (kernel and
-checkpoint gave 20 / 10 s to packed, and tier, kernel and checkpoint 40 / 20 s to peers; kernel, checkpoint, packed
+checkpoint gave 20 / 10 s to packed, and tier, kernel and checkpoint 60 / 20 s to peers; kernel, checkpoint, packed
 and peers write their tables as they go, so a part stopped at its budget keeps what it measured):
 
   machine     10 / 10   OUT/machine.md: nvidia-smi, torch.cuda.get_device_properties, versions, the command
-  tier       230 / 85   ``pytest -m gpu`` over the GPU-tier files: OUT/tier/junit.xml (every part: OUT/<part>/log.txt)
+  tier       220 / 85   ``pytest -m gpu`` over the GPU-tier files: OUT/tier/junit.xml (every part: OUT/<part>/log.txt)
                         (--quick: 16k/32k-token kernel cases, autotune and the planner's 32k job left out)
   kernel      80 / 45   bench/kernel.py: distattn vs SDPA flash/cuDNN/efficient (flash-attn if installed), fwd, bwd,
                         fwd+bwd TFLOP/s, bf16, d 64/128, causal and not, 1k-32k (quick: d 128, 2k/16k), and the
@@ -24,10 +24,11 @@ and peers write their tables as they go, so a part stopped at its budget keeps w
                         gloo (CUDA tensors), LLaMA-3-8B heads, bf16, forward + backward per call under balanced,
                         zigzag and placed, beside the per-pair timeline's modelled ratio (quick: 2048 tokens per rank,
                         full: 4096): OUT/packed/packed.{md,csv}
-  peers       40 / 20   python -m bench.peers --device cuda (issue 37): distattn beside the peers installed on the
+  peers       60 / 20   python -m bench.peers --device cuda (issue 37): distattn beside the peers installed on the
                         machine, the same harness as on CPU with the ranks sharing the GPU over gloo (CUDA tensors),
-                        bf16, LLaMA-3-8B heads, P = 4, 512 tokens per rank, dense causal and packed long-tail
-                        (quick: P = 2, 256 tokens, dense, three systems): OUT/peers/peers.{md,csv}, tables.md
+                        bf16, LLaMA-3-8B heads, P = 4, 512 tokens per rank, dense causal and packed long-tail, 20 s a
+                        row (quick: P = 2, 256 tokens, dense, distattn and PyTorch CP, 10 s a row):
+                        OUT/peers/peers.{md,csv}, tables.md
 
 Then OUT/summary.md and OUT/summary.json: each part's status (passed / failed / timeout), seconds and budget.
 Never needs the network. ``--dry-run`` runs the same parts on CPU with tiny stand-ins (CUDA hidden; the Triton
@@ -56,17 +57,19 @@ sys.path.insert(0, str(ROOT))  # bench._util from a checkout
 from bench._util import pyplot_or_note  # noqa: E402
 
 PARTS = ("machine", "tier", "kernel", "checkpoint", "memory", "packed", "peers")
-BUDGET_S = {"full": {"machine": 10, "tier": 230, "kernel": 80, "checkpoint": 70, "memory": 55, "packed": 30,
-                     "peers": 40},
+BUDGET_S = {"full": {"machine": 10, "tier": 220, "kernel": 80, "checkpoint": 70, "memory": 55, "packed": 30,
+                     "peers": 60},
             "quick": {"machine": 10, "tier": 85, "kernel": 45, "checkpoint": 35, "memory": 25, "packed": 15,
                       "peers": 20},
             # dry run: ~50 s of CPU in all; these only stop a hang on a loaded machine (CI's pytest limit: 600 s)
             "dry": {"machine": 40, "tier": 100, "kernel": 100, "checkpoint": 90, "memory": 80, "packed": 90,
                     "peers": 60}}
 # issue 37's GPU part: the systems in the order they run (a part stopped at its budget keeps the rows it wrote; a
-# peer that is not installed on the GPU machine is a "not installed" row at no cost: carry its wheel to measure it)
-PEERS_SYSTEMS = ("distattn-zigzag", "deepspeed-ulysses", "torch-cp-alltoall", "distattn-2d", "megatron-core", "usp",
+# peer that is not installed on the GPU machine, or refuses the work (ring-flash-attn: ranks sharing a GPU over gloo),
+# is a row at no cost: no process starts), and each row's deadline (the P ranks' start, CUDA set-up, imports)
+PEERS_SYSTEMS = ("distattn-zigzag", "torch-cp-alltoall", "deepspeed-ulysses", "distattn-2d", "megatron-core", "usp",
                  "ring-flash-attn")
+PEERS_ROW_S = {"full": 20, "quick": 10, "dry": 50}
 QUICK_TIER_EXCLUDE = "not s16384 and not s32768 and not autotune and not planner"
 # (model preset, seq len, --remat) of the memory part's one-GPU jobs; CPU stand-in: tiny, one short job
 MEMORY_JOBS = {"full": [("small", 16384, False), ("small", 32768, True)], "quick": [("small", 16384, True)],
@@ -170,10 +173,10 @@ def peers_cmd(out: Path, mode: str) -> list[str]:
     base = [sys.executable, "-m", "bench.peers", "--out", str(out), "--workloads", "llama3-gqa"]
     if mode == "dry":
         return base + ["--device", "cpu", "--world", "2", "--tokens", "16", "--systems", "distattn-zigzag",
-                       "torch-cp-alltoall", "--timeout", "80", "--reps", "1"]
-    gpu = ["--device", "cuda", "--dtype", "bfloat16", "--timeout", str(BUDGET_S[mode]["peers"])]
+                       "torch-cp-alltoall", "--timeout", str(PEERS_ROW_S[mode]), "--reps", "1"]
+    gpu = ["--device", "cuda", "--dtype", "bfloat16", "--timeout", str(PEERS_ROW_S[mode])]
     if mode == "quick":
-        return base + gpu + ["--world", "2", "--tokens", "256", "--reps", "2", "--systems", *PEERS_SYSTEMS[:3]]
+        return base + gpu + ["--world", "2", "--tokens", "256", "--reps", "2", "--systems", *PEERS_SYSTEMS[:2]]
     return base + ["docs-longtail"] + gpu + ["--world", "4", "--tokens", "512", "--reps", "3", "--systems",
                                              *PEERS_SYSTEMS]
 

@@ -28,7 +28,7 @@ placement the library used before, both on the per-pair timeline of that link's 
 prefetch depth 1 (what it runs) against a deeper one (2, 3: a what-if of the timeline's ``prefetch``, NOT what the
 executor does; each more in flight costs a k/v buffer), and comm free (the same plan on free links)::
 
-    python bench/placement_diagnose.py --prefetch-whatif 4 --world 8 16 64 --sweep
+    python bench/placement_diagnose.py --prefetch-whatif 4 --world 8 16 64 256 --sweep
         bench/results/placement-sim/sweep-200.csv --out bench/results/placement-sim/prefetch-whatif.md  (one line)
 """
 

@@ -292,12 +292,13 @@ class _RingFlashAttnThroughDropIn(RingFlashAttn):
 
     name = "ring-flash-attn (API through distattn.compat)"
     module = "distattn.compat.ring_flash_attn"
+    needs_flash_attn = False
 
     def version(self):
         return "drop-in"
 
 
-@pytest.mark.parametrize("mask", ["causal", "window", "docs"])
+@pytest.mark.parametrize("mask", ["causal", "docs"])
 def test_ring_flash_attn_adapter_shards_and_calls_its_api_exactly(mask):
     """The adapter's zigzag shards, llama3 varlen arguments (``llama3_flash_attn_prepare_cu_seqlens``) and the
     placement of its results back, held to fp64 through an implementation of the same API that runs on the CPU;
@@ -310,6 +311,23 @@ def test_ring_flash_attn_adapter_shards_and_calls_its_api_exactly(mask):
     real = run_one("ring-flash-attn", _tiny(mask), timeout=5, reps=1)
     if real.version is None or real.status == "not installed":
         assert real.status == "not installed" and "pip install ring-flash-attn" in real.note, real
+
+
+def test_ring_flash_attn_refusals_are_rows_known_before_any_process():
+    """What the real package cannot run is a refused row, decided in the parent (no spawn): the window (its
+    window_size is per block, local), the CPU, fp32, and ranks sharing a GPU over gloo (its ring sends CUDA tensors
+    point to point)."""
+    import dataclasses
+
+    from bench.peers.adapters import RingFlashAttn
+    a = RingFlashAttn()
+    bf16 = dataclasses.replace(_tiny(), dtype="bfloat16")
+    assert "no sliding window" in a.refuses(_tiny("window"), "cuda")
+    assert "CUDA only" in a.refuses(bf16, "cpu")
+    assert "fp16 and bf16" in a.refuses(_tiny(), "cuda")
+    assert "gloo cannot carry" in a.refuses(bf16, "cuda")
+    assert _RingFlashAttnThroughDropIn().refuses(_tiny(), "cpu") is None
+    assert "no sliding window" in _RingFlashAttnThroughDropIn().refuses(_tiny("window"), "cpu")
 
 
 def test_cuda_mode_without_a_gpu_is_a_row_that_says_so():

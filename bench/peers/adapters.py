@@ -53,6 +53,12 @@ class Adapter:
     def applies(self, w: Workload) -> bool:
         return True
 
+    def refuses(self, w: Workload, device: str) -> str | None:
+        """Why the system cannot run ``w`` on ``device``, known without starting it (its row's refused cell), or
+        ``None``. Checked by the harness before any process starts; constraints met only inside ``prepare`` raise
+        :class:`Refused` there."""
+        return None
+
     def prepare(self, w: Workload) -> None:
         pass
 
@@ -187,10 +193,12 @@ class DistAttn2D(DistAttn):
 # -- DeepSpeed-Ulysses -----------------------------------------------------------------------------------------
 def _local_sdpa(w: Workload):
     """The local attention a DeepSpeed user hands ``DistributedAttention``: SDPA on the whole sequence, its heads."""
-    seen = None if w.mask == "causal" else visible(w)
+    seen = {"cpu": None if w.mask == "causal" else visible(w)}  # the mask, moved to a device once
 
     def attn(q, k, v, *args, **kwargs):  # (b, T, h/P, d) after the all-to-all
-        mask = None if seen is None else seen.to(q.device)
+        if str(q.device) not in seen:
+            seen[str(q.device)] = None if seen["cpu"] is None else seen["cpu"].to(q.device)
+        mask = seen[str(q.device)]
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         gqa = qt.shape[1] != kt.shape[1]
         out = (F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa) if mask is None else
@@ -399,13 +407,30 @@ class RingFlashAttn(Adapter):
     zigzag shards (chunks ``r`` and ``2P-1-r`` of ``2P``) for the dense masks, and on packed documents
     ``llama3_flash_attn_varlen_func`` on contiguous shards with the arguments of
     ``llama3_flash_attn_prepare_cu_seqlens`` (what its Hugging Face adapter does), ``heads_k_stride=1``. It needs
-    flash-attn's CUDA build: a GPU-only row ("not installed" elsewhere). ``module``: the module the calls go to (the
-    tests point it at distattn's drop-in of the same API, ``distattn.compat.ring_flash_attn``, to hold this adapter's
-    sharding and arguments to fp64 on the CPU)."""
+    flash-attn's CUDA build ("not installed" elsewhere), fp16 or bf16, and a GPU per rank with NCCL: its ring sends
+    CUDA tensors point to point, which gloo cannot carry, so on this harness's ranks (gloo, sharing a GPU) it is a
+    refused row. No sliding window: it hands ``window_size`` to each block's flash-attn call in the block's local
+    positions (right only for ``(-1, -1)``). ``module``: the module the calls go to; the tests point it at distattn's
+    drop-in of the same API (``distattn.compat.ring_flash_attn``, ``needs_flash_attn = False``), which runs on the
+    CPU over gloo, to hold this adapter's sharding and arguments to fp64."""
 
     name = "ring-flash-attn"
     package = "ring-flash-attn"
     module = "ring_flash_attn"
+    needs_flash_attn = True
+
+    def refuses(self, w, device):
+        if w.mask == "window":
+            return ("ring-flash-attn hands window_size to every block's flash-attn call in the block's local positions "
+                    "(right only for (-1, -1)): no sliding window")
+        if not self.needs_flash_attn:
+            return None
+        if device != "cuda":
+            return "flash-attn's kernels are CUDA only"
+        if w.dtype not in ("bfloat16", "float16"):
+            return f"flash-attn takes fp16 and bf16, not {w.dtype}"
+        return ("its ring sends CUDA tensors point to point (batch_isend_irecv), which gloo cannot carry, and NCCL needs "
+                "a GPU per rank: it needs P GPUs and NCCL, not ranks sharing a GPU over gloo")
 
     def prepare(self, w):
         import importlib
@@ -422,9 +447,8 @@ class RingFlashAttn(Adapter):
         return {k: torch.cat([t[:, c * half:(c + 1) * half] for c in chunks], 1).contiguous() for k, t in full.items()}
 
     def forward(self, q, k, v, w):
-        window = (w.window, 0) if w.mask == "window" else (-1, -1)
         if w.mask != "docs":
-            return self.rfa.zigzag_ring_flash_attn_func(q, k, v, causal=True, window_size=window)
+            return self.rfa.zigzag_ring_flash_attn_func(q, k, v, causal=True)
         cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32, device=q.device)
         cu_q, cu_k, max_q, max_k, k_slice = self.rfa.llama3_flash_attn_prepare_cu_seqlens(
             cu, causal=True, rank=dist.get_rank(), world_size=w.world)

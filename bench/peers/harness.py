@@ -217,6 +217,9 @@ def run_one(system, w: Workload, *, timeout: float = 300.0, reps: int = 3, devic
     row.version = version
     if not a.applies(w):
         return dataclasses.replace(row, status="n/a", note="this system's variant is for another kind of mask")
+    why = a.refuses(w, device)
+    if why:
+        return dataclasses.replace(row, status="refused", note=why)
     if device == "cuda" and not torch.cuda.is_available():
         return dataclasses.replace(row, status="error", note="device cuda: no CUDA device on this machine")
     try:
