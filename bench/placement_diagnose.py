@@ -184,8 +184,8 @@ def prefetch_whatif(args) -> None:
     shapes = Shapes(seq_per_rank=n, **SHAPES)
     rows = [r for r in csv.DictReader(args.sweep.open()) if r["link"] == "nvlink" and r["schedule"] == "placed"
             and r["mask"] == "causal" and int(r["P"]) in args.world]
-    lines = ["| docs | P | seed | prefetch 1 (the executor) | prefetch 2 (what-if) | prefetch 3 (what-if) | comm free |",
-             "|" + "---|" * 7]
+    lines = ["| docs | P | seed | prefetch 1 (the executor) | prefetch 2 (what-if) | prefetch 3 (what-if) | "
+             "comm free |", "|" + "---|" * 7]
     for docs, p in sorted({(r["docs"], int(r["P"])) for r in rows}):
         mine = sorted((r for r in rows if r["docs"] == docs and int(r["P"]) == p),
                       key=lambda r: -float(r["per-pair / perfect"]))[:args.prefetch_whatif]

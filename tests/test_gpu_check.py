@@ -18,8 +18,8 @@ FILES = ["command.txt", "machine.md", "machine.json", "summary.md", "summary.jso
          "kernel/log.txt", "kernel/kernel.md", "kernel/kernel.csv", "kernel/kernel_carry.csv",
          "checkpoint/log.txt", "checkpoint/checkpoint.md", "checkpoint/checkpoint.csv",
          "memory/job0.log", "memory/memory.md", "memory/memory.csv",
-         "packed/log.txt", "packed/packed.md", "packed/packed.csv", "peers/log.txt", "peers/peers.md", "peers/peers.csv",
-         "peers/tables.md"]
+         "packed/log.txt", "packed/packed.md", "packed/packed.csv", "peers/log.txt", "peers/peers.md",
+         "peers/peers.csv", "peers/tables.md"]
 PLOTS = ["kernel/kernel.png", "checkpoint/checkpoint.png", "memory/memory.png"]
 
 

@@ -119,7 +119,8 @@ def main(argv=None) -> int:
                 t0 = time.monotonic()
                 row = run_one(system, w, timeout=args.timeout, reps=args.reps, device=args.device)
                 rows.append(row)
-                _write(out, rows, workloads, command, machine, args.device)  # after every row: a stopped run keeps its rows
+                # after every row: a stopped run keeps its rows
+                _write(out, rows, workloads, command, machine, args.device)
                 print(f"P={world} {w.name:14s} {row.system:22s} {row.status:13s} exact={row.exact} "
                       f"sent={row.sent_max} peak={row.peak_max} ({time.monotonic() - t0:.0f} s) {row.note[:80]}",
                       flush=True)

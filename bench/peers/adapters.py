@@ -429,8 +429,8 @@ class RingFlashAttn(Adapter):
             return "flash-attn's kernels are CUDA only"
         if w.dtype not in ("bfloat16", "float16"):
             return f"flash-attn takes fp16 and bf16, not {w.dtype}"
-        return ("its ring sends CUDA tensors point to point (batch_isend_irecv), which gloo cannot carry, and NCCL needs "
-                "a GPU per rank: it needs P GPUs and NCCL, not ranks sharing a GPU over gloo")
+        return ("its ring sends CUDA tensors point to point (batch_isend_irecv), which gloo cannot carry, and NCCL "
+                "needs a GPU per rank: it needs P GPUs and NCCL, not ranks sharing a GPU over gloo")
 
     def prepare(self, w):
         import importlib

@@ -1,9 +1,10 @@
 """Run one system on one workload in its own process group under a deadline, and always return its row.
 
 ``run_one(system, workload, timeout, device=...)`` starts ``P`` fresh processes (a forkserver that imported torch
-once), a gloo group over a file rendezvous, and in each rank: the adapter's ``prepare`` (a :class:`Refused` there is the row's
-refused cell, with its text), its shard, one warm-up call, one measured call (forward + backward under the one byte
-counter and the one memory measure of :mod:`bench.peers.measure`), then ``reps`` timed calls without the measures.
+once), a gloo group over a file rendezvous, and in each rank: the adapter's ``prepare`` (a :class:`Refused` there is
+the row's refused cell, with its text; so is the adapter's ``refuses``, asked before any process starts), its shard,
+one warm-up call, one measured call (forward + backward under the one byte counter and the one memory measure of
+:mod:`bench.peers.measure`), then ``reps`` timed calls without the measures.
 The parent puts every rank's results back at their global positions and holds them to the fp64 one-process
 reference (:mod:`bench.peers.workload`). A rank that raises gives an error row with its last line; ranks that do not
 finish by the deadline are killed and give an error row that says so. Nothing here can hang the caller or drop a
@@ -185,8 +186,9 @@ def _spawn(system, w: Workload, reps: int, timeout: float, device: str = "cpu"):
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, w.world, init_file, system, w, reps, results, dict(os.environ), device),
-                             daemon=True) for r in range(w.world)]
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, w.world, init_file, system, w, reps, results, dict(os.environ), device))
+                 for r in range(w.world)]
         try:
             for p in procs:
                 p.start()
@@ -210,14 +212,14 @@ def run_one(system, w: Workload, *, timeout: float = 300.0, reps: int = 3, devic
         raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
     a = adapter(system) if isinstance(system, str) else system()
     row = Row(system=a.name, workload=w.name, world=w.world, device=device,
-              patches=" ".join(a.patches if device == "cpu" else a.cuda_patches))
+              patches=" ".join(a.patches if device == "cpu" else getattr(a, "cuda_patches", ())))
     version = a.version()
     if version is None:
         return dataclasses.replace(row, status="not installed", note=f"pip install {a.package}")
     row.version = version
     if not a.applies(w):
         return dataclasses.replace(row, status="n/a", note="this system's variant is for another kind of mask")
-    why = a.refuses(w, device)
+    why = a.refuses(w, device) if hasattr(a, "refuses") else None  # an adapter-like class without it refuses nothing
     if why:
         return dataclasses.replace(row, status="refused", note=why)
     if device == "cuda" and not torch.cuda.is_available():

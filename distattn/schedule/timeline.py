@@ -28,8 +28,9 @@ Per rank it reports the makespan, the compute time, the idle time and its part s
 transfers (*exposed communication*; the rest of the idle is waiting for late peers, i.e. imbalance). ``prefetch``
 (default 1, the executor's) is a what-if: ``F(t + prefetch)`` posted at step ``t``, the first ``prefetch`` rounds
 before step 0 (``bench/placement_diagnose.py`` weighs a deeper prefetch on the worst seeds). Deeper is not always
-faster: a fetch posted earlier holds the side stream while its peer is late, and the return posted after it waits. Left out, as in
-the cost model: kernel launch overheads, the absorb's adds, contention beyond a rank's own link. Pure Python + numpy.
+faster: a fetch posted earlier holds the side stream while its peer is late, and the return posted after it waits.
+Left out, as in the cost model: kernel launch overheads, the absorb's adds, contention beyond a rank's own link. Pure
+Python + numpy.
 """
 
 from __future__ import annotations
