@@ -52,6 +52,7 @@ def _worker(rank, world_size, init_file, fn, args, results, environ):
         dist.barrier()
         try:
             value = fn(rank, world_size, *args)
+            _leave_together(dist)
         finally:
             dist.destroy_process_group()
         buf = io.BytesIO()
@@ -59,6 +60,24 @@ def _worker(rank, world_size, init_file, fn, args, results, environ):
         results.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report anything, including KeyboardInterrupt from a kill
         results.put((rank, "error", traceback.format_exc()))
+
+
+LEAVE_WAIT_S = 30.0  # how long a rank whose fn returned waits for the others to finish theirs
+
+
+def _leave_together(dist) -> None:
+    """Wait (bounded) until every rank's ``fn`` has returned before this rank tears its group down.
+
+    gloo closes a rank's sockets when the rank leaves, and a group's connections are made lazily: a rank whose ``fn``
+    returned right after creating a group (or a library's own communicators) could close a socket a slower peer is
+    still connecting through, and that peer fails ("Connection closed by peer") or hangs. A peer that failed or died
+    ends the wait at once (its sockets are closed), a hung one after ``LEAVE_WAIT_S``: either way this rank still
+    reports what its ``fn`` returned."""
+    import datetime
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_WAIT_S))
+    except Exception:  # noqa: BLE001 - a peer that failed, died or hangs is reported by its own rank or the timeout
+        pass
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None,
