@@ -30,6 +30,9 @@ and peers write their tables as they go, so a part stopped at its budget keeps w
                         row (quick: P = 2, 256 tokens, dense, distattn and PyTorch CP, 10 s a row):
                         OUT/peers/peers.{md,csv}, tables.md
 
+First, distattn must import from this checkout (``OUT/install.txt``): a GPU machine given a copy of the tree has
+nothing installed, and ``distattn.kernels`` lives in the top-level ``kernels/`` folder (setup.py's mapping), so the
+checkout is installed in place when it does not (``pip install --no-deps --no-build-isolation -e .``, offline).
 Then OUT/summary.md and OUT/summary.json: each part's status (passed / failed / timeout), seconds and budget.
 Never needs the network. ``--dry-run`` runs the same parts on CPU with tiny stand-ins (CUDA hidden; the Triton
 interpreter, gloo, tiny sizes; the tier's tests then skip) to prove the command end to end: NOT measurements.
@@ -275,6 +278,39 @@ def machine_part(out: Path, mode: str, command: str, env: dict) -> tuple[str, in
     return "passed", 0
 
 
+_WHERE = ("import os, distattn, distattn.kernels as k; "
+          "print(os.path.realpath(distattn.__file__)); print(os.path.realpath(k.__file__))")
+INSTALL = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)]
+
+
+def _imports_this_checkout(env: dict) -> tuple[bool, str]:
+    """Whether ``distattn`` and its kernels import from this checkout in the parts' environment, and from where."""
+    res = subprocess.run([sys.executable, "-c", _WHERE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    if res.returncode:
+        return False, (res.stderr.strip().splitlines() or ["(no error text)"])[-1]
+    paths = res.stdout.strip().splitlines()[-2:]
+    root = os.path.realpath(ROOT)
+    return all(p.startswith(root + os.sep) for p in paths), ", ".join(paths)
+
+
+def ensure_this_checkout(env: dict) -> str:
+    """Every part imports distattn from this checkout. setup.py maps ``distattn.kernels`` to the top-level
+    ``kernels/`` folder, so a checkout on PYTHONPATH alone cannot import the kernels (a GPU machine given a copy of
+    the tree has nothing installed), and an install of another tree would measure other code: then this checkout is
+    installed in place (``pip install --no-deps --no-build-isolation -e .``: no network, the machine's own torch and
+    build tools). Returns what was found or done; raises ``RuntimeError`` if distattn still does not import from here."""
+    ok, where = _imports_this_checkout(env)
+    if ok:
+        return f"distattn imports from this checkout ({where})"
+    res = subprocess.run(INSTALL, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    ok, after = _imports_this_checkout(env)
+    if not ok:
+        raise RuntimeError(f"distattn does not import from this checkout ({where}); `{shlex.join(INSTALL)}` "
+                           f"(exit status {res.returncode}) did not fix it: {after}\n{res.stderr[-2000:]}")
+    return f"installed this checkout ({shlex.join(INSTALL[2:])}): before, {where}; now {after}"
+
+
 def _run_quiet(cmd: list[str]) -> str:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout or "(no output)"
@@ -345,6 +381,12 @@ def main(argv=None) -> int:
     command = shlex.join(["bash", "bench/gpu_check.sh", *(argv if argv is not None else sys.argv[1:])])
     (out / "command.txt").write_text(command + "\n")
     env, rows, start = part_env(mode), [], time.monotonic()
+    try:
+        found = ensure_this_checkout(env)
+    except Exception as exc:  # noqa: BLE001 - nothing can run: say why, in the summary too
+        found = f"FAILED: {exc}"
+    (out / "install.txt").write_text(found + "\n")
+    print(f"=== gpu_check: {found}", flush=True)
     parts = [name for name in PARTS if name in args.parts]
     for i, name in enumerate(parts, 1):
         print(f"=== gpu_check {i}/{len(parts)}: {name} (budget {BUDGET_S[mode][name]} s, mode {mode})", flush=True)

@@ -64,6 +64,7 @@ def test_dry_run_writes_every_file_and_every_part_passes(dry_run):
     assert peers["distattn (zigzag)"]["status"] == "ok" and peers["distattn (zigzag)"]["exact"] == "True", peers
     assert peers["PyTorch CP (alltoall)"]["status"] == "ok", peers
     assert "bench/gpu_check.sh" in (out / "command.txt").read_text()
+    assert (out / "install.txt").read_text().startswith("distattn imports from this checkout")
 
 
 def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path, monkeypatch):
@@ -96,3 +97,20 @@ def test_the_budgets_keep_a_run_under_9_minutes_and_quick_under_4():
     assert sum(budgets["full"].values()) <= 9 * 60 - 15, budgets["full"]
     assert sum(budgets["quick"].values()) <= 4 * 60 - 5, budgets["quick"]
     assert set(budgets["full"]) == set(budgets["quick"]) == set(budgets["dry"]) == set(PARTS)
+
+
+def test_a_checkout_that_does_not_import_is_installed_in_place_or_the_run_says_why(monkeypatch):
+    """A GPU machine given a copy of the tree has nothing installed (``distattn.kernels`` is the top-level
+    ``kernels/`` folder): the driver installs this checkout in place, offline, and says so; if distattn still does
+    not import from here, it raises with both answers."""
+    gc = _driver()
+    answers, calls = [(False, "No module named 'distattn.kernels'"), (True, "here")], []
+    monkeypatch.setattr(gc, "_imports_this_checkout", lambda env: answers.pop(0))
+    monkeypatch.setattr(gc.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))
+    found = gc.ensure_this_checkout({})
+    assert calls == [gc.INSTALL] and "--no-build-isolation" in gc.INSTALL and "--no-deps" in gc.INSTALL
+    assert found.startswith("installed this checkout") and "No module named" in found and "here" in found
+    answers[:] = [(False, "/elsewhere/distattn/__init__.py"), (False, "/elsewhere/distattn/__init__.py")]
+    with pytest.raises(RuntimeError, match="does not import from this checkout"):
+        gc.ensure_this_checkout({})

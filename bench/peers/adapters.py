@@ -106,6 +106,9 @@ class DistAttn(Adapter):
         return self.schedule
 
     def shard(self, w, full):
+        if w.mask == "docs":  # cu_seqlens as a user keeps them, made once (on the host, as distattn reads them)
+            self.cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32)
+            self.max_len = int((self.cu[1:] - self.cu[:-1]).max())
         kw = {"layout": self.layout} if self.layout is not None else {"schedule": self.ring_schedule}
         pos = torch.arange(w.total)[None]
         self.rows = self.da.shard_sequence(pos, group=self.group, **kw)[0]
@@ -116,10 +119,7 @@ class DistAttn(Adapter):
         if w.mask == "window":
             kw["window_size"] = (w.window, 0)
         if w.mask == "docs":
-            cu = torch.tensor(w.cu_seqlens(), dtype=torch.int32, device=q.device)
-            lens = cu[1:] - cu[:-1]
-            out = self.da.dist_flash_attn_varlen_func(q[0], k[0], v[0], cu, int(lens.max()), **kw)
-            return out[None]
+            return self.da.dist_flash_attn_varlen_func(q[0], k[0], v[0], self.cu, self.max_len, **kw)[None]
         return self.da.dist_flash_attn_func(q, k, v, **kw)
 
     def work(self, w):
