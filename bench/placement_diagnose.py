@@ -12,8 +12,9 @@ perfect balance (total compute / P):
 * comm free: the same plan with free links (infinite bandwidth, no latency): what is left is compute imbalance and
   the executor's order (a rank waits for its peers' rounds);
 * busiest rank: the busiest rank's compute over perfect balance (a lower bound of any order of that plan);
-* returns on own stream: a what-if, NOT what the executor does: the timeline with the return rounds on a second side
-  stream (they no longer queue behind the next fetch), patched into this process only;
+* one side stream: the timeline's former model, NOT what the executor does (``return_stream=False``: every round on
+  one side stream, a return queued behind the next fetch; the executor's returns have a stream and, on NCCL, a
+  communicator of their own);
 * causal placement (windowed rows only): the plan of the call's mask on the placement solved for causal work (the
   documents alone), what the library ran for a windowed call before the window reached the placement; its group in
   brackets; and the solve time (CPU s) of the library's windowed placement.
@@ -52,14 +53,6 @@ from distattn.schedule.build import placement_mask
 from distattn.schedule.placement import _place_cached
 
 SHAPES = dict(heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
-
-
-def _two_side_streams(run):
-    """``_Rounds.run`` with a side stream of each kind's own (fetch rounds on one, return rounds on another)."""
-    def patched(self, t, ready, side):
-        own = self.__dict__.setdefault("_own_side", np.zeros(len(side)))
-        return run(self, t, ready, own)
-    return patched
 
 
 def worst_seeds(sweep: Path) -> dict:
@@ -104,7 +97,7 @@ def main() -> None:
     free_link = Link(name="free", bandwidth=1e30, latency=0.0)
     free = dataclasses.replace(cl, intra=free_link, inter=free_link)
     shapes = Shapes(seq_per_rank=n, **SHAPES)
-    lines = ["| docs | P | mask | seed | group | as is | comm free | busiest rank | returns on own stream (what-if) | "
+    lines = ["| docs | P | mask | seed | group | as is | comm free | busiest rank | one side stream (former model) | "
              "causal placement (group) | solve s |", "|" + "---|" * 11]
     for (docs, p, m), r in sorted(worst_seeds(args.sweep).items()):
         if args.windowed and m == "causal":
@@ -119,12 +112,7 @@ def main() -> None:
         plan = make_plan(p, True, "placed", mask=mask, chunk=n)  # the public path: placed for the call's window
         lay = plan.layout
         a, c = tl.step_timeline(plan, shapes, cl), tl.step_timeline(plan, shapes, free)
-        run = tl._Rounds.run
-        tl._Rounds.run = _two_side_streams(run)
-        try:
-            b = tl.step_timeline(plan, shapes, cl)
-        finally:
-            tl._Rounds.run = run
+        b = tl.step_timeline(plan, shapes, cl, return_stream=False)
         before = "-"
         if m != "causal":
             cl_lay = _place_cached.__wrapped__(MaskSpec(causal=True, cu_seqlens=cu), p, n, None, cl)

@@ -11,8 +11,10 @@ compute of step ``t - 1`` was enqueued (the round of step ``t + 1`` is posted be
 is exactly what the pooled receive buffers need (slot ``(t + 1) % 2`` was last read by step ``t - 1``); the
 sent tensors (q, k, v, dout, lse, delta) were final before step 0, so nothing waits on step ``t``'s compute.
 
-On CUDA the round is posted on a side stream: the side stream first waits for an event recorded on the
-compute stream (so send buffers are final), every buffer is ``record_stream``-ed to the side stream (the
+On CUDA the round is posted on a side stream of its kind's own, one for fetch rounds and one for return rounds (on
+their own groups too), so a step's partials going back never queue behind the next step's prefetch (the per-pair
+timeline, ``distattn.schedule.timeline``, models both streams): the side stream first waits for an event recorded on
+the compute stream (so send buffers are final), every buffer is ``record_stream``-ed to the side stream (the
 caching allocator then never reuses its memory before the side stream has passed the transfer; NCCL also
 records its own internal stream), and
 ``wait`` makes only the *current* stream wait for the round's completion event — there is no device-wide
@@ -91,8 +93,9 @@ def _nbytes(tensors) -> int:
 class _Round:
     """One posted round: its requests and what ``wait`` must finish (copy-backs, events)."""
 
-    def __init__(self, reqs, copy_back, peers=()):
+    def __init__(self, reqs, copy_back, peers=(), stream=None):
         self.reqs = reqs
+        self.stream = stream  # the side stream it was posted on (None: no side stream)
         self.copy_back = copy_back  # [(device_tensor, staged_cpu_tensor)] for gloo + CUDA
         self.peers = peers  # the ranks this round exchanges with (for error messages)
 
@@ -102,7 +105,7 @@ class PeerExchange:
 
     Args:
         group: the process group (``None``: the default group). Peers are given as *group* ranks.
-        device: where the tensors live; CUDA enables the side stream.
+        device: where the tensors live; CUDA enables the side streams (one for fetch slots, one for return slots).
         timeout: bound of every ``wait`` in seconds (``None``: ``default_timeout()``).
         call: the call's sequence number; message tags are ``message_tag(call, round)``, unique among the
             messages of this call and its neighbours, and always below 2^31.
@@ -122,7 +125,8 @@ class PeerExchange:
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
         # CUDA tensors on a group without NCCL (e.g. gloo, or "cpu:gloo,cuda:gloo") travel through host memory.
         self._stage = self.device.type == "cuda" and "nccl" not in str(dist.get_backend(group))
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and not self._stage else None
+        self._streams = ({kind: torch.cuda.Stream(self.device) for kind in ("fetch", "return")}
+                         if self.device.type == "cuda" and not self._stage else None)
         self._rounds: dict[object, _Round] = {}
         self._tag = 0
 
@@ -146,18 +150,19 @@ class PeerExchange:
         if not ops:
             self._rounds[slot] = _Round([], copy_back, peers)
             return
-        if self._stream is None:
+        if self._streams is None:
             self._rounds[slot] = _Round(self._launch(ops, slot, peers), copy_back, peers)
             return
+        stream = self._streams[_kind(slot)]  # fetch and return rounds each on their own: neither queues behind the other
         # NCCL hangs if the current device is not the tensors' device: pin it for the launch.
         with torch.cuda.device(self.device):
             ready = torch.cuda.current_stream(self.device).record_event()
-            self._stream.wait_event(ready)  # send buffers were written on the compute stream
-            with torch.cuda.stream(self._stream):
+            stream.wait_event(ready)  # send buffers were written on the compute stream
+            with torch.cuda.stream(stream):
                 reqs = self._launch(ops, slot, peers)
             for op in ops:
-                op.tensor.record_stream(self._stream)  # allocator: no reuse before the side stream passes here
-        self._rounds[slot] = _Round(reqs, copy_back, peers)
+                op.tensor.record_stream(stream)  # allocator: no reuse before the side stream passes here
+        self._rounds[slot] = _Round(reqs, copy_back, peers, stream)
 
     def _launch(self, ops, slot, peers) -> list:
         """``batch_isend_irecv(ops)``; a failure to post (a peer closed the connection) is a ``DistAttnError``."""
@@ -177,15 +182,15 @@ class PeerExchange:
             raise RuntimeError(f"PeerExchange: wait() on slot {slot!r} with nothing posted (waited twice?)")
         what = (f"distattn: rank {self.rank}, {self.where}: waiting for the {_kind(slot)} round with rank(s) "
                 f"{list(rnd.peers)}")
-        reqs, copy_back = rnd.reqs, rnd.copy_back
+        reqs, copy_back, stream = rnd.reqs, rnd.copy_back, rnd.stream
         rnd = None  # a raised error's frames must not keep the requests (and so the group) alive
-        if self._stream is None or not reqs:
+        if stream is None or not reqs:
             bounded_wait(reqs, self.timeout, what)
         else:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 # NCCL: the host polls until the transfer is done (bounded), then wait() orders the side stream
                 bounded_wait(reqs, self.timeout, what, poll=True)
-                done = self._stream.record_event()
+                done = stream.record_event()
             torch.cuda.current_stream(self.device).wait_event(done)  # compute waits for this round only
         for dst, staged in copy_back:
             dst.copy_(staged, non_blocking=True)  # staged is pinned: an async host-to-device copy

@@ -134,7 +134,8 @@ def _side_stream_ranks(rank, world):
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     ex = comm.PeerExchange(None, dev, timeout=30)
-    ex._stage, ex._stream = False, torch.cuda.Stream(dev)  # what an NCCL group gets: the side-stream branch
+    ex._stage = False  # what an NCCL group gets: the side-stream branch, a stream per kind of round
+    ex._streams = {kind: torch.cuda.Stream(dev) for kind in ("fetch", "return")}
 
     def loopback(ops, slot, peers):
         """Runs on the side stream (post's ``torch.cuda.stream``): starts late, copies each send into a receive."""
@@ -160,13 +161,34 @@ def _side_stream_ranks(rank, world):
         if not torch.all(got == rank + i + 1.0):
             failures.append(f"round {i}: received values {got.unique()[:4].tolist()}, want {rank + i + 1.0}")
         del junk
+    # a return round posted after a slow fetch round does not wait for it: it runs on the other side stream
+    def late_fetch(ops, slot, peers):
+        if slot[0] == "fetch":
+            torch.cuda._sleep(20 * SLEEP_CYCLES)  # the fetch's peer is late
+        return loopback(ops, slot, peers)
+    ex._launch = late_fetch
+    send_f, recv_f = torch.full((n,), 5.0, device=dev), torch.zeros(n, device=dev)
+    send_r, recv_r = torch.full((n,), 6.0, device=dev), torch.zeros(n, device=dev)
+    ex.post(("fetch", 0, 9), [(peer, [send_f])], [(peer, [recv_f])])
+    ex.post(("return", 0, 9), [(peer, [send_r])], [(peer, [recv_r])])
+    ex.wait(("return", 0, 9))
+    got = recv_r.clone()
+    torch.cuda.current_stream(dev).synchronize()  # the compute stream waited for the return round only
+    if ex._streams["fetch"].query():
+        failures.append("the return round waited for the slow fetch round posted before it (one stream?)")
+    if not torch.all(got == 6.0):
+        failures.append(f"return round: received {got.unique()[:4].tolist()}, want 6.0")
+    ex.wait(("fetch", 0, 9))
+    torch.cuda.synchronize()
+    if not torch.all(recv_f == 5.0):
+        failures.append(f"fetch round: received {recv_f.unique()[:4].tolist()}, want 5.0")
     ex.close()
     return failures
 
 
-# CUDA-only: distattn/comm.py PeerExchange's side stream (_stream = torch.cuda.Stream when CUDA and not staged):
-# post() orders the side stream after the compute stream and record_stream()s its buffers, wait() orders the
-# compute stream after the side stream's done event.
+# CUDA-only: distattn/comm.py PeerExchange's side streams (_streams: one per kind of round when CUDA and not staged):
+# post() orders the round's side stream after the compute stream and record_stream()s its buffers, wait() orders the
+# compute stream after that stream's done event, and a return round never waits behind a fetch round.
 def test_side_stream_orders_transfers_and_keeps_buffers():
     results = run_distributed(_side_stream_ranks, 2, timeout=120)
     failures = [f for per_rank in results for f in per_rank]

@@ -135,25 +135,56 @@ def test_step_timeline_fields():
     assert out["makespan"] >= out["busiest"] >= out["perfect"] > 0
 
 
-def test_prefetch_depth_is_a_what_if():
-    """``prefetch`` (default 1, the executor's). Deeper starts a later step's fetch earlier: faster where the steps'
-    transfers and compute vary (packed documents, balanced), but not always (ring: a fetch posted earlier holds the
-    side stream while its peer is late, and the return behind it waits); on free links every depth gives the same
-    step; 0 is refused."""
+def _longtail_case():
     shapes = Shapes(batch=1, seq_per_rank=1024, heads_q=8, heads_kv=2, head_dim=64, dtype_bytes=2)
     mask = MaskSpec(causal=True, cu_seqlens=document_lengths("longtail:512", 4 * 1024, seed=3))
     link = dataclasses.replace(Cluster(), intra=Link(name="10 GB/s", bandwidth=1e10, latency=5e-6))
+    return shapes, mask, link
 
-    def steps(schedule, cluster):
+
+def test_prefetch_depth_is_a_what_if():
+    """``prefetch`` (default 1, the executor's). Deeper starts a later step's fetch earlier. With every round on one
+    side stream (``return_stream=False``, the executor before its second stream) it is faster where the steps'
+    transfers and compute vary (packed documents, balanced), but not always (ring: a fetch posted earlier holds the
+    stream while its peer is late, and the return behind it waits); with the returns on their own stream (the
+    executor) these plans gain nothing from it; on free links every depth gives the same step; 0 is refused."""
+    shapes, mask, link = _longtail_case()
+
+    def steps(schedule, cluster, return_stream=False):
         plan = make_plan(4, True, schedule, mask=mask, chunk=1024)
-        return [step_timeline(plan, shapes, cluster, prefetch=d)["makespan"] for d in (1, 2, 3)]
+        return [step_timeline(plan, shapes, cluster, prefetch=d, return_stream=return_stream)["makespan"]
+                for d in (1, 2, 3)]
 
     balanced, ring = steps("balanced", link), steps("ring", link)
-    assert balanced[0] == step_timeline(make_plan(4, True, "balanced", mask=mask, chunk=1024), shapes,
-                                        link)["makespan"]  # 1 is the default
     assert balanced[1] < balanced[0] and balanced[2] <= balanced[1], balanced
     assert ring[1] > ring[0], ring
+    for schedule in ("balanced", "ring"):
+        two = steps(schedule, link, return_stream=True)
+        assert two[0] == step_timeline(make_plan(4, True, schedule, mask=mask, chunk=1024), shapes,
+                                       link)["makespan"]  # prefetch 1 and the return stream are the defaults
+        assert len(set(two)) == 1, two
     free_link = Link(name="free", bandwidth=1e30, latency=0.0)
-    assert len(set(steps("balanced", dataclasses.replace(Cluster(), intra=free_link, inter=free_link)))) == 1
+    free = dataclasses.replace(Cluster(), intra=free_link, inter=free_link)
+    assert len(set(steps("balanced", free))) == 1
     with pytest.raises(ValueError, match="prefetch=0"):
         step_timeline(make_plan(4, True, "ring", chunk=1024), shapes, link, prefetch=0)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "balanced", "zigzag", "placed"])
+def test_returns_on_their_own_stream(schedule):
+    """The executor's return rounds have a side stream (and on NCCL a communicator) of their own
+    (``distattn.comm.PeerExchange``, ``distattn.communicators.Communicator``): a backward's dk/dv partial no longer
+    waits behind the next step's k/v fetch. On a slow link that shortens the backward of every schedule of these
+    packed documents; the forward (owner tasks return nothing there, helpers' partials are few) is never slower; on
+    free links nothing changes; the stream's free time is per kind (``return_stream=False`` shares one)."""
+    shapes, mask, link = _longtail_case()
+    plan = make_plan(4, True, schedule, mask=mask, chunk=1024)
+    fwd2, bwd2 = timeline(plan, shapes, link)
+    fwd1, bwd1 = timeline(plan, shapes, link, return_stream=False)
+    assert bwd2.makespan < bwd1.makespan, (bwd2.makespan, bwd1.makespan)
+    assert fwd2.makespan <= fwd1.makespan
+    assert np.array_equal(bwd2.busy, bwd1.busy)  # the same compute, only the waits differ
+    free_link = Link(name="free", bandwidth=1e30, latency=0.0)
+    free = dataclasses.replace(Cluster(), intra=free_link, inter=free_link)
+    assert step_timeline(plan, shapes, free)["makespan"] == step_timeline(plan, shapes, free,
+                                                                          return_stream=False)["makespan"]

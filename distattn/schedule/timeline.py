@@ -2,7 +2,8 @@
 
 The lockstep figure (``distattn.schedule.sim``: every step lasts as long as its largest pair) is not what the executor
 does. The executor (``distattn.executor.Executor._run``) synchronises per pair: rank ``r`` waits only for the rounds it
-takes part in. Per rank and phase it runs, with its compute stream and one side stream for the exchange::
+takes part in. Per rank and phase it runs, with its compute stream and two side streams for the exchange (fetch rounds
+on one, return rounds on the other: ``distattn.comm.PeerExchange``)::
 
     post F(0)
     for t in steps:  post F(t + 1)  (prefetch, depth 1);  wait F(t);  compute(t);  wait R(t - 1), absorb;  post R(t)
@@ -13,13 +14,15 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
 (:func:`rank_events`, held equal to the executor's own trace on gloo by ``tests/test_timeline.py``) and times it
 (:func:`timeline`) under these rules, all read off the plan's runs as arrays:
 
-* rounds run in posting order on a rank's side stream (``F0, F1, R0, F2, R1, F3, ..``); a round waits for the compute
-  stream's point at its posting (``F(t + 1)``: compute ``t - 1`` done; ``R(t)``: compute ``t`` done), and starts
-  when every peer it exchanges with has reached the same round (a message needs both ends); an empty round costs
-  nothing and waits for nothing;
+* rounds of one kind run in posting order on that kind's side stream (``F0, F1, F2, ..`` on one, ``R0, R1, ..`` on
+  the other, so a return never queues behind the next fetch); a round waits for the compute stream's point at its
+  posting (``F(t + 1)``: compute ``t - 1`` done; ``R(t)``: compute ``t`` done), and starts when every peer it
+  exchanges with has reached the same round (a message needs both ends); an empty round costs nothing and waits for
+  nothing;
 * a round on rank ``r`` lasts ``max(bytes sent, bytes received) / bandwidth + latency * messages`` per link, the
   links of a node (``src // gpus_per_node == dst // gpus_per_node``, ranks ``U`` apart for a Ulysses x ring plan) and
-  across nodes working side by side;
+  across nodes working side by side (a fetch and a return in flight at once each take the link's full rate: the
+  model leaves out contention between them, as it leaves out contention beyond a rank's own link);
 * compute ``t`` starts when compute ``t - 1`` is done, ``F(t)`` has arrived and ``R(t - 2)`` was waited for (the host
   waits in that order), and lasts the task's work (in full ``m x m`` pairs) x ``4 b m^2 h d`` FLOPs (x2.5 backward) /
   the cluster's FLOP/s.
@@ -27,10 +30,11 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
 Per rank it reports the makespan, the compute time, the idle time and its part spent waiting inside the rank's own
 transfers (*exposed communication*; the rest of the idle is waiting for late peers, i.e. imbalance). ``prefetch``
 (default 1, the executor's) is a what-if: ``F(t + prefetch)`` posted at step ``t``, the first ``prefetch`` rounds
-before step 0 (``bench/placement_diagnose.py`` weighs a deeper prefetch on the worst seeds). Deeper is not always
-faster: a fetch posted earlier holds the side stream while its peer is late, and the return posted after it waits.
-Left out, as in the cost model: kernel launch overheads, the absorb's adds, contention beyond a rank's own link. Pure
-Python + numpy.
+before step 0 (``bench/placement_diagnose.py`` weighs a deeper prefetch on the worst seeds). ``return_stream=False``
+is the what-if of the executor before it had the second side stream (every round on one, in posting order ``F0, F1,
+R0, F2, R1, ..``: the backward's dk/dv return waited behind the next fetch), kept to show what the stream buys
+(``bench/results/placement-sim/RETURNS.md``). Left out, as in the cost model: kernel launch overheads, the absorb's
+adds, contention beyond a rank's own link. Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -128,8 +132,9 @@ class _Rounds:
 
 
 def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-                   stride: int = 1, prefetch: int = 1) -> PhaseTimeline:
-    """One phase of ``plan`` on the per-pair timeline (module docstring)."""
+                   stride: int = 1, prefetch: int = 1, return_stream: bool = True) -> PhaseTimeline:
+    """One phase of ``plan`` on the per-pair timeline (module docstring; ``prefetch`` and ``return_stream=False`` are
+    what-ifs)."""
     _check_phase(phase)
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch}: the executor posts at least the next step's fetch (>= 1)")
@@ -144,7 +149,8 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     np.add.at(cost, (rt.step, rt.start), rt.cost * pair_s)
     np.add.at(cost, (rt.step, rt.stop), -rt.cost * pair_s)
     cost = np.cumsum(cost, axis=1)[:, :p]
-    side, zero = np.zeros(p), np.zeros(p)
+    side, zero = np.zeros(p), np.zeros(p)  # the fetch stream's free time per rank
+    back_side = np.zeros(p) if return_stream else side  # the return stream's (the what-if: the same stream)
     done = [zero, zero]  # compute end of steps t - 2, t - 1
     ends = {}  # ("F" | "R", t): end per rank (-inf: no round)
     exposed = np.zeros(p)
@@ -158,7 +164,7 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
         exposed += np.where(cost[t] > 0, np.minimum(waited, _own(fetch, t) + _own(back, t - 2)), 0.0)
         end = np.where(cost[t] > 0, start + cost[t], done[1])
         done = [done[1], end]
-        ends[("R", t)] = back.run(t, end, side)
+        ends[("R", t)] = back.run(t, end, back_side)
     finish = np.maximum.reduce([done[1], ends.get(("R", n_steps - 1), zero), ends.get(("R", n_steps - 2), zero)])
     return PhaseTimeline(phase, finish, cost.sum(axis=0), exposed)
 
@@ -169,19 +175,20 @@ def _own(rounds: _Rounds, t: int) -> np.ndarray:
 
 
 def timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-             stride: int = 1, prefetch: int = 1) -> tuple[PhaseTimeline, PhaseTimeline]:
+             stride: int = 1, prefetch: int = 1, return_stream: bool = True) -> tuple[PhaseTimeline, PhaseTimeline]:
     """The forward and backward of ``plan`` (ring ranks, shards shaped ``shapes``) on the per-pair timeline.
     ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree), for which link a message takes;
-    ``prefetch``: the what-if depth (module docstring)."""
-    return tuple(phase_timeline(plan, phase, shapes, cluster, partials, stride, prefetch) for phase in PHASES)
+    ``prefetch``, ``return_stream``: what-ifs (module docstring)."""
+    return tuple(phase_timeline(plan, phase, shapes, cluster, partials, stride, prefetch, return_stream)
+                 for phase in PHASES)
 
 
 def step_timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-                  stride: int = 1, prefetch: int = 1) -> dict:
+                  stride: int = 1, prefetch: int = 1, return_stream: bool = True) -> dict:
     """One training step's attention (forward + backward) on the per-pair timeline: ``makespan`` (s), ``perfect``
     (total compute / ranks, s), ``ratio`` (makespan / perfect), ``compute_idle`` and ``exposed`` (the busiest-exposed
     rank's waits inside its own transfers, s)."""
-    fwd, bwd = timeline(plan, shapes, cluster, partials, stride, prefetch)
+    fwd, bwd = timeline(plan, shapes, cluster, partials, stride, prefetch, return_stream)
     makespan, perfect = fwd.makespan + bwd.makespan, fwd.perfect + bwd.perfect
     return {"makespan": makespan, "perfect": perfect, "ratio": makespan / perfect if perfect else 1.0,
             "compute_idle": 1.0 - perfect / makespan if makespan else 0.0,
