@@ -23,6 +23,9 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
   links of a node (``src // gpus_per_node == dst // gpus_per_node``, ranks ``U`` apart for a Ulysses x ring plan) and
   across nodes working side by side (a fetch and a return in flight at once each take the link's full rate: the
   model leaves out contention between them, as it leaves out contention beyond a rank's own link);
+* the host posts in the order above and a wait blocks it until its round is done (NCCL: it polls, bounded), so a
+  round is also never posted before the host is past the waits before it (``F(t + 1)``: those of step ``t - 1``;
+  ``R(t)``: ``F(t)`` and ``R(t - 1)``);
 * compute ``t`` starts when compute ``t - 1`` is done, ``F(t)`` has arrived and ``R(t - 2)`` was waited for (the host
   waits in that order), and lasts the task's work (in full ``m x m`` pairs) x ``4 b m^2 h d`` FLOPs (x2.5 backward) /
   the cluster's FLOP/s.
@@ -152,19 +155,23 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     side, zero = np.zeros(p), np.zeros(p)  # the fetch stream's free time per rank
     back_side = np.zeros(p) if return_stream else side  # the return stream's (the what-if: the same stream)
     done = [zero, zero]  # compute end of steps t - 2, t - 1
+    host = zero.copy()  # when the host gets past its latest wait (a wait blocks it until the round is done)
     ends = {}  # ("F" | "R", t): end per rank (-inf: no round)
     exposed = np.zeros(p)
     for t in range(prefetch):
         ends[("F", t)] = fetch.run(t, zero, side)
     for t in range(n_steps):
-        ends[("F", t + prefetch)] = fetch.run(t + prefetch, done[1] if t else zero, side)  # at compute t - 1's point
+        # posted at compute t - 1's point, once the host is past step t - 1's waits
+        ends[("F", t + prefetch)] = fetch.run(t + prefetch, np.maximum(done[1], host), side)
         f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 2), np.full(p, -np.inf))
-        start = np.maximum.reduce([done[1], f_end, r_old])
+        host = np.maximum(host, f_end)  # wait F(t)
+        start = np.maximum.reduce([done[1], f_end, r_old, host])
         waited = np.clip(start - done[1], 0.0, None)  # the compute stream's gap before step t
         exposed += np.where(cost[t] > 0, np.minimum(waited, _own(fetch, t) + _own(back, t - 2)), 0.0)
         end = np.where(cost[t] > 0, start + cost[t], done[1])
         done = [done[1], end]
-        ends[("R", t)] = back.run(t, end, back_side)
+        host = np.maximum(host, ends.get(("R", t - 1), zero))  # wait R(t - 1)
+        ends[("R", t)] = back.run(t, np.maximum(end, host), back_side)
     finish = np.maximum.reduce([done[1], ends.get(("R", n_steps - 1), zero), ends.get(("R", n_steps - 2), zero)])
     return PhaseTimeline(phase, finish, cost.sum(axis=0), exposed)
 
