@@ -143,7 +143,7 @@ def main(argv=None) -> None:
             "(`groups.csv`). Chosen: the solver's pick (the smallest k whose groups balance). Most kv ranks per rank: "
             "the ranks whose k/v one rank fetches; every plan moves whole shards, so a rank's bytes grow with it. "
             "Fewest MiB of today's: the busiest rank's bytes under the best of ring, balanced and zigzag, the issue's "
-            "bar. Every plan moves only the kv rows a pair's queries see (`Plan.key_span`). Balancing a document's causal "
+            "bar. Every plan moves only the kv rows a pair's queries see (`Plan.key_ranges`). Balancing a document's causal "
             "work means dealing its blocks over the ranks of a group, and then each of them needs the others' earlier "
             "keys, so a rank's bytes grow with its group: only the group sizes too small to balance come near the bar.",
             "",

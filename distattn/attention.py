@@ -105,7 +105,7 @@ def _forward_group(ex: Executor, q, k, v, cfg: DistAttnConfig, *, last: bool):
     state = kernels.new_state(q)
 
     def fetch_payload(tr):
-        return wire.rows([k, v], *ex.span(tr.dst, tr.src)) if tr.kind == "kv" else [wire(q)]
+        return wire.rows([k, v], ex.key_rows(tr.dst, tr.src)) if tr.kind == "kv" else [wire(q)]
 
     def fetch_buffers(tr):
         return [empty_like_shard(k), empty_like_shard(v)] if tr.kind == "kv" else [empty_like_shard(q)]
@@ -165,7 +165,7 @@ def _backward_group(ex: Executor, dout, q, k, v, lse, delta, cfg: DistAttnConfig
 
     def fetch_payload(tr):
         if tr.kind == "kv":
-            return wire.rows([k, v], *ex.span(tr.dst, tr.src))
+            return wire.rows([k, v], ex.key_rows(tr.dst, tr.src))
         return [wire(q), wire(dout), wire(lse), wire(delta)]
 
     def fetch_buffers(tr):
@@ -184,7 +184,7 @@ def _backward_group(ex: Executor, dout, q, k, v, lse, delta, cfg: DistAttnConfig
             dq_part = torch.zeros(q_i.shape, dtype=torch.float32, device=q.device)
             kernels.backward_chunk_(dout_i, q_i, k, v, lse_i, delta_i, dq_part, dk, dv, **kw)
             return [ex.partial(dq_part, q)]
-        k_j, v_j = bufs  # my queries against their kv slice: my dq grows; their dk, dv partials (the slice) go back
+        k_j, v_j = bufs  # my queries against their kv rows: my dq grows; their dk, dv partials (those rows) go back
         dk_part = torch.zeros(k_j.shape, dtype=torch.float32, device=k.device)
         dv_part = torch.zeros_like(dk_part)
         kernels.backward_chunk_(dout, q, k_j, v_j, lse, delta, dq, dk_part, dv_part, **kw)
@@ -200,10 +200,12 @@ def _backward_group(ex: Executor, dout, q, k, v, lse, delta, cfg: DistAttnConfig
     def absorb(tr, bufs):
         if tr.kind == "dq":
             dq.add_(bufs[0])
-        else:  # the partial of the slice the computing rank borrowed
-            a, b = ex.span(tr.src, tr.dst)
-            dk[:, a:b].add_(bufs[0])
-            dv[:, a:b].add_(bufs[1])
+        else:  # the partial of the rows the computing rank borrowed, packed
+            at = 0
+            for a, b in ex.key_rows(tr.src, tr.dst):
+                dk[:, a:b].add_(bufs[0][:, at:at + b - a])
+                dv[:, a:b].add_(bufs[1][:, at:at + b - a])
+                at += b - a
 
     ex.run(compute, fetch_payload, fetch_buffers, return_payload=lambda parts: parts,
            return_buffers=return_buffers, absorb=absorb, confirm=last)

@@ -11,6 +11,7 @@ Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head d
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import distattn.agreement as agreement
@@ -20,7 +21,7 @@ from distattn.communicators import describe, open_call
 from distattn.config import DistAttnConfig
 from distattn.schedule import Task, Transfer, head_groups, local_bounds
 
-__all__ = ["Executor", "WireCopies", "empty_like_shard", "stats_buffer", "guarded", "TRACE"]
+__all__ = ["Executor", "WireCopies", "empty_like_shard", "stats_buffer", "guarded", "packed_bounds", "TRACE"]
 
 TRACE: list | None = None
 """Off (``None``) by default. A list: every executor of this process appends its events to it in the order it issues
@@ -96,35 +97,42 @@ class Executor:
         """Global position of the first token of ``chunk``."""
         return chunk * self.n
 
-    def span(self, q_chunk: int, kv_chunk: int) -> tuple[int, int]:
-        """The local rows ``[a, b)`` of ``kv_chunk``'s k/v that ``q_chunk``'s queries see (``Plan.key_span``): all
-        that travels for an owner task, and all its dk/dv partial covers."""
-        return self.plan.key_span(q_chunk, kv_chunk) or (0, self.n)
+    def key_rows(self, q_chunk: int, kv_chunk: int) -> tuple[tuple[int, int], ...]:
+        """The local rows of ``kv_chunk``'s k/v that ``q_chunk``'s queries see, as ascending ranges
+        (``Plan.key_ranges``): all that travels for an owner task (the ranges packed one after the other), and all
+        its dk/dv partial covers."""
+        return self.plan.key_ranges(q_chunk, kv_chunk) or ((0, self.n),)
 
     def rows(self, tr: Transfer) -> int | None:
-        """Rows of the k/v slice (``kv``) or dk/dv partial (``dkv``) that ``tr`` carries; ``None``: other kinds."""
+        """Rows of the k/v rows (``kv``) or dk/dv partial (``dkv``) that ``tr`` carries; ``None``: other kinds."""
         if tr.kind == "kv":
-            a, b = self.span(tr.dst, tr.src)
+            ranges = self.key_rows(tr.dst, tr.src)
         elif tr.kind == "dkv":
-            a, b = self.span(tr.src, tr.dst)
+            ranges = self.key_rows(tr.src, tr.dst)
         else:
             return None
-        return b - a
+        return sum(b - a for a, b in ranges)
 
-    def borrowed(self, task: Task) -> int:
-        """First local row of the kv slice ``task`` computes with: the span's start for a task on borrowed k/v, 0 when
-        the rank computes with its own (local and helper tasks)."""
-        return self.span(task.q_chunk, task.kv_chunk)[0] if task.rank == task.q_chunk != task.kv_chunk else 0
+    def borrowed(self, task: Task) -> tuple[tuple[int, int], ...] | None:
+        """The kv rows ``task`` computes with when they are borrowed (an owner task on another rank's k/v: its
+        :meth:`key_rows`, received packed); ``None`` when the rank computes with its own (local and helper tasks)."""
+        return self.key_rows(task.q_chunk, task.kv_chunk) if task.rank == task.q_chunk != task.kv_chunk else None
 
     def mask(self, task: Task) -> dict:
         """Kernel keywords for ``task``'s (query chunk, kv chunk) pair: the mask and the scale options (keys: the
-        slice :meth:`borrowed` says)."""
-        a = self.borrowed(task)
+        rows :meth:`borrowed` says, packed)."""
+        ranges = self.borrowed(task)
         kw = dict(softmax_scale=self.cfg.scale, q_start=self.start(task.q_chunk), k_start=self.start(task.kv_chunk),
                   softcap=self.cfg.softcap, backend=self.backend)
         if self.plan.layout is not None:  # shards are unions of segments: bounds in the kv shard's local indices
-            return dict(kw, q_start=0, k_start=0, causal=False, bounds=self._pair_bounds(task, a))
+            return dict(kw, q_start=0, k_start=0, causal=False, bounds=self._pair_bounds(task, ranges))
         if not self.spec.dense:  # documents / window: per-row key bounds, from the description the plan read
+            a = 0
+            if ranges is not None:  # on contiguous shards a pair sees one run of rows: the kv shard's last (causal)
+                if len(ranges) != 1:  # or first ones: a plan saying otherwise is a bug, not a mask to guess at
+                    raise AssertionError(f"distattn: pair {task.q_chunk, task.kv_chunk} on contiguous shards sees "
+                                         f"the rows {ranges}, not one run")
+                a = ranges[0][0]
             return dict(kw, k_start=self.start(task.kv_chunk) + a, causal=False, bounds=self._bounds_of(task.q_chunk))
         # Off-diagonal causal pairs always have kv_chunk < q_chunk: every key is visible, no mask to pay for.
         return dict(kw, causal=self.cfg.causal and task.is_diagonal, bounds=None)
@@ -137,15 +145,18 @@ class Executor:
             self._bounds[chunk] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
         return self._bounds[chunk]
 
-    def _pair_bounds(self, task: Task, first: int = 0) -> kernels.KeyBounds:
+    def _pair_bounds(self, task: Task, ranges: tuple[tuple[int, int], ...] | None = None) -> kernels.KeyBounds:
         """Per query row of ``task.q_chunk``'s shard, the interval of local keys of ``task.kv_chunk``'s shard it
         sees (``distattn.schedule.layouts.local_bounds``: the layout maps the mask's global positions to local
-        indices, which stay nondecreasing because every shard keeps its positions in order), counted from the
-        slice's ``first`` row. Cached per pair."""
-        key = (task.q_chunk, task.kv_chunk, first)
+        indices, which stay nondecreasing because every shard keeps its positions in order), as indices into the
+        kv rows ``ranges`` packed one after the other (``None``: the whole shard). A row's keys lie in one document,
+        so in one range. Cached per pair."""
+        key = (task.q_chunk, task.kv_chunk, ranges)
         if key not in self._bounds:
             lo, hi = local_bounds(self.spec, self.plan.layout, self.n, task.q_chunk, task.kv_chunk)  # read-only
-            to_dev = lambda a: torch.from_numpy(a - first).to(device=self.device, dtype=torch.int32)  # noqa: E731
+            if ranges is not None:
+                lo, hi = packed_bounds(lo, hi, ranges)
+            to_dev = lambda a: torch.from_numpy(a).to(device=self.device, dtype=torch.int32)  # noqa: E731
             self._bounds[key] = kernels.KeyBounds(to_dev(lo), to_dev(hi))
         return self._bounds[key]
 
@@ -267,6 +278,29 @@ def empty_like_shard(like: torch.Tensor, dtype=None, heads=None) -> torch.Tensor
     return torch.empty(b, n, h if heads is None else heads, d, dtype=dtype or like.dtype, device=like.device)
 
 
+def packed_bounds(lo, hi, ranges: tuple[tuple[int, int], ...]):
+    """Key bounds per query row (``[lo, hi]`` inclusive, local rows of the kv shard, numpy, both nondecreasing; ``hi <
+    lo``: none) as indices into the rows ``ranges`` packed one after the other: ``lo`` to the packed index of the first
+    kept row at or after it, ``hi`` to that of the last kept row at or before it. Both maps are nondecreasing, so the
+    bounds stay nondecreasing and an empty row stays empty. Raises ``AssertionError`` if a row's keys are not all kept
+    (the plan's ranges must hold every key a row sees)."""
+    if not ranges:
+        return np.zeros_like(lo), np.full_like(hi, -1)
+    starts = np.fromiter((a for a, _ in ranges), dtype=np.int64, count=len(ranges))
+    length = np.fromiter((b - a for a, b in ranges), dtype=np.int64, count=len(ranges))
+    offset = np.cumsum(length) - length  # where each range starts in the packed rows
+
+    def kept_before(x):  # how many kept rows lie before local row x
+        at = np.searchsorted(starts, x, side="right") - 1
+        safe = np.clip(at, 0, None)
+        return np.where(at >= 0, offset[safe] + np.clip(x - starts[safe], 0, length[safe]), 0)
+
+    lo_p, hi_p = kept_before(lo), kept_before(hi + 1) - 1
+    if np.any((hi >= lo) & (hi_p - lo_p != hi - lo)):
+        raise AssertionError(f"distattn: a query row's keys lie outside the rows {ranges} its pair borrows")
+    return lo_p, hi_p
+
+
 def _front_rows(buffers: list[torch.Tensor], rows: int | None) -> list[torch.Tensor]:
     """Whole-shard ``(b, n, h, d)`` receive buffers as ``(b, rows, h, d)`` tensors on their first elements
     (contiguous, as a message needs); ``rows=None`` or ``n``: the buffers themselves."""
@@ -295,10 +329,14 @@ class WireCopies:
             self._copies[id(t)] = t.contiguous()
         return self._copies[id(t)]
 
-    def rows(self, tensors: list[torch.Tensor], a: int, b: int) -> list[torch.Tensor]:
-        """The sequence rows ``[a, b)`` of ``tensors`` (dim 1) as messages: views when contiguous (batch 1), else
-        copies of the slice only (never cached: a slice is a new object every step)."""
-        return [self(t) if a == 0 and b == t.shape[1] else t[:, a:b].contiguous() for t in tensors]
+    def rows(self, tensors: list[torch.Tensor], ranges: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
+        """The sequence rows ``ranges`` of ``tensors`` (dim 1), packed one after the other, as messages: one range is
+        a view when contiguous (batch 1), else a copy of the slice only; several are one copy of their rows (never
+        cached: a slice is a new object every step)."""
+        if len(ranges) == 1:
+            a, b = ranges[0]
+            return [self(t) if a == 0 and b == t.shape[1] else t[:, a:b].contiguous() for t in tensors]
+        return [torch.cat([t[:, a:b] for a, b in ranges], dim=1) for t in tensors]
 
 
 def guarded(ex: Executor, fn):

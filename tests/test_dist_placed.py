@@ -87,3 +87,31 @@ def test_placed_documents_against_reference(world):
     seen = run_distributed(_worker, world, n, timeout=TIMEOUT_S)
     assert all(s == seen[0] for s in seen)  # one placement on every rank
     assert len(seen[0]) == (3 * len(CASES) if world == 1 else 6)
+
+
+# A stream whose placement (the windowed deal, one group of 5) leaves pairs that see two runs of a kv shard's rows with
+# another document's rows between them: those pairs borrow only the rows they see, packed (``Plan.key_ranges``).
+PACKED_CU, PACKED_WORLD, PACKED_N = [0, 244, 363, 445, 568, 640], 5, 128
+
+
+def _packed_worker(rank, world, n):
+    from distattn.schedule import make_plan
+
+    plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(PACKED_CU)), chunk=n)
+    ranges = {(i, j): plan.key_ranges(i, j) for i in range(world) for j in range(world) if i != j}
+    multi = [ij for ij, rs in ranges.items() if rs and len(rs) > 1]
+    for case in (CASES[0], CASES[3]):  # causal: fp32 GQA, fp16
+        _check(rank, world, case, PACKED_CU, n, seed=7)
+    return multi, {ij: plan.key_span(*ij) for ij in multi}, {ij: ranges[ij] for ij in multi}
+
+
+def test_placed_pairs_borrow_only_the_rows_they_see():
+    """Exact against fp64 (and the byte counters equal the plan's) where a pair's queries see two runs of the kv
+    shard's rows with rows of another document between them: only the runs travel, packed, and the dk/dv partial
+    comes back for them alone."""
+    results = run_distributed(_packed_worker, PACKED_WORLD, PACKED_N, timeout=TIMEOUT_S)
+    multi, spans, ranges = results[0]
+    assert multi, "the stream no longer leaves a pair seeing two runs of rows: pick another one"
+    for ij in multi:
+        (a, b), rs = spans[ij], ranges[ij]
+        assert a == rs[0][0] and b == rs[-1][1] and sum(y - x for x, y in rs) < b - a  # fewer rows than the span

@@ -27,9 +27,10 @@ def _measure(rank, world, cases):
     from distattn.memory.measure import live_bytes
 
     out = []
-    for schedule, n, partials, transposed in cases:
+    for schedule, n, partials, transposed, *cu in cases:
         torch.manual_seed(rank)
-        cfg = att.DistAttnConfig(causal=True, scale=D ** -0.5, schedule=schedule, partials=partials)
+        cfg = att.DistAttnConfig(causal=True, scale=D ** -0.5, schedule=schedule, partials=partials,
+                                 cu_seqlens=tuple(cu[0]) if cu else None)
 
         def make(h):
             if transposed:  # HF passes (b, h, n, d) tensors viewed as (b, n, h, d)
@@ -77,3 +78,17 @@ def test_executor_buffers_equal_the_replay(world):
             for phase, (measured, model, moment) in res.items():
                 assert abs(measured - model) <= min(ABS_SLACK, REL_TOL * model), (
                     f"P={world} rank {rank} {case} {phase}: measured {measured} B, replay {model} B ({moment})")
+
+
+def test_executor_buffers_equal_the_replay_on_packed_rows():
+    """Packed documents on their placement, where pairs borrow only the runs of kv rows their queries see (one packed
+    copy of k and of v is sent, the partials come back for those rows): the replay holds the bytes too."""
+    from tests.test_dist_placed import PACKED_CU, PACKED_N, PACKED_WORLD
+
+    cases = [("placed", PACKED_N, partials, False, PACKED_CU) for partials in ("fp32", "input")]
+    results = run_distributed(_measure, PACKED_WORLD, cases, timeout=300)
+    for rank, per_case in enumerate(results):
+        for case, res in per_case:
+            for phase, (measured, model, moment) in res.items():
+                assert abs(measured - model) <= min(ABS_SLACK, REL_TOL * model), (
+                    f"P={PACKED_WORLD} rank {rank} {case} {phase}: measured {measured} B, replay {model} B ({moment})")

@@ -73,11 +73,13 @@ def _transfers(task, phase, which):
 
 def _size(plan, sizes, task, kind):
     """Bytes of a task's transfer of ``kind``: an owner task's k/v in and dk/dv back carry only the rows of the kv
-    shard that its queries see (``Plan.key_span``)."""
-    span = plan.key_span(task.q_chunk, task.kv_chunk)
-    if kind not in ("kv", "dkv") or span is None:
+    shard that its queries see (``Plan.key_ranges``, inside ``Plan.key_span``)."""
+    ranges = plan.key_ranges(task.q_chunk, task.kv_chunk)
+    if kind not in ("kv", "dkv") or ranges is None:
         return sizes[kind]
-    return sizes[kind] // plan.chunk * (span[1] - span[0])
+    a, b = plan.key_span(task.q_chunk, task.kv_chunk)
+    assert ranges[0][0] == a and ranges[-1][1] == b  # the ranges lie in the span, its ends included
+    return sizes[kind] // plan.chunk * sum(y - x for x, y in ranges)
 
 
 def _sizes(phase, shapes, partials):

@@ -19,7 +19,7 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
   ``(b, h, n, d)`` views) that is sent is copied once per call, and a row slice of it per send.
 
 ``executor_peak(plan, ...)`` walks the same :class:`~distattn.schedule.Plan` the executor runs (``plan.task``,
-``plan.rank_ops``, ``plan.key_span``) in the executor's order of events (``Executor._run``: post the next fetch,
+``plan.rank_ops``, ``plan.key_ranges``) in the executor's order of events (``Executor._run``: post the next fetch,
 wait this fetch, compute, absorb the previous step's partials, post this step's partials) and gives the peak of the
 live bytes, when it happens and what it is made of. ``tests/test_executor_memory.py`` holds it equal to the bytes the
 real executor allocates on CPU/gloo (``distattn.memory.measure.live_bytes``). Not here: the kernels' own working set
@@ -156,17 +156,11 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
     rounds: dict = {}
     wire: set = set()  # tensors whose contiguous copy exists (made once per pass)
 
-    def span(qc, kc):
-        return plan.key_span(qc, kc) or (0, sz.n)
+    def ranges(qc, kc):
+        return plan.key_ranges(qc, kc) or ((0, sz.n),)
 
-    def rows(tr):
-        if tr.kind == "kv":
-            a, b = span(tr.dst, tr.src)
-        elif tr.kind == "dkv":
-            a, b = span(tr.src, tr.dst)
-        else:
-            return None
-        return b - a
+    def count(qc, kc):
+        return sum(b - a for a, b in ranges(qc, kc))
 
     def whole_copy(name, nbytes):
         if name in copied and name not in wire:
@@ -175,11 +169,14 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
 
     def fetch_payload(tr) -> list[int]:
         if tr.kind == "kv":
-            a, b = span(tr.dst, tr.src)
-            if a == 0 and b == sz.n:
+            rs = ranges(tr.dst, tr.src)
+            if rs == ((0, sz.n),):
                 for name in "kv":
                     whole_copy(name, sz.kv())
                 return []
+            if len(rs) > 1:  # several runs of rows: one packed copy each of k and v
+                return [lv.alloc("send copies (packed rows)", sz.kv(count(tr.dst, tr.src))) for _ in "kv"]
+            a, b = rs[0]
             # a row slice of a (b, n, h, d) tensor is contiguous only with batch 1 and contiguous memory
             per = [sz.kv(b - a) for name in "kv" if name in copied or sz.b > 1]
             return [lv.alloc("send copies (row slices)", nb) for nb in per]
@@ -213,8 +210,8 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
     def compute(task) -> tuple[list[int], list[int]]:
         """(allocations the task's result holds, the subset that travels)."""
         key = None  # the executor's key-bounds cache (``Executor.mask``): int32 (lo, hi) per query row, kept
-        if plan.layout is not None:  # shards are unions of segments: one per (q, kv, first row) pair
-            borrowed = span(task.q_chunk, task.kv_chunk)[0] if task.rank == task.q_chunk != task.kv_chunk else 0
+        if plan.layout is not None:  # shards are unions of segments: one per (q, kv, borrowed rows) pair
+            borrowed = ranges(task.q_chunk, task.kv_chunk) if task.rank == task.q_chunk != task.kv_chunk else None
             key = (task.q_chunk, task.kv_chunk, borrowed)
         elif plan.work is not None:  # documents / window on contiguous shards: one per query chunk
             key = task.q_chunk
@@ -243,8 +240,7 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
         return cast, cast
 
     def rows_of(task):
-        a, b = span(task.q_chunk, task.kv_chunk)
-        return b - a
+        return count(task.q_chunk, task.kv_chunk)
 
     steps = plan.num_steps()
 

@@ -34,7 +34,7 @@ def _as_runs(per_rank: list[list[Task]], table, n: int) -> RunTable:
     at = np.searchsorted(pair_keys, q * p + kv)
     assert np.array_equal(np.sort(q * p + kv), pair_keys), f"masked plan P={p}: the tasks are not the pairs with work"
     cost = table.work[at] / n ** 2
-    keys = np.where((rank == q) & (q != kv), table.b[at] - table.a[at], -1)  # owner tasks borrow their span
+    keys = np.where((rank == q) & (q != kv), table.seen[at], -1)  # owner tasks borrow the rows their queries see
     order = np.lexsort((rank, step))
     step, rank, dq, dkv, cost, keys = (x[order] for x in (step, rank, q - rank, kv - rank, cost, keys))
     same = [step, dq, dkv, cost, keys]
@@ -66,7 +66,7 @@ def make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layo
         per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
     return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(per_rank, table, n),
                 work=work, chunk=n, layout=None if layout.contiguous else layout,
-                spans=(SpanView(table, False), SpanView(table, True)))
+                spans=(SpanView(table, False), SpanView(table, True)), pair_table=table)
 
 
 def _owners(ring: list[list[Task]], work) -> list[list[Task]]:

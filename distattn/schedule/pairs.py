@@ -64,7 +64,11 @@ def out_of_memory(what: str, exc: MemoryError) -> PlanTooLarge:
 class PairTable:
     """Every (query rank, kv rank) pair with work, sorted by query rank then kv rank (read-only int64 arrays, one
     entry per pair): ``work`` visible (query, key) pairs; ``a, b``: the keys seen lie in the kv rank's local rows
-    ``[a, b)``, the shortest such range. The pairs of query rank ``i`` are ``offsets[i]:offsets[i + 1]``."""
+    ``[a, b)``, the shortest such range; ``seen``: how many of those rows the pair's queries see (the rows of other
+    documents, or past every query's reach, between them are not). The pairs of query rank ``i`` are
+    ``offsets[i]:offsets[i + 1]``. The seen rows as ranges: pair ``k``'s are ``[range_a[x], range_b[x])`` for ``x`` in
+    ``range_offsets[k]:range_offsets[k + 1]``, ascending, disjoint and not touching (what an owner task borrows:
+    ``Plan.key_ranges``)."""
 
     world_size: int
     q: np.ndarray
@@ -73,9 +77,21 @@ class PairTable:
     a: np.ndarray
     b: np.ndarray
     offsets: np.ndarray
+    seen: np.ndarray
+    range_offsets: np.ndarray
+    range_a: np.ndarray
+    range_b: np.ndarray
 
     def __len__(self) -> int:
         return len(self.q)
+
+    def ranges(self, i: int, j: int) -> tuple[tuple[int, int], ...]:
+        """The local rows of kv rank ``j`` that query rank ``i``'s queries see, as ranges; ``()`` without work."""
+        k = self._index.get((i, j))
+        if k is None:
+            return ()
+        lo, hi = self.range_offsets[k], self.range_offsets[k + 1]
+        return tuple(zip(self.range_a[lo:hi].tolist(), self.range_b[lo:hi].tolist()))
 
     @functools.cached_property
     def rows(self) -> tuple[dict, ...]:
@@ -192,13 +208,16 @@ def _pair_table_cached(spec, p: int, n: int, layout) -> PairTable:
             parts = [_merge(parts)]
             held = len(parts[0][0])
             _check_pairs(held, p, n, layout)
-    keys, work, a, b = _merge(parts)
+    keys, work, a, b, r_key, r_a, r_b = _merge(parts)
     _check_pairs(len(keys), p, n, layout)
     q, kv = np.divmod(keys, p)
     offsets = np.searchsorted(q, np.arange(p + 1), side="left")
-    for arr in (q, kv, work, a, b, offsets):
+    range_offsets = np.searchsorted(r_key, keys, side="left")
+    range_offsets = np.append(range_offsets, len(r_key))
+    seen = np.add.reduceat(r_b - r_a, range_offsets[:-1]) if len(keys) else np.zeros(0, np.int64)
+    for arr in (q, kv, work, a, b, offsets, seen, range_offsets, r_a, r_b):
         arr.flags.writeable = False
-    return PairTable(p, q, kv, work, a, b, offsets)
+    return PairTable(p, q, kv, work, a, b, offsets, seen, range_offsets, r_a, r_b)
 
 
 def _pieces(spec, p: int, n: int, layout):
@@ -244,14 +263,15 @@ def _combinations(qs: slice, k0, count, pieces, window: tuple[int, int, int], p:
         work = (qb - qa) * (kb - ka)
         if r_ == 0:  # ... but the query piece's own causal triangle
             work -= np.where(u == v, (qb - qa) * (qb - qa - 1) // 2, 0)
-        return _reduce(owner[u] * p + owner[v], work, ka + shift, kb + shift)
+        return _reduce(owner[u] * p + owner[v], work, ka + shift, kb + shift, ranges=True)
     work = (kb - ka) * (qb - qa) if r_ >= big else _band_count(qa, qb, ka, kb, r_)  # keys up to q + r
     if l_ < big:
         work = work - _band_count(qa, qb, ka, kb, -l_ - 1)  # less the keys before q - l
     lo = np.maximum(ka, np.maximum(doc_lo[u], qa - l_))  # the first key seen: lo(qa), inside the key piece
     hi = np.minimum(kb - 1, np.minimum(doc_hi[u] - 1, qb - 1 + r_))  # the last: hi(qb - 1)
     keep = work > 0
-    return _reduce(owner[u][keep] * p + owner[v][keep], work[keep], (lo + shift)[keep], (hi + 1 + shift)[keep])
+    return _reduce(owner[u][keep] * p + owner[v][keep], work[keep], (lo + shift)[keep], (hi + 1 + shift)[keep],
+                   ranges=True)
 
 
 def _band_count(qa, qb, ka, kb, c):
@@ -269,8 +289,9 @@ def _band_count(qa, qb, ka, kb, c):
 
 
 def _merge(parts):
-    """The chunks' ``(key, work, a, b)`` as one, reduced per pair."""
-    return _reduce(*(np.concatenate([x[c] for x in parts]) if parts else np.zeros(0, np.int64) for c in range(4)))
+    """The chunks' ``(key, work, a, b, range key, range a, range b)`` as one, reduced per pair."""
+    cols = [np.concatenate([x[c] for x in parts]) if parts else np.zeros(0, np.int64) for c in range(7)]
+    return _reduce(*cols[:4]) + _union(*cols[4:])
 
 
 def _where(layout) -> str:
@@ -290,8 +311,28 @@ def _check_pairs(pairs: int, p: int, n: int, layout) -> None:
             f"shards a document touches)")
 
 
-def _reduce(key, work, a, b):
-    """Per distinct ``key``: summed ``work``, smallest ``a``, largest ``b`` (keys ascending)."""
+def _union(key, a, b):
+    """The union of the row ranges ``[a, b)`` per ``key``: ``(key, a, b)`` of disjoint ranges that do not touch,
+    by key then row. Vectorized: a range joins the one before it when it starts at or before the reach of that key's
+    ranges so far (keys in the high bits keep every key's ranges apart)."""
+    if not len(key):
+        return key, a, b
+    keys, at = np.unique(key, return_inverse=True)  # the keys numbered 0.. (fewer than 2^31), local rows < 2^31
+    hi_a, hi_b = (at.astype(np.int64) << 32) | a, (at.astype(np.int64) << 32) | b
+    order = np.argsort(hi_a, kind="stable")
+    hi_a, hi_b = hi_a[order], hi_b[order]
+    reach = np.maximum.accumulate(hi_b)
+    first = np.flatnonzero(np.append(True, hi_a[1:] > reach[:-1]))
+    lo, top = hi_a[first], np.maximum.reduceat(hi_b, first)
+    low = np.int64((1 << 32) - 1)
+    return keys[lo >> 32], lo & low, top & low
+
+
+def _reduce(key, work, a, b, ranges: bool = False):
+    """Per distinct ``key``: summed ``work``, smallest ``a``, largest ``b`` (keys ascending); ``ranges``: and the
+    union of the ``[a, b)`` per key (:func:`_union`)."""
+    if ranges:
+        return _reduce(key, work, a, b) + _union(key, a, b)
     if not len(key):
         return key, work, a, b
     order = np.argsort(key)  # sums, minima and maxima: the order within a key does not matter

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distattn.schedule.layouts import Layout
-from distattn.schedule.pairs import SpanView, WorkView
+from distattn.schedule.pairs import PairTable, SpanView, WorkView
 
 SCHEDULES = ("ring", "balanced", "zigzag", "placed")
 PHASES = ("forward", "backward")
@@ -76,8 +76,8 @@ class RunTable:
     """Every run of a plan as read-only arrays, one entry per run, sorted by step then rank: in step ``step[k]`` the
     ranks ``r`` in ``[start[k], stop[k])`` compute ``(r + dq[k], r + dkv[k])``, each task ``cost[k]`` (units of one
     full ``n x n`` pair). ``dq == 0``: owner tasks (``dkv == 0`` too: local); ``dkv == 0``: helper tasks (the kv
-    owner computes for query owner ``r + dq``). ``keys[k]``: the kv rows an owner task borrows (its k/v slice in,
-    its dk/dv partial back; :meth:`Plan.key_span`), ``-1``: the whole shard. Runs of step t are the entries
+    owner computes for query owner ``r + dq``). ``keys[k]``: how many kv rows an owner task borrows (its k/v rows in,
+    its dk/dv partial back; :meth:`Plan.key_ranges`), ``-1``: the whole shard. Runs of step t are the entries
     ``offsets[t]:offsets[t + 1]``."""
 
     step: np.ndarray
@@ -159,6 +159,20 @@ class Plan:
     """``spans[0][i, j], spans[1][i, j]``: masked plans, ``distattn.schedule.masks.key_spans`` of the plan's mask and
     layout, read from the sparse pairs (``SpanView``); dense causal zigzag: the same in closed form
     (``_DenseZigzagSpans``); ``None``: whole shards."""
+    pair_table: PairTable | None = None
+    """Masked plans: the pairs with work (``distattn.schedule.pairs.PairTable``), whose ranges are the rows inside a
+    span that the pair's queries see (:meth:`key_ranges`); ``None``: a span is seen whole."""
+
+    def key_ranges(self, q_chunk: int, kv_chunk: int) -> tuple[tuple[int, int], ...] | None:
+        """The local rows of ``kv_chunk``'s k/v that ``q_chunk``'s queries see, as ascending ranges inside
+        :meth:`key_span`: what an owner task borrows (the ranges packed one after the other) and whose dk/dv partial
+        it returns. Rows between them (other documents, or past every query's reach) do not travel. ``None``: the
+        whole shard (dense plans)."""
+        if self.spans is None:
+            return None
+        if self.pair_table is None:
+            return (self.key_span(q_chunk, kv_chunk),)
+        return self.pair_table.ranges(q_chunk, kv_chunk)
 
     def key_span(self, q_chunk: int, kv_chunk: int) -> tuple[int, int] | None:
         """``(a, b)``: the local rows ``[a, b)`` of ``kv_chunk``'s k/v that ``q_chunk``'s queries see, the slice an

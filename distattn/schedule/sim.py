@@ -1,7 +1,7 @@
 """The simulator: what a plan costs (idle slots, work makespan, bytes per rank), read off the plan's runs.
 
 Bytes are the wire contract (:func:`payload_bytes`, per whole shard; an owner task of a masked plan borrows only the
-rows of the kv shard its queries see, ``Plan.key_span``, so its k/v in and dk/dv back shrink in proportion) that the
+rows of the kv shard its queries see, ``Plan.key_ranges``, so its k/v in and dk/dv back shrink in proportion) that the
 comm layer's byte counters meet. The plan's runs
 (``Plan.run_table``) are read as arrays, so a plan of P = 16384 ranks (~10^8 tasks) is simulated in well under a
 second: a run of L tasks is L messages from ranks ``src .. src + L - 1`` to ``dst .. dst + L - 1``
