@@ -36,7 +36,7 @@ transfers (*exposed communication*; the rest of the idle is waiting for late pee
 before step 0 (``bench/placement_diagnose.py`` weighs a deeper prefetch on the worst seeds). ``return_stream=False``
 is the what-if of the executor before it had the second side stream (every round on one, in posting order ``F0, F1,
 R0, F2, R1, ..``: the backward's dk/dv return waited behind the next fetch), kept to show what the stream buys
-(``bench/results/placement-sim/RETURNS.md``). Left out, as in the cost model: kernel launch overheads, the absorb's
+(``bench/results/placement-sim/COMPARE-200.md``). Left out, as in the cost model: kernel launch overheads, the absorb's
 adds, contention beyond a rank's own link. Pure Python + numpy.
 """
 
