@@ -153,7 +153,7 @@ class PeerExchange:
         if self._streams is None:
             self._rounds[slot] = _Round(self._launch(ops, slot, peers), copy_back, peers)
             return
-        stream = self._streams[_kind(slot)]  # fetch and return rounds each on their own: neither queues behind the other
+        stream = self._streams[_kind(slot)]  # fetch and return rounds each on their own: neither waits for the other
         # NCCL hangs if the current device is not the tensors' device: pin it for the launch.
         with torch.cuda.device(self.device):
             ready = torch.cuda.current_stream(self.device).record_event()
