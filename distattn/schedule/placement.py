@@ -31,7 +31,9 @@ With the group size chosen, the *windowed deal* of those groups (``distattn.sche
 aligned window of the ranks its work needs, not over the whole group, so a pair shares fewer documents and a step moves
 fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES`, and kept where it is faster
 (``bench/results/placement-sim/REFINE.md``: it lowers some of the worst seeds, never one on the timeline it is judged
-by). Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
+by); up to :data:`WIDER_MAX_RANKS` ranks also on groups of twice that size, where the plain deal was too slow but
+windows keep the short documents on few ranks (pile P = 256 seed 197: 2.47x -> 2.31x of perfect balance, the windowed
+deal on groups of 128 where the climb chose 64; ``bench/results/placement-sim/SWEEP-200.md``). Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
 the blocks' row work and in the timed plan. The callers of the library (``make_placed_plan``,
 ``distattn.sharding.placement``, ``layout_of``) pass the documents and the call's window, causal
 (``distattn.schedule.build.placement_mask``: the window's left side), so a windowed call's group is chosen for its
@@ -78,7 +80,7 @@ from distattn.schedule.timeline import step_timeline
 from distattn.schedule.windows import SHARES, window_owners
 from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "place", "block_size"]
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "WIDER_MAX_RANKS", "place", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -91,6 +93,10 @@ its bytes matters, ``(h_q / h_kv) * n``: grouped-query attention of ratio 4."""
 BALANCED = 1.04
 """Where the search starts: the smallest group size whose dealt blocks leave every rank's work within this factor of the
 mean (the former rule, which the timeline then improves on)."""
+WIDER_MAX_RANKS = 1024
+"""Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
+only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
+(``tests/test_masked_scale.py``, 768 MiB)."""
 _INF = 1 << 62
 
 
@@ -181,8 +187,9 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         timed(cluster.gpus_per_node)
     k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: small k
     best_time, best = times[k]
-    for share in SHARES:  # the chosen groups, each document over a window of them (distattn.schedule.windows)
-        lay = dealt(k, best_time / per_key * k, share)
+    wider = (k, 2 * k) if p % (2 * k) == 0 and p <= WIDER_MAX_RANKS else (k,)
+    for kk, share in [(kk, s) for kk in wider for s in SHARES]:  # each document over a window of the groups
+        lay = dealt(kk, best_time / per_key * kk, share)
         plan = None if lay is None else make_masked_plan.__wrapped__(p, "placed", spec, n, lay)
         t = float("inf") if plan is None else step_timeline(plan, shapes, cluster, stride=stride)["makespan"]
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
