@@ -25,12 +25,15 @@ placement the library used before, both on the per-pair timeline of that link's 
 
     python bench/placement_diagnose.py --seeds 10 --out bench/results/placement-sim/window-seeds.md
 
-``--prefetch-whatif K``: instead, the K worst causal seeds per setting of ``--sweep`` (NVLink) with the executor's
-prefetch depth 1 (what it runs) against a deeper one (2, 3: a what-if of the timeline's ``prefetch``, NOT what the
-executor does; each more in flight costs a k/v buffer), and comm free (the same plan on free links)::
+``--whatif K``: instead, the K worst seeds per setting of ``--sweep`` (NVLink; causal, and windowed placed for the
+window) with the plan the library solves, as the executor runs it (fp32 partials, prefetch depth 1), against what-ifs
+of the same plan: ``partials="input"`` (the partials in the inputs' dtype, half the backward's return bytes: an option
+users have, ``distattn.DistAttnConfig.partials``; the solver still times fp32), a deeper prefetch (2: NOT what the
+executor does; each more in flight costs a k/v buffer), free links (what is left: imbalance and the plan's step order)
+and the busiest rank's compute (a lower bound of any order of that plan)::
 
-    python bench/placement_diagnose.py --prefetch-whatif 4 --world 8 16 64 256 --sweep
-        bench/results/placement-sim/sweep-200.csv --out bench/results/placement-sim/prefetch-whatif.md  (one line)
+    python bench/placement_diagnose.py --whatif 3 --world 8 16 64 256 --sweep
+        bench/results/placement-sim/sweep-200.csv --out bench/results/placement-sim/WHATIF.md  (one line)
 """
 
 from __future__ import annotations
@@ -77,12 +80,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, help="instead: windowed before/after over seeds 0..SEEDS-1")
     ap.add_argument("--world", type=int, nargs="+", default=[8, 16, 64, 256])
     ap.add_argument("--window", type=int, default=4096)
-    ap.add_argument("--prefetch-whatif", type=int, metavar="K", help="instead: K worst seeds, prefetch 1 / 2 / 3")
+    ap.add_argument("--whatif", type=int, metavar="K",
+                    help="instead: K worst seeds per setting against what-ifs (partials, prefetch, free links)")
     args = ap.parse_args()
     if args.seeds:
         return over_seeds(args)
-    if args.prefetch_whatif:
-        return prefetch_whatif(args)
+    if args.whatif:
+        return whatif(args)
     os.environ["DISTATTN_LINK"] = "nvlink"  # the cluster the library's placement is timed on (make_plan's)
     n, cl = args.seq_per_rank, Cluster.preset("nvlink")
     if args.groups:
@@ -163,27 +167,31 @@ def over_seeds(args) -> None:
         args.out.write_text("\n".join(lines) + "\n")
 
 
-def prefetch_whatif(args) -> None:
-    """The K worst causal seeds per setting: step over perfect balance with prefetch 1 (the executor), 2 and 3
-    (what-ifs), and on free links (what no prefetch depth can remove: imbalance and the plan's step order)."""
+def whatif(args) -> None:
+    """The K worst seeds per setting (module docstring, ``--whatif``): the step over perfect balance as the executor
+    runs the library's plan, and what-ifs of the same plan."""
+    os.environ["DISTATTN_LINK"] = "nvlink"  # the cluster the library's placement is timed on (make_plan's)
     n, cl = args.seq_per_rank, Cluster.preset("nvlink")
     free_link = Link(name="free", bandwidth=1e30, latency=0.0)
     free = dataclasses.replace(cl, intra=free_link, inter=free_link)
     shapes = Shapes(seq_per_rank=n, **SHAPES)
-    rows = [r for r in csv.DictReader(args.sweep.open()) if r["link"] == "nvlink" and r["schedule"] == "placed"
-            and r["mask"] == "causal" and int(r["P"]) in args.world]
-    lines = ["| docs | P | seed | prefetch 1 (the executor) | prefetch 2 (what-if) | prefetch 3 (what-if) | "
-             "comm free |", "|" + "---|" * 7]
-    for docs, p in sorted({(r["docs"], int(r["P"])) for r in rows}):
-        mine = sorted((r for r in rows if r["docs"] == docs and int(r["P"]) == p),
-                      key=lambda r: -float(r["per-pair / perfect"]))[:args.prefetch_whatif]
+    rows = [r for r in csv.DictReader(args.sweep.open()) if r["link"] == "nvlink" and int(r["P"]) in args.world
+            and r["schedule"] == ("placed" if r["mask"] == "causal" else "placed, window weighed")]
+    lines = ["| docs | P | mask | seed | group | as is (fp32 partials, prefetch 1) | partials=\"input\" (what-if) | "
+             "prefetch 2 (what-if) | comm free | busiest rank |", "|" + "---|" * 10]
+    for docs, p, m in sorted({(r["docs"], int(r["P"]), r["mask"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["docs"], int(r["P"]), r["mask"]) == (docs, p, m)),
+                      key=lambda r: -float(r["per-pair / perfect"]))[:args.whatif]
         for r in mine:
             seed = int(r["seed"])
-            mask = MaskSpec(causal=True, cu_seqlens=document_lengths(docs, p * n, seed=seed))
-            plan = make_masked_plan.__wrapped__(p, "placed", mask, n, _place_cached.__wrapped__(mask, p, n, None, cl))
-            ratios = [tl.step_timeline(plan, shapes, cl, prefetch=d)["ratio"] for d in (1, 2, 3)]
-            ratios.append(tl.step_timeline(plan, shapes, free)["ratio"])
-            lines.append(f"| {docs} | {p} | {seed} | " + " | ".join(f"{x:.3f}" for x in ratios) + " |")
+            win = (-1, -1) if m == "causal" else (int(m.split()[1]), 0)
+            mask = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
+            plan = make_plan(p, True, "placed", mask=mask, chunk=n)  # the public path: placed for the call's window
+            runs = [tl.step_timeline(plan, shapes, cl), tl.step_timeline(plan, shapes, cl, partials="input"),
+                    tl.step_timeline(plan, shapes, cl, prefetch=2), tl.step_timeline(plan, shapes, free)]
+            ratios = [x["ratio"] for x in runs] + [runs[0]["busiest"] / runs[0]["perfect"]]
+            lines.append(f"| {docs} | {p} | {m} | {seed} | {plan.layout.group} | " +
+                         " | ".join(f"{x:.3f}" for x in ratios) + " |")
             print(lines[-1], flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
