@@ -32,8 +32,8 @@ aligned window of the ranks its work needs, not over the whole group, so a pair 
 fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES`, and kept where it is faster
 (``bench/results/placement-sim/REFINE.md``: it lowers some of the worst seeds, never one on the timeline it is judged
 by); up to :data:`WIDER_MAX_RANKS` ranks also on groups of twice that size, where the plain deal was too slow but
-windows keep the short documents on few ranks (pile P = 256 seed 197: 2.47x -> 2.31x of perfect balance, the windowed
-deal on groups of 128 where the climb chose 64; ``bench/results/placement-sim/SWEEP-200.md``). Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
+windows keep the short documents on few ranks (``--docs pile:4``, P = 256, seed 197: 2.47x -> 2.31x of perfect
+balance on NVLink, the windowed deal on groups of 128 where the climb chose 64). Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
 the blocks' row work and in the timed plan. The callers of the library (``make_placed_plan``,
 ``distattn.sharding.placement``, ``layout_of``) pass the documents and the call's window, causal
 (``distattn.schedule.build.placement_mask``: the window's left side), so a windowed call's group is chosen for its

@@ -31,8 +31,8 @@ SHARES = (0.0625, 0.125, 0.25, 0.5, 1.0)
 """The candidates' ``share``: the most of a rank's mean work one window rank takes from a document (0.25: documents
 spread wider, the balance of the group deal with fewer pairs; 1.0: over the fewest ranks, the fewest bytes). Which one
 wins depends on the batch (``bench/results/placement-sim/REFINE.md``): each is timed. 0.0625 and 0.125 (a long
-document over nearly the whole group, the short ones still on one rank) lowered the worst seeds of uniform:8192 at
-P = 16 and 64 (seed 83 at P = 64: 1.265x -> 1.172x of perfect balance, ``bench/results/placement-sim/SWEEP-200.md``)."""
+document over nearly the whole group, the short ones still on one rank) lowered worst seeds of uniform:8192 at P = 16
+and 64 (seed 83 at P = 64: 1.265x -> 1.172x of perfect balance on NVLink)."""
 
 
 def window_owners(top: np.ndarray, piece_group: np.ndarray, work: np.ndarray, k: int, slots: int, share: float,
