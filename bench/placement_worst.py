@@ -38,6 +38,10 @@ from distattn.schedule.placement import _place_cached  # noqa: E402
 from distattn.schedule.timeline import step_timeline  # noqa: E402
 
 
+ROUNDING = 5e-5
+"""The sweep's CSV holds the ratios to 4 decimals: a seed's figure today may pass its CSV figure by this much."""
+
+
 def sweep_rows(path: Path, worlds) -> dict:
     """``{(docs, P, mask): [(ratio, seed), ..]}``: the sweep's library placement on NVLink, the worst seed first."""
     out = {}
@@ -65,14 +69,14 @@ def one(job) -> dict:
     (docs, p, mask), seeds, n, cap = job
     exact, found, worse = mask == "causal", [], []
     for i, (old, seed) in enumerate(seeds):
-        if found and exact and old <= max(f[0] for f in found) + 1e-12:
+        if found and exact and old + ROUNDING <= max(f[0] for f in found):
             break  # every seed left: today's step <= the sweep's <= the worst found
         if i >= cap:
             exact = False
             break
         ratio, group, half = solve(docs, p, mask, seed, n)
         found.append((ratio, seed, group, half, old))
-        if ratio > old + 1e-9:
+        if ratio > old + ROUNDING:
             worse.append(f"{seed}: {old:.3f} -> {ratio:.3f}")
         print(f"{docs} P={p} {mask} seed {seed}: {old:.3f} -> {ratio:.3f}", file=sys.stderr, flush=True)
     top = max(found)
