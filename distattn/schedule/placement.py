@@ -33,8 +33,9 @@ fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES`, an
 (``bench/results/placement-sim/REFINE.md``: it lowers some of the worst seeds, never one on the timeline it is judged
 by); up to :data:`WIDER_MAX_RANKS` ranks also on groups of twice that size, where the plain deal was too slow but
 windows keep the short documents on few ranks (``--docs pile:4``, P = 256, seed 197: 2.47x -> 2.31x of perfect
-balance on NVLink, the windowed deal on groups of 128 where the climb chose 64). Candidates are dealt and timed under ``spec`` itself, window and causal flag included: a window is weighed both in
-the blocks' row work and in the timed plan. The callers of the library (``make_placed_plan``,
+balance on NVLink, the windowed deal on groups of 128 where the climb chose 64). Candidates are dealt and timed under
+``spec`` itself, window and causal flag included: a window is weighed both in the blocks' row work and in the timed
+plan. The callers of the library (``make_placed_plan``,
 ``distattn.sharding.placement``, ``layout_of``) pass the documents and the call's window, causal
 (``distattn.schedule.build.placement_mask``: the window's left side), so a windowed call's group is chosen for its
 windowed work (``bench/results/placement-sim/DIAGNOSIS.md``: the group chosen for causal work left the worst windowed
@@ -58,10 +59,12 @@ Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement 
 ``r``'s tokens in position order (``distattn.schedule.layouts.layout_of("placed", R, U, mask=, n=)``), so the
 all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 
-Cost: a deal, a plan and its timeline per group size tried (3-4 of them) and per windowed deal (3, often cut short
-by the bound above); before the windowed deal, at 4096 tokens per rank the median over 20
-seeds is 0.1-0.25 s of CPU at P = 64 and 0.4-2 s at P = 256 (``bench/results/placement-sim/SWEEP.md``, solver time,
-on a loaded 2-core machine), 3.4 s (NVLink) / 8.2 s (IB) at P = 4096. Pure Python + numpy.
+Cost: a deal, a plan and its timeline per group size tried (3-4 of them) and per windowed deal (5 shares, on one or
+two group sizes, often cut short by the bound above); at 4096 tokens per rank the median over 200 seeds is 0.45-0.8 s
+of CPU at P = 64 (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time, on 2 cores shared with CI; about
+twice the time with 3 shares on one group size) and 1.2-10 s on the worst seeds at P = 256 (``WORST-256.md``); before
+the windowed deal 3.4 s (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there
+in time and memory). Pure Python + numpy.
 """
 
 from __future__ import annotations
