@@ -21,8 +21,9 @@ GOAL = 1.10
 WEIGHED = "placed, window weighed"
 
 
-def _load(path: Path) -> dict:
-    """``(docs, P, mask, seed) -> (step over perfect, compute idle)`` of the library's plan, NVLink."""
+def load(path: Path) -> dict:
+    """``(docs, P, mask, seed) -> (step over perfect, compute idle)`` of the library's plan, NVLink, from a sweep's CSV
+    (``bench/placement_sweep.py``; also read by ``placement_worst.py`` and ``placement_diagnose.py --whatif``)."""
     out = {}
     for r in csv.DictReader(path.open()):
         want = "placed" if r["mask"] == "causal" else WEIGHED
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
     parser.add_argument("after", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    text = "\n".join(compare(_load(args.before), _load(args.after))) + "\n"
+    text = "\n".join(compare(load(args.before), load(args.after))) + "\n"
     if args.out:
         args.out.write_text(text)
     print(text)

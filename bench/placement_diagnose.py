@@ -42,6 +42,7 @@ import argparse
 import csv
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +55,9 @@ from distattn.schedule.cluster import Cluster, Link
 from distattn.schedule.masked import make_masked_plan
 from distattn.schedule.build import placement_mask
 from distattn.schedule.placement import _place_cached
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: bench.placement_worst
+from bench.placement_worst import sweep_rows  # noqa: E402
 
 SHAPES = dict(heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
 
@@ -175,15 +179,10 @@ def whatif(args) -> None:
     free_link = Link(name="free", bandwidth=1e30, latency=0.0)
     free = dataclasses.replace(cl, intra=free_link, inter=free_link)
     shapes = Shapes(seq_per_rank=n, **SHAPES)
-    rows = [r for r in csv.DictReader(args.sweep.open()) if r["link"] == "nvlink" and int(r["P"]) in args.world
-            and r["schedule"] == ("placed" if r["mask"] == "causal" else "placed, window weighed")]
     lines = ["| docs | P | mask | seed | group | as is (fp32 partials, prefetch 1) | partials=\"input\" (what-if) | "
              "prefetch 2 (what-if) | comm free | busiest rank |", "|" + "---|" * 10]
-    for docs, p, m in sorted({(r["docs"], int(r["P"]), r["mask"]) for r in rows}):
-        mine = sorted((r for r in rows if (r["docs"], int(r["P"]), r["mask"]) == (docs, p, m)),
-                      key=lambda r: -float(r["per-pair / perfect"]))[:args.whatif]
-        for r in mine:
-            seed = int(r["seed"])
+    for (docs, p, m), seeds in sorted(sweep_rows(args.sweep, set(args.world)).items()):
+        for _, seed in seeds[:args.whatif]:
             win = (-1, -1) if m == "causal" else (int(m.split()[1]), 0)
             mask = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
             plan = make_plan(p, True, "placed", mask=mask, chunk=n)  # the public path: placed for the call's window

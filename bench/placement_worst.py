@@ -20,7 +20,6 @@ balance. Modelled, not measured; no GPU.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -30,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: bench.placement_sweep
 
+from bench.placement_compare import load  # noqa: E402
 from bench.placement_sweep import SHAPES  # noqa: E402
 from distattn.schedule import MaskSpec, Shapes  # noqa: E402
 from distattn.schedule.cli import document_lengths  # noqa: E402
@@ -46,12 +46,9 @@ ROUNDING = 5e-5
 def sweep_rows(path: Path, worlds) -> dict:
     """``{(docs, P, mask): [(ratio, seed), ..]}``: the sweep's library placement on NVLink, the worst seed first."""
     out = {}
-    for r in csv.DictReader(path.open()):
-        if r["link"] != "nvlink" or int(r["P"]) not in worlds:
-            continue
-        if r["schedule"] == ("placed" if r["mask"] == "causal" else "placed, window weighed"):
-            out.setdefault((r["docs"], int(r["P"]), r["mask"]), []).append((float(r["per-pair / perfect"]),
-                                                                             int(r["seed"])))
+    for (docs, p, mask, seed), (ratio, _) in load(path).items():
+        if p in worlds:
+            out.setdefault((docs, p, mask), []).append((ratio, seed))
     return {k: sorted(v, key=lambda x: (-x[0], x[1])) for k, v in out.items()}
 
 
