@@ -89,9 +89,10 @@ def test_placed_documents_against_reference(world):
     assert len(seen[0]) == (3 * len(CASES) if world == 1 else 6)
 
 
-# A stream whose placement (the windowed deal, one group of 5) leaves pairs that see two runs of a kv shard's rows with
-# another document's rows between them: those pairs borrow only the rows they see, packed (``Plan.key_ranges``).
-PACKED_CU, PACKED_WORLD, PACKED_N = [0, 244, 363, 445, 568, 640], 5, 128
+# A stream whose placement (one group of 4, steps as matchings) leaves a pair that sees two runs of
+# a kv shard's rows with another document's rows between them: it borrows only the rows it sees, packed
+# (``Plan.key_ranges``).
+PACKED_CU, PACKED_WORLD, PACKED_N = [0, 284, 309, 344, 512], 4, 128
 
 
 def _packed_worker(rank, world, n):
@@ -115,3 +116,48 @@ def test_placed_pairs_borrow_only_the_rows_they_see():
     for ij in multi:
         (a, b), rs = spans[ij], ranges[ij]
         assert a == rs[0][0] and b == rs[-1][1] and sum(y - x for x, y in rs) < b - a  # fewer rows than the span
+
+
+# Streams on which a matched order leaves some rank idle between two of its pairs (found by search; n = 12).
+HOLES = {(3, "pairs-keys"): [0, 9, 19, 30, 36], (4, "ranks-work"): [0, 8, 11, 22, 36, 47, 48],
+         (5, "ranks-keys"): [0, 4, 14, 37, 52, 60]}
+
+
+def _ordered_worker(rank, world, n, order):
+    """:func:`_check` on plans whose steps run in a matched ``order`` (``Layout.order``), forced on the solver's
+    layout (its shards and its plan alike); returns how many idle steps between two pairs the plans hold."""
+    import dataclasses
+
+    import distattn.schedule.placement as pl
+    from distattn.schedule import make_plan
+
+    solve = pl._place_cached
+
+    def forced(*args, **kwargs):
+        lay = solve(*args, **kwargs)
+        return dataclasses.replace(lay, order=order) if lay.kind == "placed" else lay
+
+    pl._place_cached = forced
+    try:
+        holes, seen = 0, []
+        for i, cu in enumerate(list(_streams(world, n))[:2] + [HOLES[(world, order)]]):
+            plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(cu)), chunk=n)
+            assert plan.layout.order == order, plan.layout
+            for r in range(world):
+                steps = [t for t in range(plan.num_steps()) if plan.task(t, r) is not None]
+                holes += sum(1 for t in range(max(steps, default=0)) if t not in steps)
+            for case in (CASES[0], CASES[3]):  # causal: fp32 GQA, fp16
+                seen.append(_check(rank, world, case, cu, n, seed=20 + i))
+        return holes, seen
+    finally:
+        pl._place_cached = solve
+
+
+@pytest.mark.parametrize("world,order", sorted(HOLES))
+def test_matched_orders_against_reference(world, order):
+    """The placed plan with its steps as matchings (``distattn.schedule.masked.matched_steps``), exact against fp64
+    with the byte counters equal to the plan's, on odd and even worlds; some rank idles between two of its pairs (the
+    executor steps over it)."""
+    results = run_distributed(_ordered_worker, world, 12, order, timeout=TIMEOUT_S)
+    assert all(r[1] == results[0][1] for r in results)  # one placement on every rank
+    assert results[0][0] > 0, "no rank idles between its pairs: pick a stream that leaves a hole"

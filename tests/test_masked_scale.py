@@ -229,7 +229,9 @@ def test_masked_plans_are_the_plans_built_before():
     distattn.schedule.windows; 61 of the 640 since an owner task borrows only the kv rows its queries see, which the
     run table's keys count: 35 zigzag plans of windowed masks, and 26 placed ones, whose group the timeline with the
     returns on their own stream also picks anew; ring and balanced unchanged; 5 placed ones since the solver also
-    times the windowed deal at shares 0.0625 and 0.125 and on groups twice the chosen size)."""
+    times the windowed deal at shares 0.0625 and 0.125 and on groups twice the chosen size; 48 placed ones since it
+    also times every deal in the matched orders (``Layout.order``) and the windowed deal with a straddling block going
+    with its heaviest piece)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

@@ -57,6 +57,38 @@ def test_the_executor_runs_the_timelines_event_order(world):
     assert all(run_distributed(_trace_worker, world, n, cases, timeout=TIMEOUT_S))
 
 
+def _trace_ordered_worker(rank, world, n, cases, order):
+    """:func:`_trace_worker` with the placement's plan forced into a matched ``order`` (``Layout.order``)."""
+    import distattn.schedule.placement as pl
+
+    solve = pl._place_cached
+    def forced(*args, **kwargs):
+        lay = solve(*args, **kwargs)
+        return dataclasses.replace(lay, order=order) if lay.kind == "placed" else lay
+
+    pl._place_cached = forced
+    try:
+        return _trace_worker(rank, world, n, cases)
+    finally:
+        pl._place_cached = solve
+
+
+def test_the_executor_runs_a_matched_orders_event_order():
+    """A placed plan whose steps are matchings, with a rank idle between two of its pairs (the stream of
+    ``tests/test_dist_placed.py``'s HOLES at P = 4): the executor's posts, waits and computes are the timeline's."""
+    from distattn.schedule.masked import make_masked_plan
+    from distattn.schedule.placement import place
+
+    cu, n = [0, 8, 11, 22, 36, 47, 48], 12
+    lay = dataclasses.replace(place(MaskSpec(causal=True, cu_seqlens=tuple(cu)), 4, n), order="ranks-work")
+    plan = make_masked_plan(4, "placed", MaskSpec(causal=True, cu_seqlens=tuple(cu)), n, lay)
+    idle = [(t, r) for r in range(4) for t in range(plan.num_steps()) if plan.task(t, r) is None
+            and any(plan.task(u, r) is not None for u in range(t + 1, plan.num_steps()))]
+    assert idle, "the stream no longer leaves a rank idle between its pairs"
+    assert all(run_distributed(_trace_ordered_worker, 4, n, [("placed", True, (-1, -1), cu)], "ranks-work",
+                               timeout=TIMEOUT_S))
+
+
 def test_two_ranks_by_hand():
     """Causal ring on 2 ranks: step 0 the diagonals (half a pair each), step 1 rank 1 computes (1, 0) with rank 0's
     k/v, fetched while step 0 computes. On a slow link the fetch ends after the diagonal: rank 1 waits for it."""

@@ -34,14 +34,16 @@ still holds exactly ``n`` tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "Layout", "local_bounds", "pieces_of"]
+__all__ = ["LAYOUTS", "ORDERS", "Layout", "local_bounds", "pieces_of"]
 
 LAYOUTS = ("contiguous", "zigzag", "placed")
+ORDERS = ("rotation", "pairs-keys", "ranks-work", "ranks-keys")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class Layout:
     group: int = 1
     """``"placed"``: ranks per group of the placement (its documents' blocks stay inside ``group`` neighbouring ranks,
     but for the documents cut across groups); the plan runs each group's ring first."""
+    order: str = "rotation"
+    """``"placed"``: the order the plan runs the pairs in (:data:`ORDERS`, ``distattn.schedule.masked``):
+    ``"rotation"``, each group's ring rotations (``group_order``), or steps as matchings (``matched_steps``). The
+    solver keeps the one its per-pair timeline finds fastest."""
     note: str = field(default="", compare=False)
     """How the layout was chosen (the placement's groups and block size, or why it fell back to contiguous)."""
 
@@ -71,6 +77,9 @@ class Layout:
         if (self.kind == "placed") != (self.placement is not None):
             raise ValueError("a 'placed' layout needs its placement (per-rank segments), and only it has one: build "
                              "it with distattn.schedule.placement.place(mask, world_size, n)")
+        if self.order not in ORDERS or (self.order != "rotation" and self.kind != "placed"):
+            raise ValueError(f"order={self.order!r}: a placed layout's order is one of {ORDERS}; other layouts keep "
+                             f"'rotation'")
         if self.kind == "placed" and len(self.placement) != self.world_size:
             raise ValueError(f"a placed layout holds the segments of every ring rank ({len(self.placement)} given "
                              f"for world_size={self.world_size}); solve it with distattn.schedule.placement.place("
@@ -148,7 +157,7 @@ class Layout:
 
     def ring(self) -> "Layout":
         """The layout the ring sees after the Ulysses all-to-all (ring shards of ``U * n`` tokens)."""
-        return Layout(self.kind, self.world_size, 1, self.placement, self.group, self.note)
+        return dataclasses.replace(self, ulysses=1)
 
     def render(self, n: int) -> str:
         return "\n".join(f"rank {g}: " + " ".join(f"[{a}, {b})" for a, b in self.segments(g, n))

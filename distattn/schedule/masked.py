@@ -18,17 +18,22 @@ from distattn.schedule.masks import MaskSpec
 from distattn.schedule.pairs import SpanView, WorkView, pair_table
 from distattn.schedule.plan import Plan, RunTable, Task
 
-__all__ = ["make_masked_plan", "group_order"]
+__all__ = ["make_masked_plan", "masked_plan_of", "group_order", "matched_steps"]
 
 
 def _as_runs(per_rank: list[list[Task]], table, n: int) -> RunTable:
-    """Every rank's tasks, the ``t``-th at step ``t``, as runs: neighbouring ranks of a step with the same offsets,
-    work and borrowed kv rows share one run. Arrays throughout (a plan of 16384 ranks holds ~10^5 tasks); asserts
-    that the tasks are the table's pairs, each once."""
+    """Every rank's tasks, the ``t``-th at step ``t``, as runs (:func:`_runs`)."""
     tasks = [task for ts in per_rank for task in ts]
     step = np.concatenate([np.arange(len(ts), dtype=np.int64) for ts in per_rank]) if tasks else np.zeros(0, np.int64)
     rank, q, kv = (np.fromiter((getattr(t, f) for t in tasks), dtype=np.int64, count=len(tasks))
                    for f in ("rank", "q_chunk", "kv_chunk"))
+    return _runs(step, rank, q, kv, table, n)
+
+
+def _runs(step, rank, q, kv, table, n: int) -> RunTable:
+    """Tasks given as arrays (``rank`` computes ``(q, kv)`` at ``step``) as runs: neighbouring ranks of a step with the
+    same offsets, work and borrowed kv rows share one run. Arrays throughout (a plan of 16384 ranks holds ~10^5
+    tasks); asserts that the tasks are the table's pairs, each once."""
     p = table.world_size
     pair_keys = table.q * p + table.kv  # ascending: the table is sorted by query rank, then kv rank
     at = np.searchsorted(pair_keys, q * p + kv)
@@ -42,7 +47,7 @@ def _as_runs(per_rank: list[list[Task]], table, n: int) -> RunTable:
     new[1:] = (rank[1:] != rank[:-1] + 1) | np.any([x[1:] != x[:-1] for x in same], axis=0)
     first = np.flatnonzero(new)
     stop = rank[np.append(first[1:], len(rank)) - 1] + 1
-    return RunTable.build(max(map(len, per_rank), default=0), step[first], rank[first], stop, dq[first], dkv[first],
+    return RunTable.build(int(step.max(initial=-1)) + 1, step[first], rank[first], stop, dq[first], dkv[first],
                           cost[first], keys[first])
 
 
@@ -51,10 +56,19 @@ def make_masked_plan(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layo
     """The plan of ``schedule`` for ``mask`` over ``p`` ranks of ``n`` tokens (``layout``: the placement of a
     "placed" plan; else the schedule's own). Cached."""
     layout = layout if layout is not None else Layout("zigzag" if schedule == "zigzag" else "contiguous", p)
-    table = pair_table(mask, p, n, None if layout.contiguous else layout)
+    return masked_plan_of(p, schedule, mask, n, layout, pair_table(mask, p, n, None if layout.contiguous else layout))
+
+
+def masked_plan_of(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layout, table) -> Plan:
+    """:func:`make_masked_plan` from the pair table of ``layout`` (``distattn.schedule.pairs``), uncached: the
+    placement solver builds each candidate's plans (one per order) from one table it does not keep."""
     work = WorkView(table)
     rows, cols = table.q, table.kv  # the pairs with work, by query rank then kv rank
     needed = set(zip(rows.tolist(), cols.tolist()))
+    if schedule == "placed" and layout.order != "rotation":  # owner tasks, steps as matchings (matched_steps)
+        runs = _runs(matched_steps(p, table, layout.order), table.q, table.q, table.kv, table, n)
+        return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=runs, work=work, chunk=n,
+                    layout=layout, spans=(SpanView(table, False), SpanView(table, True)), pair_table=table)
     if schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
         per_rank = [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
     else:  # ring: every pair computed by its query owner, in ring order, empty pairs dropped
@@ -150,3 +164,62 @@ def group_order(p: int, k: int, work, needed) -> list[list[int]]:
         cross = sorted((j for j in kv_ranks[r] if j // k != r // k), key=lambda j: ((j - r) % k, j))
         out.append(inside + cross)
     return out
+
+
+def matched_steps(p: int, table, order: str) -> np.ndarray:
+    """The step of every pair of ``table`` (its order) in the placed plan whose steps are *matchings*
+    (``Layout.order`` ``"pairs-keys"``, ``"ranks-work"`` or ``"ranks-keys"``): every step a rank fetches from one rank
+    and sends its k/v to one rank at most, every rank's local pair at step 0, owner tasks only. A pair weighs its work
+    (visible query-key pairs) or its keys (the kv rows it borrows: its bytes):
+
+    * ``"pairs-..."``: the pairs heaviest first (a tie: by query rank, then kv rank), each at the first step where its
+      query rank computes nothing yet and its kv rank sends to no one yet: heavy pairs share the early steps, light
+      ones the late steps;
+    * ``"ranks-..."``: step by step, the ranks with the most work left choose first, each its heaviest pair left whose
+      kv rank sends to no one yet in this step (a tie: the lower kv rank): the ranks with most to do never wait for a
+      sender.
+
+    A rank may idle at a step between two of its pairs (its rounds still run; the executor steps over it). Against the
+    rotation order (:func:`group_order`): the rotations are matchings only while every pair of a group has work, and
+    a rank's list skips its empty pairs, so after a windowed deal (few pairs per rank) one step can draw several
+    ranks' fetches from one sender and pair a heavy task with a light one; here the steps stay matchings whatever the
+    deal. Which order is fastest depends on the deal: the solver times each (``distattn.schedule.placement``).
+    Deterministic; pure Python, O(pairs x steps) at worst."""
+    how, _, by = order.partition("-")
+    if how not in ("pairs", "ranks") or by not in ("work", "keys"):
+        raise ValueError(f"order={order!r}: a matched order is 'pairs-keys', 'ranks-work' or 'ranks-keys'")
+    q, kv = table.q.tolist(), table.kv.tolist()
+    weight = (table.work if by == "work" else table.seen).tolist()
+    step = [0] * len(q)
+    off = [x for x in range(len(q)) if q[x] != kv[x]]  # x: the table's order (query rank, then kv rank)
+    if how == "pairs":
+        busy = [{0} for _ in range(p)]  # steps where the rank computes (step 0: its local pair, or nothing)
+        sends = [set() for _ in range(p)]  # steps where the rank's k/v go out
+        for _, x in sorted((-weight[x], x) for x in off):
+            i, j, t = q[x], kv[x], 1
+            while t in busy[i] or t in sends[j]:
+                t += 1
+            busy[i].add(t)
+            sends[j].add(t)
+            step[x] = t
+        return np.asarray(step, dtype=np.int64)
+    work = table.work.tolist()
+    left = [0] * p  # work left per query rank
+    todo = [[] for _ in range(p)]  # per query rank, its pairs heaviest first
+    for x in off:
+        left[q[x]] += work[x]
+        todo[q[x]].append((-weight[x], kv[x], x))
+    for pairs in todo:
+        pairs.sort()
+    t = 0
+    while any(todo):
+        t += 1
+        sending = set()
+        for i in sorted((r for r in range(p) if todo[r]), key=lambda r: (-left[r], r)):
+            pick = next((y for y, (_, j, _) in enumerate(todo[i]) if j not in sending), None)
+            if pick is not None:
+                _, j, x = todo[i].pop(pick)
+                sending.add(j)
+                left[i] -= work[x]
+                step[x] = t
+    return np.asarray(step, dtype=np.int64)

@@ -20,6 +20,7 @@ Python + numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -169,10 +170,14 @@ class SpanView:
         return self.table.span(int(ij[0]), int(ij[1]))[1 if self.stop else 0]
 
 
-def pair_table(spec, world_size: int, chunk: int, layout=None) -> PairTable:
+def pair_table(spec, world_size: int, chunk: int, layout=None, cache: bool = True) -> PairTable:
     """The pairs with work of ``spec`` (a ``MaskSpec``) over ``world_size`` ranks of ``chunk`` tokens laid out by
-    ``layout`` (``None``: contiguous). Cached; deterministic (every rank derives the same table)."""
-    return _pair_table_cached(spec, world_size, chunk, layout)
+    ``layout`` (``None``: contiguous). Cached unless ``cache=False`` (the placement solver's candidates, dropped once
+    timed); deterministic (every rank derives the same table). The plan's order (``Layout.order``) moves no token: one
+    table serves every order of a layout."""
+    if layout is not None and layout.order != "rotation":
+        layout = dataclasses.replace(layout, order="rotation")
+    return (_pair_table_cached if cache else _pair_table_cached.__wrapped__)(spec, world_size, chunk, layout)
 
 
 @functools.lru_cache(maxsize=16)

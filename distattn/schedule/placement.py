@@ -76,8 +76,9 @@ import heapq
 import numpy as np
 
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
-from distattn.schedule.layouts import Layout
-from distattn.schedule.masked import make_masked_plan
+from distattn.schedule.layouts import ORDERS, Layout
+from distattn.schedule.masked import masked_plan_of
+from distattn.schedule.pairs import pair_table
 from distattn.schedule.masks import MaskSpec
 from distattn.schedule.timeline import step_timeline
 from distattn.schedule.windows import SHARES, window_owners
@@ -146,17 +147,18 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     shapes = dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=n)
     per_key = 4 * shapes.heads_q * shapes.head_dim * (1 + BWD_FLOP_FACTOR) / cluster.flops  # s per visible key
 
-    def dealt(k: int, limit: float = float("inf"), share: float | None = None) -> Layout | None:
+    def dealt(k: int, limit: float = float("inf"), share: float | None = None, by: str = "work") -> Layout | None:
         """Groups of ``k``, or ``None`` as soon as a group's (then a dealt rank's) work passes ``limit`` per group: a
         document that fits a group (never cut), a group's documents, then a rank's blocks; loads only grow."""
         if whole[lengths <= k * n].max(initial=0) > limit:
             return None
         pieces = _assign_groups(starts, lengths, rows, p // k, k * n, limit)
         segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k, share,
-                                                      whole.sum() / p)  # per rank
+                                                      whole.sum() / p, by)  # per rank
         if segments is None:
             return None
-        how = "" if share is None else f", documents over windows of their work (share {share})"
+        how = "" if share is None else f", documents over windows of their work (share {share}, a block with " \
+                                       f"its {'heaviest' if by == 'work' else 'longest'} piece)"
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
                                                                        f"tokens{how}")
 
@@ -170,11 +172,26 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         already passes the best time so far: then the plan is never built)."""
         if k not in times:
             best = min((t for t, _ in times.values()), default=float("inf"))
-            lay = dealt(k, best / per_key * k)
-            plan = None if lay is None else make_masked_plan.__wrapped__(p, "placed", spec, n, lay)  # uncached
-            times[k] = (float("inf") if plan is None else step_timeline(plan, shapes, cluster, stride=stride)
-                        ["makespan"], lay)
+            times[k] = fastest(dealt(k, best / per_key * k))
         return times[k][0]
+
+    def fastest(lay: Layout | None) -> tuple[float, Layout | None]:
+        """The modelled step of ``lay`` in its fastest order (:data:`~distattn.schedule.layouts.ORDERS`; a tie: the
+        first, rotation) and the layout with that order; ``(inf, None)`` for no layout."""
+        if lay is None:
+            return float("inf"), None
+        digest = hash(lay.placement)  # the segments' hash, not the segments (at 4096 ranks they are 10^7 ints)
+        if digest in seen:  # another candidate dealt the same blocks: timed already
+            return float("inf"), None
+        seen.add(digest)
+        table, found = pair_table(spec, p, n, lay, cache=False), []  # one table, every order
+        for order in ORDERS:
+            cand = dataclasses.replace(lay, order=order)
+            plan = masked_plan_of(p, "placed", spec, n, cand, table)
+            found.append((step_timeline(plan, shapes, cluster, stride=stride)["makespan"], cand))
+        return min(found, key=lambda tl: tl[0])
+
+    seen: set[int] = set()  # the placements timed (their hashes)
 
     # start from the smallest group whose dealt blocks balance (never worse than that rule), then climb down and up
     # the divisors while the modelled step improves; a node's size is always tried (on InfiniBand it keeps a group's
@@ -191,21 +208,19 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: small k
     best_time, best = times[k]
     wider = (k, 2 * k) if p % (2 * k) == 0 and p <= WIDER_MAX_RANKS else (k,)
-    for kk, share in [(kk, s) for kk in wider for s in SHARES]:  # each document over a window of the groups
-        lay = dealt(kk, best_time / per_key * kk, share)
-        plan = None if lay is None else make_masked_plan.__wrapped__(p, "placed", spec, n, lay)
-        t = float("inf") if plan is None else step_timeline(plan, shapes, cluster, stride=stride)["makespan"]
+    for kk, share, by in [(kk, s, by) for kk in wider for s in SHARES for by in ("work", "tokens")]:
+        t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by))  # documents over windows of the groups
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
             best_time, best = t, lay
     if spec.window != (-1, -1):  # never worse than the documents-only placement, timed on the same windowed plan
         plain = _place_cached(dataclasses.replace(spec, window=(-1, -1)), p, n, None, cluster, stride)
         if plain.kind == "placed" and plain.placement != best.placement:
-            t = step_timeline(make_masked_plan.__wrapped__(p, "placed", spec, n, plain), shapes, cluster,
-                              stride=stride)["makespan"]
+            t, plain = fastest(plain)
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, dataclasses.replace(plain, note=f"{plain.note.split(';')[0]} (the placement of "
                                                                      f"the documents without the window: faster)")
-    return dataclasses.replace(best, note=f"{best.note}; modelled step {best_time * 1e3:.3f} ms per layer on "
+    how = "" if best.order == "rotation" else f", steps as matchings ({best.order})"
+    return dataclasses.replace(best, note=f"{best.note}{how}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
 
 
@@ -366,7 +381,7 @@ def _units(key: np.ndarray, idx: np.ndarray, unit_piece: np.ndarray, blocks: int
 
 
 def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf"),
-          share: float | None = None, mean: float = 0.0):
+          share: float | None = None, mean: float = 0.0, by: str = "work"):
     """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring:
     snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns every rank's segments
     (:func:`_segments`); ``None`` as soon as a rank's work (its rows' visible keys) exceeds ``limit``."""
@@ -385,7 +400,8 @@ def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b:
     d, d0 = doc[idx], starts[doc[idx]]
     per_group = k * n // b
     key = group[idx] * per_group + block  # every group has exactly k * n / b blocks
-    work = np.bincount(key, weights=rows.prefix(d, hi - d0) - rows.prefix(d, lo - d0), minlength=p // k * per_group)
+    piece_work = rows.prefix(d, hi - d0) - rows.prefix(d, lo - d0)  # each piece's part of a block: its rows' work
+    work = np.bincount(key, weights=piece_work, minlength=p // k * per_group)
     # a block wholly inside one piece, in a full cycle of 2k of the piece's whole blocks: the snake (symmetric, so
     # every pair of the group gets the same share of that stretch of the document); the rest (document ends, short
     # documents): heaviest first to the least loaded rank of the group with room
@@ -400,8 +416,8 @@ def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b:
     rnd, pos = np.divmod(t, k)
     owner = np.full(len(work), -1, dtype=np.int64)
     owner[key[cyc]] = group[idx][cyc] * k + np.where(rnd[cyc] % 2 == 0, pos[cyc], k - 1 - pos[cyc])
-    if share is not None:  # the windowed deal instead (distattn.schedule.windows): blocks by their main piece
-        most = np.lexsort((-(hi - lo), key))
+    if share is not None:  # the windowed deal instead (distattn.schedule.windows): a block with one of its pieces
+        most = np.lexsort((-(piece_work if by == "work" else hi - lo), key))
         top = idx[most][np.flatnonzero(np.append(True, key[most][1:] != key[most][:-1]))]
         owner = window_owners(top, group, work, k, n // b, share, mean, unit_piece)
     owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group, limit)

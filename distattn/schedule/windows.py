@@ -5,8 +5,11 @@ The group deal (``distattn.schedule.placement._deal``) snakes every document of 
 every pair of the group shares every document and each of its ``k - 1`` steps moves a whole shard's keys: with short
 documents (little work per key) the per-pair timeline is bound by those bytes. Here, per group:
 
-* each block belongs to the document piece holding most of its tokens (a block shared by two documents goes with one of
-  them, not to a third rank that would then need both documents' keys);
+* each block belongs to one of its document pieces (a block shared by two documents goes with one of them, not to a
+  third rank that would then need both documents' keys): the one whose rows in it have the most work (the solver's
+  candidates ``by="work"``; a document's last few rows, which see all its keys, then stay with its window instead of
+  drawing its keys to the next document's rank) or the one holding most of its tokens (``by="tokens"``); the
+  solver times both;
 * pieces heaviest first; a piece's width ``w`` is the smallest divisor of ``k`` with ``work / w <= share * mean``
   (``mean``: a rank's mean work; ``share``: the candidate's parameter), so a short document stays on one rank (no pair,
   no bytes) and a long one spreads as far as its work asks;
@@ -37,9 +40,9 @@ and 64 (seed 83 at P = 64: 1.265x -> 1.172x of perfect balance on NVLink)."""
 
 def window_owners(top: np.ndarray, piece_group: np.ndarray, work: np.ndarray, k: int, slots: int, share: float,
                   mean: float, single: np.ndarray) -> np.ndarray:
-    """Each block's rank (``-1``: left to the caller's fill). ``top[x]``: the piece holding most of block ``x``'s
-    tokens (blocks are numbered group by group, ``k * slots`` per group, in position order); ``piece_group``: each
-    piece's group; ``work``: each block's work; ``slots``: blocks per rank; ``mean``: a rank's mean work;
+    """Each block's rank (``-1``: left to the caller's fill). ``top[x]``: the piece block ``x`` goes with (blocks
+    are numbered group by group, ``k * slots`` per group, in position order); ``piece_group``: each piece's group;
+    ``work``: each block's work; ``slots``: blocks per rank; ``mean``: a rank's mean work;
     ``single``: the pieces kept on one rank (short pieces of documents cut across groups, as the group deal keeps
     them)."""
     owner = np.full(len(top), -1, dtype=np.int64)
