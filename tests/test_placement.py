@@ -337,8 +337,8 @@ def test_a_window_moves_only_the_rows_it_sees():
 def test_matched_orders_are_matchings_of_every_pair_heaviest_first(docs, p, seed):
     """The matched orders (``distattn.schedule.masked.matched_steps``) on the library's placement: every pair with work
     once; each rank's local pair at step 0; every step a matching (a rank computes one pair and sends its k/v to one
-    rank at most). "pairs-keys": each pair at the first step where both its ranks were free (at every earlier step a
-    pair borrowing more rows held one of them). "ranks-*": a rank computes, at each step, its heaviest pair left whose
+    rank at most). "pairs-*": each pair at the first step where both its ranks were free (at every earlier step a
+    heavier pair held one of them). "ranks-*": a rank computes, at each step, its heaviest pair left whose
     kv rank was not yet taken at that step, and idles only when every kv rank of its pairs left was. Some rank idles
     between two of its pairs."""
     import dataclasses
@@ -350,7 +350,7 @@ def test_matched_orders_are_matchings_of_every_pair_heaviest_first(docs, p, seed
     mask = MaskSpec(causal=True, cu_seqlens=document_lengths(docs, p * 4096, seed=seed))
     base = _place_cached.__wrapped__(mask, p, 4096)
     holes = 0
-    for order in ("pairs-keys", "ranks-work", "ranks-keys"):
+    for order in ("pairs-work", "pairs-keys", "ranks-work", "ranks-keys"):
         lay = dataclasses.replace(base, order=order)
         plan = make_masked_plan.__wrapped__(p, "placed", mask, 4096, lay)
         table = pair_table(mask, p, 4096, lay)
@@ -374,7 +374,7 @@ def test_matched_orders_are_matchings_of_every_pair_heaviest_first(docs, p, seed
         for (i, j), t in at.items():
             if i == j:
                 continue
-            if order == "pairs-keys":
+            if order.startswith("pairs"):
                 for s in range(1, t):
                     taken = [(a, b) for (a, b), u in at.items() if u == s and (a == i or (b == j and a != b))]
                     assert any((-weight[ab], ab) < (-weight[(i, j)], (i, j)) for ab in taken), (order, i, j, s)

@@ -43,7 +43,7 @@ import numpy as np
 __all__ = ["LAYOUTS", "ORDERS", "Layout", "local_bounds", "pieces_of"]
 
 LAYOUTS = ("contiguous", "zigzag", "placed")
-ORDERS = ("rotation", "pairs-keys", "ranks-work", "ranks-keys")
+ORDERS = ("rotation", "pairs-work", "pairs-keys", "ranks-work", "ranks-keys")
 
 
 @dataclass(frozen=True)

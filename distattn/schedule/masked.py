@@ -168,9 +168,9 @@ def group_order(p: int, k: int, work, needed) -> list[list[int]]:
 
 def matched_steps(p: int, table, order: str) -> np.ndarray:
     """The step of every pair of ``table`` (its order) in the placed plan whose steps are *matchings*
-    (``Layout.order`` ``"pairs-keys"``, ``"ranks-work"`` or ``"ranks-keys"``): every step a rank fetches from one rank
-    and sends its k/v to one rank at most, every rank's local pair at step 0, owner tasks only. A pair weighs its work
-    (visible query-key pairs) or its keys (the kv rows it borrows: its bytes):
+    (``Layout.order`` ``"pairs-work"``, ``"pairs-keys"``, ``"ranks-work"`` or ``"ranks-keys"``): every step a rank
+    fetches from one rank and sends its k/v to one rank at most, every rank's local pair at step 0, owner tasks only.
+    A pair weighs its work (visible query-key pairs) or its keys (the kv rows it borrows: its bytes):
 
     * ``"pairs-..."``: the pairs heaviest first (a tie: by query rank, then kv rank), each at the first step where its
       query rank computes nothing yet and its kv rank sends to no one yet: heavy pairs share the early steps, light
@@ -187,7 +187,7 @@ def matched_steps(p: int, table, order: str) -> np.ndarray:
     Deterministic; pure Python, O(pairs x steps) at worst."""
     how, _, by = order.partition("-")
     if how not in ("pairs", "ranks") or by not in ("work", "keys"):
-        raise ValueError(f"order={order!r}: a matched order is 'pairs-keys', 'ranks-work' or 'ranks-keys'")
+        raise ValueError(f"order={order!r}: a matched order is 'pairs-' or 'ranks-' then 'work' or 'keys'")
     q, kv = table.q.tolist(), table.kv.tolist()
     weight = (table.work if by == "work" else table.seen).tolist()
     step = [0] * len(q)

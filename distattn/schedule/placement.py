@@ -29,7 +29,9 @@ from below). The search starts at the smallest group whose dealt work balances w
 worse than that rule), climbs down and up the divisors while the step improves, and always tries a node's size.
 With the group size chosen, the *windowed deal* of those groups (``distattn.schedule.windows``: each document over an
 aligned window of the ranks its work needs, not over the whole group, so a pair shares fewer documents and a step moves
-fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES`, and kept where it is faster
+fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES` and per rule for a block two documents
+share (it goes with its heaviest piece, so a document's last rows stay with its window, or with its longest; both
+timed: each wins on some seeds), and kept where it is faster
 (``bench/results/placement-sim/REFINE.md``: it lowers some of the worst seeds, never one on the timeline it is judged
 by); up to :data:`WIDER_MAX_RANKS` ranks also on groups of twice that size, where the plain deal was too slow but
 windows keep the short documents on few ranks (``--docs pile:4``, P = 256, seed 197: 2.47x -> 2.31x of perfect
@@ -43,6 +45,15 @@ seeds communication bound); the call's plan follows the window its shards were p
 (``distattn.schedule.build.placed_window``). A windowed solve also times the documents-only placement on the windowed
 plan and keeps it when it is faster (the deal by windowed row work is a heuristic too: on InfiniBand it lost to the
 causal deal on some seeds, ``bench/results/placement-sim/DIAGNOSIS.md``), so it is never worse than that.
+
+Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
+``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
+rank fetches from one rank and sends to one), the pairs heaviest first or the ranks with most work left first, heavy
+by work or by keys borrowed. After a windowed deal a rank holds few pairs of unequal weight, and the rotations, whose
+steps are matchings only while every pair of a group has work, draw several fetches from one sender in a step and
+set a heavy pair beside a light one; the matchings lowered the worst seeds most where the windowed deal wins (the Pile
+at P = 16: 1.53x -> 1.23x of perfect balance over 40 seeds, ``bench/results/placement-sim``). A deal's pair table
+is built once for its orders and not cached (only the chosen plan's is, when the library builds it).
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
