@@ -51,9 +51,10 @@ Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts
 rank fetches from one rank and sends to one), the pairs heaviest first or the ranks with most work left first, heavy
 by work or by keys borrowed. After a windowed deal a rank holds few pairs of unequal weight, and the rotations, whose
 steps are matchings only while every pair of a group has work, draw several fetches from one sender in a step and
-set a heavy pair beside a light one; the matchings lowered the worst seeds most where the windowed deal wins (the Pile
-at P = 16: 1.53x -> 1.23x of perfect balance over 40 seeds, ``bench/results/placement-sim``). A deal's pair table
-is built once for its orders and not cached (only the chosen plan's is, when the library builds it).
+set a heavy pair beside a light one; the matchings lowered the worst seeds most where the windowed deal wins (the
+worst of 200 seeds of the Pile on NVLink: 1.61x -> 1.29x of perfect balance at P = 16, 1.91x -> 1.56x at P = 64;
+``bench/results/placement-sim/COMPARE-200-orders.md``). A deal's pair table is built once for its orders and not
+cached (only the chosen plan's is, when the library builds it).
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
@@ -70,12 +71,13 @@ Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement 
 ``r``'s tokens in position order (``distattn.schedule.layouts.layout_of("placed", R, U, mask=, n=)``), so the
 all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 
-Cost: a deal, a plan and its timeline per group size tried (3-4 of them) and per windowed deal (5 shares, on one or
-two group sizes, often cut short by the bound above); at 4096 tokens per rank the median over 200 seeds is 0.45-0.8 s
-of CPU at P = 64 (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time, on 2 cores shared with CI; about
-twice the time with 3 shares on one group size) and 1.2-10 s on the worst seeds at P = 256 (``WORST-256.md``); before
-the windowed deal 3.4 s (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there
-in time and memory). Pure Python + numpy.
+Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`) per group
+size tried (3-4 of them) and per windowed deal (5 shares x 2 block rules, on one or two group sizes, often cut short by
+the bound above or dealt alike by two shares, timed once); at 4096 tokens per rank the median over 200 seeds is
+0.7-1.0 s of CPU at P = 64 on NVLink, 0.7-1.6 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``,
+solver time, on 2 cores with a second sweep job beside each solve; 0.45-0.8 s before the matched orders) and
+1.2-14 s on the worst causal seeds at P = 256 (``WORST-256.md``); before the windowed deal 3.4 s (NVLink) / 8.2 s (IB)
+at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
 
     def fastest(lay: Layout | None) -> tuple[float, Layout | None]:
         """The modelled step of ``lay`` in its fastest order (:data:`~distattn.schedule.layouts.ORDERS`; a tie: the
-        first, rotation) and the layout with that order; ``(inf, None)`` for no layout."""
+        first, rotation) and the layout with that order; ``(inf, None)`` for no layout, or for segments another
+        candidate of this solve dealt already (shares often deal alike: they were timed then)."""
         if lay is None:
             return float("inf"), None
         digest = hash(lay.placement)  # the segments' hash, not the segments (at 4096 ranks they are 10^7 ints)
