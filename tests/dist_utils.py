@@ -19,6 +19,8 @@ rendezvous and the teardown.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import os
 import queue
@@ -151,3 +153,22 @@ def refused(fn) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+@contextlib.contextmanager
+def placed_order(order: str):
+    """Inside a rank: every placement the solver returns (``distattn.schedule.placement``, through which the shards and
+    the plan both go) runs its steps in ``order`` (``Layout.order``), whatever order the solver chose."""
+    import distattn.schedule.placement as pl
+
+    solve = pl._place_cached
+
+    def forced(*args, **kwargs):
+        lay = solve(*args, **kwargs)
+        return dataclasses.replace(lay, order=order) if lay.kind == "placed" else lay
+
+    pl._place_cached = forced
+    try:
+        yield
+    finally:
+        pl._place_cached = solve

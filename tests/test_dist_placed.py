@@ -13,7 +13,7 @@ import torch
 
 import distattn
 from attn_ref import assert_all_close_by_rule
-from dist_utils import run_distributed
+from dist_utils import placed_order, run_distributed
 from distattn import comm
 from distattn.schedule import MaskSpec, Shapes, simulate
 from distattn.sharding import gather_sequence, placement, shard_sequence
@@ -126,20 +126,10 @@ HOLES = {(3, "pairs-keys"): [0, 9, 19, 30, 36], (4, "ranks-work"): [0, 8, 11, 22
 def _ordered_worker(rank, world, n, order):
     """:func:`_check` on plans whose steps run in a matched ``order`` (``Layout.order``), forced on the solver's
     layout (its shards and its plan alike); returns how many idle steps between two pairs the plans hold."""
-    import dataclasses
-
-    import distattn.schedule.placement as pl
     from distattn.schedule import make_plan
 
-    solve = pl._place_cached
-
-    def forced(*args, **kwargs):
-        lay = solve(*args, **kwargs)
-        return dataclasses.replace(lay, order=order) if lay.kind == "placed" else lay
-
-    pl._place_cached = forced
-    try:
-        holes, seen = 0, []
+    holes, seen = 0, []
+    with placed_order(order):
         for i, cu in enumerate(list(_streams(world, n))[:2] + [HOLES[(world, order)]]):
             plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(cu)), chunk=n)
             assert plan.layout.order == order, plan.layout
@@ -148,9 +138,7 @@ def _ordered_worker(rank, world, n, order):
                 holes += sum(1 for t in range(max(steps, default=0)) if t not in steps)
             for case in (CASES[0], CASES[3]):  # causal: fp32 GQA, fp16
                 seen.append(_check(rank, world, case, cu, n, seed=20 + i))
-        return holes, seen
-    finally:
-        pl._place_cached = solve
+    return holes, seen
 
 
 @pytest.mark.parametrize("world,order", sorted(HOLES))

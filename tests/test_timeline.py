@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import distattn
-from dist_utils import run_distributed
+from dist_utils import placed_order, run_distributed
 from distattn.schedule import MaskSpec, Shapes, make_plan, simulate
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.cluster import Cluster, Link
@@ -59,18 +59,8 @@ def test_the_executor_runs_the_timelines_event_order(world):
 
 def _trace_ordered_worker(rank, world, n, cases, order):
     """:func:`_trace_worker` with the placement's plan forced into a matched ``order`` (``Layout.order``)."""
-    import distattn.schedule.placement as pl
-
-    solve = pl._place_cached
-    def forced(*args, **kwargs):
-        lay = solve(*args, **kwargs)
-        return dataclasses.replace(lay, order=order) if lay.kind == "placed" else lay
-
-    pl._place_cached = forced
-    try:
+    with placed_order(order):
         return _trace_worker(rank, world, n, cases)
-    finally:
-        pl._place_cached = solve
 
 
 def test_the_executor_runs_a_matched_orders_event_order():
