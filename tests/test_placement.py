@@ -392,7 +392,7 @@ def test_matched_orders_are_matchings_of_every_pair_heaviest_first(docs, p, seed
 
 @pytest.mark.parametrize("docs,p,seed", [("pile:4", 16, 126), ("longtail:2048", 8, 58)])
 def test_the_solver_keeps_the_fastest_order_of_its_deal(docs, p, seed):
-    """The chosen layout's order is the fastest of the three on its deal (per-pair timeline, the solver's cluster); on
+    """The chosen layout's order is the fastest of ORDERS on its deal (per-pair timeline, the solver's cluster); on
     these seeds a matched order wins (``bench/results/placement-sim``: the worst seeds' steps lower)."""
     import dataclasses
 
