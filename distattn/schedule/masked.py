@@ -63,24 +63,28 @@ def masked_plan_of(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layout
     """:func:`make_masked_plan` from the pair table of ``layout`` (``distattn.schedule.pairs``), uncached: the
     placement solver builds each candidate's plans (one per order) from one table it does not keep."""
     work = WorkView(table)
-    rows, cols = table.q, table.kv  # the pairs with work, by query rank then kv rank
-    needed = set(zip(rows.tolist(), cols.tolist()))
     if schedule == "placed" and layout.order != "rotation":  # owner tasks, steps as matchings (matched_steps)
         runs = _runs(matched_steps(p, table, layout.order), table.q, table.q, table.kv, table, n)
-        return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=runs, work=work, chunk=n,
-                    layout=layout, spans=(SpanView(table, False), SpanView(table, True)), pair_table=table)
-    if schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
-        per_rank = [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
-    else:  # ring: every pair computed by its query owner, in ring order, empty pairs dropped
-        dist = np.split((rows - cols) % p, table.offsets[1:-1])  # per query rank
-        ring = [[Task(r, r, (r - t) % p) for t in sorted(ts.tolist())] for r, ts in enumerate(dist)]
-        per_rank = ring
-    if schedule == "balanced":  # the work-balanced assignment, unless it is no shorter than owners-only
-        balanced = _balance_by_work(p, work, needed)
-        per_rank = min((_owners(ring, work), balanced), key=lambda plan: _length(plan, work))
-    return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=_as_runs(per_rank, table, n),
-                work=work, chunk=n, layout=None if layout.contiguous else layout,
+    else:
+        runs = _as_runs(_per_rank(p, schedule, layout, table, work), table, n)
+    return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=runs, work=work, chunk=n,
+                layout=None if layout.contiguous else layout,
                 spans=(SpanView(table, False), SpanView(table, True)), pair_table=table)
+
+
+def _per_rank(p: int, schedule: str, layout: Layout, table, work) -> list[list[Task]]:
+    """Every rank's tasks in step order: placed by its groups' rotations, ring, or balanced."""
+    rows, cols = table.q, table.kv  # the pairs with work, by query rank then kv rank
+    needed = set(zip(rows.tolist(), cols.tolist()))
+    if schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
+        return [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
+    # ring: every pair computed by its query owner, in ring order, empty pairs dropped
+    dist = np.split((rows - cols) % p, table.offsets[1:-1])  # per query rank
+    ring = [[Task(r, r, (r - t) % p) for t in sorted(ts.tolist())] for r, ts in enumerate(dist)]
+    if schedule != "balanced":
+        return ring
+    # the work-balanced assignment, unless it is no shorter than owners-only
+    return min((_owners(ring, work), _balance_by_work(p, work, needed)), key=lambda plan: _length(plan, work))
 
 
 def _owners(ring: list[list[Task]], work) -> list[list[Task]]:
