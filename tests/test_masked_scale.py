@@ -231,7 +231,8 @@ def test_masked_plans_are_the_plans_built_before():
     returns on their own stream also picks anew; ring and balanced unchanged; 5 placed ones since the solver also
     times the windowed deal at shares 0.0625 and 0.125 and on groups twice the chosen size; 48 placed ones since it
     also times every deal in the matched orders (``Layout.order``) and the windowed deal with a straddling block going
-    with its heaviest piece, and 5 more with the order "pairs-work")."""
+    with its heaviest piece, and 5 more with the order "pairs-work"; 3 placed ones of windowed masks since the solver
+    also times documents cut by their work, distattn.schedule.groups)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

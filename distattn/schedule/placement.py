@@ -89,6 +89,7 @@ import heapq
 import numpy as np
 
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
+from distattn.schedule.groups import RowWork, assign_groups
 from distattn.schedule.layouts import ORDERS, Layout
 from distattn.schedule.masked import masked_plan_of
 from distattn.schedule.pairs import pair_table
@@ -97,7 +98,8 @@ from distattn.schedule.timeline import step_timeline
 from distattn.schedule.windows import SHARES, window_owners
 from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "WIDER_MAX_RANKS", "place", "block_size"]
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "WIDER_MAX_RANKS", "place",
+           "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -110,11 +112,13 @@ its bytes matters, ``(h_q / h_kv) * n``: grouped-query attention of ratio 4."""
 BALANCED = 1.04
 """Where the search starts: the smallest group size whose dealt blocks leave every rank's work within this factor of the
 mean (the former rule, which the timeline then improves on)."""
+CUTS = (0.5, 0.75, 1.0)
+"""Under a left window, documents whose work passes this share of a rank's mean work are also cut by work into
+pieces (``distattn.schedule.groups``) in candidates of groups of 1, 2 and the chosen size, each timed."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
 (``tests/test_masked_scale.py``, 768 MiB)."""
-_INF = 1 << 62
 
 
 def block_size(n: int) -> int | None:
@@ -154,24 +158,29 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     starts, lengths = cu[:-1], np.diff(cu)
     keep = lengths > 0  # empty documents hold no tokens
     starts, lengths = starts[keep], lengths[keep]
-    rows = _RowWork(spec, lengths)
+    rows = RowWork(spec, lengths)
     whole = rows.prefix(np.arange(len(lengths)), lengths)
     cluster = cluster if cluster is not None else cluster_from_env()
     shapes = dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=n)
     per_key = 4 * shapes.heads_q * shapes.head_dim * (1 + BWD_FLOP_FACTOR) / cluster.flops  # s per visible key
 
-    def dealt(k: int, limit: float = float("inf"), share: float | None = None, by: str = "work") -> Layout | None:
+    mean = whole.sum() / p
+
+    def dealt(k: int, limit: float = float("inf"), share: float | None = None, by: str = "work",
+              cut: float | None = None) -> Layout | None:
         """Groups of ``k``, or ``None`` as soon as a group's (then a dealt rank's) work passes ``limit`` per group: a
         document that fits a group (never cut), a group's documents, then a rank's blocks; loads only grow."""
-        if whole[lengths <= k * n].max(initial=0) > limit:
+        cut_work = None if cut is None else cut * mean
+        if whole[(lengths <= k * n) & (whole <= (cut_work or np.inf))].max(initial=0) > limit:
             return None
-        pieces = _assign_groups(starts, lengths, rows, p // k, k * n, limit)
+        pieces = assign_groups(starts, lengths, rows, p // k, k * n, limit, cut_work)
         segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k, share,
-                                                      whole.sum() / p, by)  # per rank
+                                                      mean, by)  # per rank
         if segments is None:
             return None
         how = "" if share is None else f", documents over windows of their work (share {share}, a block with " \
                                        f"its {'heaviest' if by == 'work' else 'longest'} piece)"
+        how += "" if cut is None else f", documents cut by work (pieces of at most {cut} of a rank's mean)"
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
                                                                        f"tokens{how}")
 
@@ -210,7 +219,6 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     # start from the smallest group whose dealt blocks balance (never worse than that rule), then climb down and up
     # the divisors while the modelled step improves; a node's size is always tried (on InfiniBand it keeps a group's
     # traffic on NVLink, a minimum the climb could miss)
-    mean = whole.sum() / p
     at = next(i for i, k in enumerate(divisors) if k == p or dealt(k, BALANCED * mean * k) is not None)
     timed(divisors[at])
     for step in (-1, 1):
@@ -226,6 +234,11 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by))  # documents over windows of the groups
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
             best_time, best = t, lay
+    if rows.l < n * p:  # a left window: documents cut by work, over single ranks, pairs and the chosen groups
+        for kk, cut in [(kk, c) for kk in sorted({1, 2, k} & set(divisors)) for c in CUTS]:
+            t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut))
+            if t < best_time * (1 - 1e-9):
+                best_time, best = t, lay
     if spec.window != (-1, -1):  # never worse than the documents-only placement, timed on the same windowed plan
         plain = _place_cached(dataclasses.replace(spec, window=(-1, -1)), p, n, None, cluster, stride)
         if plain.kind == "placed" and plain.placement != best.placement:
@@ -246,84 +259,6 @@ def _cluster_name(cluster: Cluster, ranks: int) -> str:
 
 def _divisors(p: int) -> list[int]:
     return [k for k in range(1, p + 1) if p % k == 0]
-
-
-class _RowWork:
-    """Visible keys summed over the rows ``[0, x)`` of each document (closed form, vectorized over documents).
-
-    Row ``i`` of a document of ``L`` tokens sees ``1 + min(i, l) + min(L - 1 - i, r)`` keys, with ``l`` the left
-    window (unlimited: ``L``) and ``r`` 0 causal, else the right window (unlimited: ``L``)."""
-
-    def __init__(self, spec: MaskSpec, lengths: np.ndarray):
-        left, right = spec.window
-        self.lengths = lengths
-        self.l = _INF if left < 0 else left
-        self.r = 0 if spec.causal else (_INF if right < 0 else right)
-
-    @staticmethod
-    def _s(m, x):
-        """``sum_{i < m} min(i, x)`` for arrays ``m`` (>= 0) and a scalar ``x`` (>= 0)."""
-        m = np.asarray(m, dtype=np.int64)
-        xs = min(x, 1 << 31)
-        small = m * (m - 1) // 2
-        big = xs * (xs + 1) // 2 + (m - 1 - xs) * xs
-        return np.where(m <= xs + 1, small, big)
-
-    def prefix_one(self, length: int, x: int) -> int:
-        """:meth:`prefix` of one document of ``length`` tokens, in plain Python (the solver's inner loop)."""
-        def s(m, c):
-            return m * (m - 1) // 2 if m <= c + 1 else c * (c + 1) // 2 + (m - 1 - c) * c
-        return x + s(x, self.l) + s(length, self.r) - s(length - x, self.r)
-
-    def prefix(self, doc, x):
-        """Work of rows ``[0, x)`` of documents ``doc`` (arrays)."""
-        length = self.lengths[doc]
-        return x + self._s(x, self.l) + self._s(length, self.r) - self._s(length - x, self.r)
-
-
-def _assign_groups(starts, lengths, rows: _RowWork, groups: int, cap: int, limit: float = float("inf")):
-    """Documents, longest first, to the least loaded group with room for them whole; a document no group has room
-    for is cut, its first part to the group with the most room. Returns ``pieces`` (``[start, stop, group, doc]``
-    rows, global positions); ``None`` as soon as a group's load (row work) exceeds ``limit``
-    (loads only grow: the caller's tolerance is already lost).
-
-    Two heaps, O((documents + pieces) log groups): ``ready``, ``(load, group)`` of the groups with room for the
-    current document, and ``waiting``, ``(-room, group)`` of the others with any room. The documents only get
-    shorter, so a ready group stays ready until it takes a document (then it waits, its room smaller), and before
-    each document the waiting groups with room enough join the ready ones; a cut takes the top of ``waiting``."""
-    order = np.lexsort((np.arange(len(lengths)), -lengths)).tolist()
-    whole = rows.prefix(np.arange(len(lengths)), lengths).tolist()
-    length_l, start_l = lengths.tolist(), starts.tolist()
-    free, load = [cap] * groups, [0] * groups
-    ready, waiting = [], [(-cap, g) for g in range(groups)]
-    pieces = []
-    for d in order:
-        length, off = length_l[d], 0
-        while waiting and -waiting[0][0] >= length:
-            g = heapq.heappop(waiting)[1]
-            heapq.heappush(ready, (load[g], g))
-        if ready:  # the least loaded group with room for the whole document
-            _, g = heapq.heappop(ready)
-            load[g] += whole[d]
-            if load[g] > limit:
-                return None
-            free[g] -= length
-            pieces.append((start_l[d], start_l[d] + length, g, d))
-            if free[g]:  # a full group leaves the heaps for good
-                heapq.heappush(waiting, (-free[g], g))
-            continue
-        while off < length:  # cut: the most room first (a tie: the first such group)
-            g = heapq.heappop(waiting)[1]
-            take = min(free[g], length - off)
-            load[g] += rows.prefix_one(length, off + take) - rows.prefix_one(length, off)
-            if load[g] > limit:
-                return None
-            free[g] -= take
-            pieces.append((start_l[d] + off, start_l[d] + off + take, g, d))
-            off += take
-            if free[g]:
-                heapq.heappush(waiting, (-free[g], g))
-    return np.asarray(pieces, dtype=np.int64)
 
 
 def _fill_rest(owner: np.ndarray, work: np.ndarray, unit: np.ndarray, p: int, k: int, per_group: int,
@@ -394,7 +329,7 @@ def _units(key: np.ndarray, idx: np.ndarray, unit_piece: np.ndarray, blocks: int
     return unit
 
 
-def _deal(pieces: np.ndarray, starts, rows: _RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf"),
+def _deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf"),
           share: float | None = None, mean: float = 0.0, by: str = "work"):
     """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring:
     snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns every rank's segments
