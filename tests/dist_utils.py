@@ -156,16 +156,20 @@ def refused(fn) -> str:
 
 
 @contextlib.contextmanager
-def placed_order(order: str):
+def placed_forced(order: str | None = None, group: int | None = None, cut: float | None = None):
     """Inside a rank: every placement the solver returns (``distattn.schedule.placement``, through which the shards and
-    the plan both go) runs its steps in ``order`` (``Layout.order``), whatever order the solver chose."""
+    the plan both go) runs its steps in ``order`` (``Layout.order``), whatever order the solver chose; with ``group``,
+    groups of that size instead of the solver's choice, their documents cut by work when ``cut`` is given
+    (``distattn.schedule.groups``)."""
     import distattn.schedule.placement as pl
 
     solve = pl._place_cached
 
-    def forced(*args, **kwargs):
-        lay = solve(*args, **kwargs)
-        return dataclasses.replace(lay, order=order) if lay.kind == "placed" else lay
+    def forced(spec, p, n, grp=None, *args, **kwargs):
+        if group is not None and p % group == 0 and p > 1 and not spec.dense:
+            grp, kwargs = group, dict(kwargs, cut=cut)
+        lay = solve(spec, p, n, grp, *args, **kwargs)
+        return dataclasses.replace(lay, order=order) if order and lay.kind == "placed" else lay
 
     pl._place_cached = forced
     try:

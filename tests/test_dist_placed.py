@@ -13,7 +13,7 @@ import torch
 
 import distattn
 from attn_ref import assert_all_close_by_rule
-from dist_utils import placed_order, run_distributed
+from dist_utils import placed_forced, run_distributed
 from distattn import comm
 from distattn.schedule import MaskSpec, Shapes, simulate
 from distattn.sharding import gather_sequence, placement, shard_sequence
@@ -129,7 +129,7 @@ def _ordered_worker(rank, world, n, order):
     from distattn.schedule import make_plan
 
     holes, seen = 0, []
-    with placed_order(order):
+    with placed_forced(order):
         for i, cu in enumerate(list(_streams(world, n))[:2] + [HOLES[(world, order)]]):
             plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(cu)), chunk=n)
             assert plan.layout.order == order, plan.layout
@@ -149,3 +149,29 @@ def test_matched_orders_against_reference(world, order):
     results = run_distributed(_ordered_worker, world, 12, order, timeout=TIMEOUT_S)
     assert all(r[1] == results[0][1] for r in results)  # one placement on every rank
     assert results[0][0] > 0, "no rank idles between its pairs: pick a stream that leaves a hole"
+
+
+def _cut_worker(rank, world, n):
+    """:func:`_check` on placements whose documents are cut by work (``distattn.schedule.groups``) over groups of one
+    rank: the long document of the first stream goes to several ranks in consecutive pieces, each with short documents
+    beside it. Returns the placements and how many ranks hold the long document."""
+    seen, spread = [], 0
+    with placed_forced(group=1, cut=0.5):
+        for i, cu in enumerate(list(_streams(world, n))[:2]):
+            lay = placement(cu, n, window=(5, 0))
+            assert "cut by work" in lay.note, lay.note
+            if i == 0:
+                a, b = cu[3], cu[4]  # the document over ~3 ranks' streams
+                spread = sum(any(lo < b and a < hi for lo, hi in lay.segments(r, n)) for r in range(world))
+            for case in CASES[:3]:  # causal, causal windowed, bidirectional windowed; fp32
+                seen.append(_check(rank, world, case, cu, n, seed=30 + i))
+    return spread, seen
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_documents_cut_by_work_against_reference(world):
+    """Placements with documents cut by their work into pieces dealt like documents: exact against fp64 with the byte
+    counters equal to the plan's, causal and windowed, on odd worlds; the long document lies on several ranks."""
+    results = run_distributed(_cut_worker, world, 12, timeout=TIMEOUT_S)
+    assert all(r[1] == results[0][1] for r in results)  # one placement on every rank
+    assert results[0][0] >= 3, results[0][0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import distattn
-from dist_utils import placed_order, run_distributed
+from dist_utils import placed_forced, run_distributed
 from distattn.schedule import MaskSpec, Shapes, make_plan, simulate
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.cluster import Cluster, Link
@@ -59,7 +59,7 @@ def test_the_executor_runs_the_timelines_event_order(world):
 
 def _trace_ordered_worker(rank, world, n, cases, order):
     """:func:`_trace_worker` with the placement's plan forced into a matched ``order`` (``Layout.order``)."""
-    with placed_order(order):
+    with placed_forced(order):
         return _trace_worker(rank, world, n, cases)
 
 

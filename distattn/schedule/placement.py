@@ -141,9 +141,10 @@ def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = Non
 
 @functools.lru_cache(maxsize=64)
 def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, cluster: Cluster | None = None,
-                  stride: int = 1) -> Layout:
+                  stride: int = 1, cut: float | None = None) -> Layout:
     """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
-    table of ``bench/placement_sim.py --groups``)."""
+    table of ``bench/placement_sim.py --groups``), and with it ``cut`` the documents cut by work
+    (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work; tests, benches)."""
     if p == 1:
         return Layout("contiguous", 1, note="one rank: nothing to place")
     if spec.dense:
@@ -185,7 +186,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                                                                        f"tokens{how}")
 
     if group is not None:
-        return dealt(group)
+        return dealt(group, cut=cut)
     divisors = _divisors(p)
     times: dict[int, tuple[float, Layout | None]] = {}
 
