@@ -46,6 +46,14 @@ seeds communication bound); the call's plan follows the window its shards were p
 plan and keeps it when it is faster (the deal by windowed row work is a heuristic too: on InfiniBand it lost to the
 causal deal on some seeds, ``bench/results/placement-sim/DIAGNOSIS.md``), so it is never worse than that.
 
+Under a left window the solver also times *documents cut by their work* (``distattn.schedule.groups``): a document
+whose windowed work passes :data:`CUTS` of a rank's mean is cut into consecutive pieces of about equal work before the
+groups are dealt, so a long document no longer fills whole groups by their token room (its heavy rows alone on a few
+ranks) but spreads in pieces that short documents fill around; under a window a piece borrows at most the window's
+keys from the pieces before it. Timed on groups of 1, 2 and the chosen size at each cut, kept where faster (the Pile
+at P = 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work; 2.40x -> 1.55x of perfect
+balance on NVLink; causal work is never cut this way: the last piece would borrow the whole document's keys).
+
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
 rank fetches from one rank and sends to one), the pairs heaviest first or the ranks with most work left first, heavy
@@ -73,7 +81,8 @@ all-to-all gathers each ring shard whole and the ring's plan runs on the placeme
 
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`) per group
 size tried (3-4 of them) and per windowed deal (5 shares x 2 block rules, on one or two group sizes, often cut short by
-the bound above or dealt alike by two shares, timed once); at 4096 tokens per rank the median over 200 seeds is
+the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts on up to 3 group
+sizes); at 4096 tokens per rank the median over 200 seeds is
 0.7-1.0 s of CPU at P = 64 on NVLink, 0.7-1.6 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``,
 solver time, on 2 cores with a second sweep job beside each solve; 0.45-0.8 s before the matched orders) and
 1.2-14 s on the worst causal seeds at P = 256 (``WORST-256.md``); before the windowed deal 3.4 s (NVLink) / 8.2 s (IB)
@@ -115,6 +124,9 @@ mean (the former rule, which the timeline then improves on)."""
 CUTS = (0.5, 0.75, 1.0)
 """Under a left window, documents whose work passes this share of a rank's mean work are also cut by work into
 pieces (``distattn.schedule.groups``) in candidates of groups of 1, 2 and the chosen size, each timed."""
+NEAR = 0.02
+"""The windowed deal's third rule (``by="near"``): a short document goes to the rank of the block next to it when that
+rank is within this share of a rank's mean work of the window the deal picks (``distattn.schedule.windows``)."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
@@ -141,10 +153,11 @@ def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = Non
 
 @functools.lru_cache(maxsize=64)
 def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, cluster: Cluster | None = None,
-                  stride: int = 1, cut: float | None = None) -> Layout:
+                  stride: int = 1, cut: float | None = None, share: float | None = None, by: str = "work") -> Layout:
     """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
     table of ``bench/placement_sim.py --groups``), and with it ``cut`` the documents cut by work
-    (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work; tests, benches)."""
+    (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work) and ``share``, ``by`` the
+    windowed deal (``distattn.schedule.windows``); tests, benches, diagnosis."""
     if p == 1:
         return Layout("contiguous", 1, note="one rank: nothing to place")
     if spec.dense:
@@ -180,13 +193,14 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if segments is None:
             return None
         how = "" if share is None else f", documents over windows of their work (share {share}, a block with " \
-                                       f"its {'heaviest' if by == 'work' else 'longest'} piece)"
+                                       f"its {'longest' if by == 'tokens' else 'heaviest'} piece" \
+                                       f"{', a short document beside its neighbour' if by == 'near' else ''})"
         how += "" if cut is None else f", documents cut by work (pieces of at most {cut} of a rank's mean)"
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
                                                                        f"tokens{how}")
 
     if group is not None:
-        return dealt(group, cut=cut)
+        return dealt(group, share=share, by=by, cut=cut)
     divisors = _divisors(p)
     times: dict[int, tuple[float, Layout | None]] = {}
 
@@ -231,7 +245,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: small k
     best_time, best = times[k]
     wider = (k, 2 * k) if p % (2 * k) == 0 and p <= WIDER_MAX_RANKS else (k,)
-    for kk, share, by in [(kk, s, by) for kk in wider for s in SHARES for by in ("work", "tokens")]:
+    for kk, share, by in [(kk, s, by) for kk in wider for s in SHARES for by in ("work", "tokens", "near")]:
         t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by))  # documents over windows of the groups
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
             best_time, best = t, lay
@@ -367,9 +381,9 @@ def _deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: 
     owner = np.full(len(work), -1, dtype=np.int64)
     owner[key[cyc]] = group[idx][cyc] * k + np.where(rnd[cyc] % 2 == 0, pos[cyc], k - 1 - pos[cyc])
     if share is not None:  # the windowed deal instead (distattn.schedule.windows): a block with one of its pieces
-        most = np.lexsort((-(piece_work if by == "work" else hi - lo), key))
+        most = np.lexsort((-(hi - lo if by == "tokens" else piece_work), key))
         top = idx[most][np.flatnonzero(np.append(True, key[most][1:] != key[most][:-1]))]
-        owner = window_owners(top, group, work, k, n // b, share, mean, unit_piece)
+        owner = window_owners(top, group, work, k, n // b, share, mean, unit_piece, NEAR if by == "near" else 0.0)
     owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group, limit)
     if owner is None:
         return None

@@ -39,12 +39,13 @@ and 64 (seed 83 at P = 64: 1.265x -> 1.172x of perfect balance on NVLink)."""
 
 
 def window_owners(top: np.ndarray, piece_group: np.ndarray, work: np.ndarray, k: int, slots: int, share: float,
-                  mean: float, single: np.ndarray) -> np.ndarray:
+                  mean: float, single: np.ndarray, near: float = 0.0) -> np.ndarray:
     """Each block's rank (``-1``: left to the caller's fill). ``top[x]``: the piece block ``x`` goes with (blocks
     are numbered group by group, ``k * slots`` per group, in position order); ``piece_group``: each piece's group;
     ``work``: each block's work; ``slots``: blocks per rank; ``mean``: a rank's mean work;
     ``single``: the pieces kept on one rank (short pieces of documents cut across groups, as the group deal keeps
-    them)."""
+    them); ``near`` (> 0): a piece of width 1 goes to the rank of a block next to it (its neighbours' rows then share
+    their rank, no pair) when that rank has room and is within ``near * mean`` of the window the rule picks."""
     owner = np.full(len(top), -1, dtype=np.int64)
     first = np.flatnonzero(np.append(True, top[1:] != top[:-1]))  # a piece's blocks are consecutive
     stop = np.append(first[1:], len(top))
@@ -59,6 +60,8 @@ def window_owners(top: np.ndarray, piece_group: np.ndarray, work: np.ndarray, k:
             at = _window(load[g], used[g], w, -(-(z - a) // w), slots)
             if at is None:
                 continue
+            if near > 0 and w == 1:
+                at = _near(owner, a, z, g, k, load[g], used[g], z - a, slots, load[g][at] + near * mean, at)
             t = np.arange(z - a)  # from the document's end: block z - 1 - t
             rnd, pos = np.divmod(t, w)
             rank = at + np.where(rnd % 2 == 0, pos, w - 1 - pos)
@@ -77,3 +80,15 @@ def _window(load: np.ndarray, used: np.ndarray, w: int, each: int, slots: int) -
     top = load.reshape(-1, w).max(axis=1)
     ok = np.flatnonzero(room >= each)
     return None if not len(ok) else int(ok[np.argmin(top[ok])]) * w
+
+
+def _near(owner: np.ndarray, a: int, z: int, g: int, k: int, load: np.ndarray, used: np.ndarray, count: int,
+          slots: int, limit: float, at: int) -> int:
+    """The rank in group ``g`` of a block next to blocks ``[a, z)`` (before first, then after) with room for ``count``
+    more blocks and load at most ``limit``; else ``at``."""
+    for x in (a - 1, z):
+        if 0 <= x < len(owner) and owner[x] >= 0 and owner[x] // k == g:
+            r = int(owner[x]) % k
+            if used[r] + count <= slots and load[r] <= limit:
+                return r
+    return at
