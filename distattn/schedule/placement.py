@@ -30,8 +30,9 @@ worse than that rule), climbs down and up the divisors while the step improves, 
 With the group size chosen, the *windowed deal* of those groups (``distattn.schedule.windows``: each document over an
 aligned window of the ranks its work needs, not over the whole group, so a pair shares fewer documents and a step moves
 fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES` and per rule for a block two documents
-share (it goes with its heaviest piece, so a document's last rows stay with its window, or with its longest; both
-timed: each wins on some seeds), and kept where it is faster
+share (it goes with its heaviest piece, so a document's last rows stay with its window, or with its longest; and a
+third deal keeps a short document beside its neighbour's rank, :data:`NEAR`; each timed, each wins on some seeds), and
+kept where it is faster
 (``bench/results/placement-sim/REFINE.md``: it lowers some of the worst seeds, never one on the timeline it is judged
 by); up to :data:`WIDER_MAX_RANKS` ranks also on groups of twice that size, where the plain deal was too slow but
 windows keep the short documents on few ranks (``--docs pile:4``, P = 256, seed 197: 2.47x -> 2.31x of perfect
@@ -80,7 +81,7 @@ Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement 
 all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`) per group
-size tried (3-4 of them) and per windowed deal (5 shares x 2 block rules, on one or two group sizes, often cut short by
+size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two group sizes, often cut short by
 the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts on up to 3 group
 sizes); at 4096 tokens per rank the median over 200 seeds is
 0.7-1.0 s of CPU at P = 64 on NVLink, 0.7-1.6 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``,
@@ -107,7 +108,7 @@ from distattn.schedule.timeline import step_timeline
 from distattn.schedule.windows import SHARES, window_owners
 from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "WIDER_MAX_RANKS", "place",
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "NEAR", "WIDER_MAX_RANKS", "place",
            "block_size"]
 
 BLOCK = 64
