@@ -84,9 +84,10 @@ Cost: a deal, its pair table and one plan and timeline per order (:data:`~distat
 size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two group sizes, often cut short by
 the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts on up to 3 group
 sizes); at 4096 tokens per rank the median over 200 seeds is
-0.7-1.0 s of CPU at P = 64 on NVLink, 0.7-1.6 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``,
-solver time, on 2 cores with a second sweep job beside each solve; 0.45-0.8 s before the matched orders) and
-1.2-14 s on the worst causal seeds at P = 256 (``WORST-256.md``); before the windowed deal 3.4 s (NVLink) / 8.2 s (IB)
+0.7-1.1 s of CPU at P = 64 on NVLink, 0.7-2.0 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``,
+solver time of a causal mask, on 2 cores with a second sweep job beside each solve; 0.45-0.8 s before the matched
+orders), 1.8-2.5 s windowed (median of 10 seeds, ``COMPARE-200-cuts.md``), and up to 20 s (causal) / 36 s (windowed)
+on the worst seeds at P = 256 (``WORST-256.md``); before the windowed deal 3.4 s (NVLink) / 8.2 s (IB)
 at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure Python + numpy.
 """
 
