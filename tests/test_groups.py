@@ -109,7 +109,7 @@ def test_the_cut_spreads_a_long_windowed_document():
 
 def test_the_solver_times_the_cut_under_a_window_only():
     """The library's placement of that batch on NVLink: the cut wins for the window (the step on the per-pair timeline
-    from 2.40x to under 1.6x of perfect balance), and is never tried for causal work (the last piece would borrow the
+    from 2.40x to 1.46x of perfect balance), and is never tried for causal work (the last piece would borrow the
     whole document's keys)."""
     from distattn.schedule.cluster import Cluster
     from distattn.schedule.masked import make_masked_plan
@@ -122,6 +122,6 @@ def test_the_solver_times_the_cut_under_a_window_only():
     lay = _place_cached.__wrapped__(spec, 64, 4096, None, nvlink)
     assert "cut by work" in lay.note, lay.note
     plan = make_masked_plan.__wrapped__(64, "placed", spec, 4096, lay)
-    assert step_timeline(plan, dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=4096), nvlink)["ratio"] < 1.6
+    assert step_timeline(plan, dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=4096), nvlink)["ratio"] < 1.5
     causal = _place_cached.__wrapped__(dataclasses.replace(spec, window=(-1, -1)), 64, 4096, None, nvlink)
     assert "cut by work" not in causal.note

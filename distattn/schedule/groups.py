@@ -12,8 +12,8 @@ with a sliding window every row past the window sees as many keys as the window,
 under a window of 4,096 holds 58% of a batch's work in a quarter of its tokens (the Pile, ``pile:4``, P = 64, seed
 22: its busiest rank at 2.40x of the mean). Cut into pieces of a fraction of a rank's mean work, the document's rows
 spread over the ranks and short documents fill the rest; under a window each piece borrows at most the window's keys
-from the pieces before it, so the pieces cost few bytes (causal, the last piece borrows the whole document's keys:
-there the solver times the cut as one candidate among others). Deterministic; pure Python + numpy.
+from the pieces before it, so the pieces cost few bytes (causal, the last piece would borrow the whole document's
+keys: the solver cuts only under a window, ``distattn.schedule.placement``). Deterministic; pure Python + numpy.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ whose windowed work passes :data:`CUTS` of a rank's mean is cut into consecutive
 groups are dealt, so a long document no longer fills whole groups by their token room (its heavy rows alone on a few
 ranks) but spreads in pieces that short documents fill around; under a window a piece borrows at most the window's
 keys from the pieces before it. Timed on groups of 1, 2 and the chosen size at each cut, kept where faster (the Pile
-at P = 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work; 2.40x -> 1.55x of perfect
+at P = 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work; 2.40x -> 1.46x of perfect
 balance on NVLink; causal work is never cut this way: the last piece would borrow the whole document's keys).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
