@@ -127,16 +127,22 @@ def assign_groups(starts, lengths, rows: RowWork, groups: int, cap: int, limit: 
         while off < length:  # cut: the most room first (a tie: the first such group)
             g = heapq.heappop(waiting)[1]
             take = min(free[g], length - off)
-            x = lo_l[i] + off
-            load[g] += rows.prefix_one(length_l[d], x + take) - rows.prefix_one(length_l[d], x)
-            if load[g] > limit:
+            if not _put(pieces, load, free, g, take, d, lo_l[i] + off, base + off, rows, length_l[d], limit):
                 return None
-            free[g] -= take
-            pieces.append((base + off, base + off + take, g, d))
             off += take
             if free[g]:
                 heapq.heappush(waiting, (-free[g], g))
     return np.asarray(pieces, dtype=np.int64)
+
+
+def _put(pieces: list, load, free, g: int, take: int, d: int, x: int, at: int, rows: RowWork, length: int,
+         limit: float) -> bool:
+    """Rows ``[x, x + take)`` of document ``d`` (``length`` tokens; global position ``at``) to group ``g``; ``False``
+    when the group's load then passes ``limit``."""
+    load[g] += rows.prefix_one(length, x + take) - rows.prefix_one(length, x)
+    free[g] -= take
+    pieces.append((at, at + take, g, d))
+    return load[g] <= limit
 
 
 def _assign_scan(doc, lo, size, work, starts, lengths, rows: RowWork, groups: int, cap: int, limit: float):
@@ -160,14 +166,10 @@ def _assign_scan(doc, lo, size, work, starts, lengths, rows: RowWork, groups: in
             free[g] -= length
             pieces.append((base, base + length, g, d))
             continue
-        while off < length:
+        while off < length:  # cut: the most room first (a tie: the first such group)
             g = int(np.argmax(free))
             take = min(int(free[g]), length - off)
-            x = lo_l[i] + off
-            load[g] += rows.prefix_one(length_l[d], x + take) - rows.prefix_one(length_l[d], x)
-            if load[g] > limit:
+            if not _put(pieces, load, free, g, take, d, lo_l[i] + off, base + off, rows, length_l[d], limit):
                 return None
-            free[g] -= take
-            pieces.append((base + off, base + off + take, g, d))
             off += take
     return np.asarray(pieces, dtype=np.int64)
