@@ -197,7 +197,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         how = "" if share is None else f", documents over windows of their work (share {share}, a block with " \
                                        f"its {'longest' if by == 'tokens' else 'heaviest'} piece" \
                                        f"{', a short document beside its neighbour' if by == 'near' else ''})"
-        how += "" if cut is None else f", documents cut by work (pieces of at most {cut} of a rank's mean)"
+        if cut is not None and (whole > cut_work).any():  # a cut that cuts nothing deals the documents whole
+            how += f", documents cut by work (pieces of at most {cut} of a rank's mean)"
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
                                                                        f"tokens{how}")
 
