@@ -327,7 +327,7 @@ def _core_time(b: int, s_q: int, s_k: int, heads: int, d: int, compute: Compute,
 def _traffic(world: int, causal: bool, schedule: str, phase: str, which: str, gpus_per_node: int):
     """Per step: the distinct load patterns ``((kind, intra?, count), ...)`` of a (rank, direction), read off
     the plan once (large plans have ~P^2/2 transfers; the time model only needs these patterns)."""
-    plan = make_plan(world, causal, schedule)
+    plan = make_plan(world, causal, schedule).run_order(phase)  # the phase's order of steps (backward: reversed)
     steps = []
     for s in range(plan.num_steps()):
         transfers = plan.fetches(s, phase) if which == "fetch" else plan.returns(s, phase)
@@ -357,9 +357,9 @@ def _comm_times(w: Workload, world: int, schedule: str, phase: str, which: str, 
 
 
 @functools.lru_cache(maxsize=256)
-def _step_has_full_pair(world: int, causal: bool, schedule: str) -> tuple[bool, ...]:
-    """Per step: whether some rank computes an off-diagonal (full-cost) pair."""
-    plan = make_plan(world, causal, schedule)
+def _step_has_full_pair(world: int, causal: bool, schedule: str, phase: str) -> tuple[bool, ...]:
+    """Per step, in ``phase``'s order: whether some rank computes an off-diagonal (full-cost) pair."""
+    plan = make_plan(world, causal, schedule).run_order(phase)
     return tuple(any(not (causal and t.is_diagonal) for t in tasks) for tasks in plan.steps)
 
 
@@ -391,7 +391,8 @@ def _step_computes(w: Workload, world: int, schedule: str, compute: Compute, bac
     n, shape = w.tokens_per_rank, w.shape
     full = _core_time(w.batch, n, n, shape.heads_q, shape.head_dim, compute, half=False, backward=backward)
     half = _core_time(w.batch, n, n, shape.heads_q, shape.head_dim, compute, half=True, backward=backward)
-    return [full if f else half for f in _step_has_full_pair(world, w.causal, schedule)]
+    phase = "backward" if backward else "forward"
+    return [full if f else half for f in _step_has_full_pair(world, w.causal, schedule, phase)]
 
 
 def _collective_time(world: int, chunk_bytes: float, cluster: Cluster) -> float:

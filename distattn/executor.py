@@ -220,7 +220,9 @@ class Executor:
         ``compute(task, inbox)`` returns the partial produced by a task (or ``None``); ``absorb(transfer,
         buffers)`` adds a received partial into this rank's accumulators. Slots are ``(kind, phase, index)``.
         """
-        plan, phase, steps = self.plan, self.phase, self.plan.num_steps()
+        phase = self.phase
+        plan = self.plan.run_order(phase)  # the backward walks the steps in reverse (Plan.run_order)
+        steps = plan.num_steps()
 
         def fetch(t):  # post step t's inputs into fetch slot t % 2 (double-buffered)
             ops = plan.rank_ops(t, self.rank, phase, "fetch")

@@ -232,7 +232,8 @@ def test_masked_plans_are_the_plans_built_before():
     times the windowed deal at shares 0.0625 and 0.125 and on groups twice the chosen size; 48 placed ones since it
     also times every deal in the matched orders (``Layout.order``) and the windowed deal with a straddling block going
     with its heaviest piece, and 5 more with the order "pairs-work"; 3 placed ones of windowed masks since the solver
-    also times documents cut by their work, distattn.schedule.groups)."""
+    also times documents cut by their work, distattn.schedule.groups; 16 placed ones since the backward runs the
+    plan's steps in reverse, ``Plan.run_order``, which the timeline the solver judges by follows)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

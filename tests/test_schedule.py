@@ -184,6 +184,29 @@ def test_rank_ops_are_the_ranks_share_of_the_step_in_posting_order(plan):
                 assert sorted(got, key=repr) == sorted(full, key=repr)
 
 
+@pytest.mark.parametrize("plan", list(_rank_ops_plans()), ids=lambda plan: f"P{plan.world_size}-{plan.schedule}")
+def test_the_backward_runs_the_steps_in_reverse(plan):
+    """``Plan.run_order``: the forward is the plan itself; the backward's step ``t`` is the plan's step ``S - 1 - t``
+    (every task, fetch and return of it), one cached view whose forward is the plan again."""
+    back, last = plan.run_order("backward"), plan.num_steps() - 1
+    assert plan.run_order("forward") is plan and back.run_order("backward") is back
+    assert back.run_order("forward") is plan and plan.run_order("backward") is back
+    assert (back.runs, plan.runs) == ("backward", "forward") and back.num_steps() == plan.num_steps()
+    assert back.layout == plan.layout and back.pair_table is plan.pair_table and back.work is plan.work
+    for t in range(plan.num_steps()):
+        assert back.steps[t] == plan.steps[last - t]
+        for which in ("fetches", "returns"):
+            assert getattr(back, which)(t, "backward") == tuple(Transfer(x.src, x.dst, x.kind, x.chunk, t)
+                                                                for x in getattr(plan, which)(last - t, "backward"))
+        for r in range(plan.world_size):
+            assert back.task(t, r) == plan.task(last - t, r)
+            for which in ("fetch", "return"):
+                got, want = back.rank_ops(t, r, "backward", which), plan.rank_ops(last - t, r, "backward", which)
+                assert got == tuple(tuple(Transfer(x.src, x.dst, x.kind, x.chunk, t) for x in side) for side in want)
+    with pytest.raises(ValueError, match="phase='sideways'"):
+        plan.run_order("sideways")
+
+
 def test_rank_ops_reject_bad_arguments():
     plan = make_plan(6)
     with pytest.raises(ValueError, match="which='both'"):

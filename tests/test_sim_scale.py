@@ -112,12 +112,13 @@ def _comm(transfers, link):
 
 
 def _reference_phase(plan, phase, shapes, link, flops, partials):
-    """(compute, ring time): fetches of step t+1 and returns of step t-1 overlap step t's compute."""
+    """(compute, ring time): fetches of step t+1 and returns of step t-1 overlap step t's compute; the backward runs
+    the plan's steps last first (``Plan.run_order``)."""
     m = shapes.seq_per_rank
     pair_flops = 4 * shapes.batch * m * m * shapes.heads_q * shapes.head_dim * (
         BWD_FLOP_FACTOR if phase == "backward" else 1.0)
     sizes = _sizes(phase, shapes, partials)
-    steps = _tasks(plan)
+    steps = _tasks(plan)[::-1] if phase == "backward" else _tasks(plan)
     of = lambda tasks, which: [(x[0], x[1], _size(plan, sizes, t, x[2])) for t in tasks  # noqa: E731
                                for x in [_transfers(t, phase, which)] if x is not None]
     fetches = [of(tasks, "fetch") for tasks in steps] + [[]]

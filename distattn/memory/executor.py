@@ -120,6 +120,7 @@ def _replay(plan: Plan, rank: int, phase: str, sz: _Sizes, partials: str, copied
     second); the call's outputs are made before the first group, and the forward's finished group ``out``/``lse``
     live until they are copied into them."""
     lv, fwd = _Live(), phase == "forward"
+    plan = plan.run_order(phase)  # the executor's order of steps (the backward: reversed)
     grouped = full is not None
     full = sz if full is None else full
     lv.where = f"{phase}, before step 0"

@@ -194,6 +194,7 @@ def _phase(plan: Plan, phase: str, ring_shapes: Shapes, link: Link, flops: float
     (``distattn.schedule.timeline``: the executor's synchronisation, each message on its own link; compute is the
     busiest rank's). Without: the lockstep walk on ``link`` (the fetches of step t+1 and the returns of step t-1 travel
     while step t computes; every step as long as its slowest rank)."""
+    plan = plan.run_order(phase)  # the order the phase runs its steps in (the backward: reversed)
     if cluster is not None and plan.num_tasks() <= TIMELINE_MAX_TASKS:
         tl = phase_timeline(plan, phase, ring_shapes, cluster, partials, stride)
         return float(tl.busy.max(initial=0.0)), tl.makespan

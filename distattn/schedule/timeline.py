@@ -139,6 +139,7 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     """One phase of ``plan`` on the per-pair timeline (module docstring; ``prefetch`` and ``return_stream=False`` are
     what-ifs)."""
     _check_phase(phase)
+    plan = plan.run_order(phase)  # the order the phase runs its steps in (the backward: reversed)
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch}: the executor posts at least the next step's fetch (>= 1)")
     p, n_steps = plan.world_size, plan.num_steps()
@@ -208,6 +209,7 @@ def rank_events(plan: Plan, rank: int, phase: str) -> list[tuple]:
     step, sends, recvs)`` with ``sends``/``recvs`` the sorted peers of the round, ``("wait", kind, step)`` and
     ``("compute", step, q_chunk, kv_chunk)`` (no entry for an idle step)."""
     _check_phase(phase)
+    plan = plan.run_order(phase)
     n_steps, out = plan.num_steps(), []
 
     def post(which, t):
