@@ -153,19 +153,25 @@ def _memory_worker(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_four_groups_hold_at_most_a_quarter_and_a_bit_and_the_byte_model_counts_them(world):
-    for peaks in run_distributed(_memory_worker, world, timeout=SPAWN_TIMEOUT_S):
+    ranks = run_distributed(_memory_worker, world, timeout=SPAWN_TIMEOUT_S)
+    for peaks in ranks:
         for schedule in ("ring", "balanced", "zigzag"):
             for budget in (None, "1"):  # one group, and four: the replay of distattn.memory.executor, to the byte
                 measured, model = peaks[(budget, schedule)], peaks[(budget, schedule, "model")]
                 assert all(0 <= m - p <= MODEL_SLACK_B for m, p in zip(measured, model)), (schedule, budget,
                                                                                           measured, model)
-            (fwd1, bwd1), (fwd4, bwd4) = peaks[(None, schedule)], peaks[("1", schedule)]
-            # beyond one group's share: delta (b, h_q, n) fp32 for the whole call, and the contiguous copies of the
-            # group's slices that travel (k, v; q, dout on helper steps: bf16, a quarter of the heads each)
-            delta, copies = 8 * 256 * 4, 256 * (2 * 4 + 2 * 8) // 4 * 16 * 2
-            assert bwd4 <= (bwd1 - delta) / 4 + delta + copies + MODEL_SLACK_B, (schedule, bwd1, bwd4)
-            # the forward also holds one group's finished out (bf16) and lse before they are copied into the call's
-            assert fwd4 <= fwd1 / 4 + copies + 256 * 2 * (16 * 2 + 4) + MODEL_SLACK_B, (schedule, fwd1, fwd4)
+    for schedule in ("ring", "balanced", "zigzag"):
+        # the call's peak, the busiest rank's (a rank's own peaks with one group and with four can fall at moments of
+        # different make-up: the backward's reversed steps, Plan.run_order, took one rank's one-group peak below the
+        # bar its four-group peak was held to; the busiest rank's moved by 2% at most)
+        (fwd1, bwd1), (fwd4, bwd4) = ([max(peaks[(budget, schedule)][i] for peaks in ranks) for i in (0, 1)]
+                                      for budget in (None, "1"))
+        # beyond one group's share: delta (b, h_q, n) fp32 for the whole call, and the contiguous copies of the
+        # group's slices that travel (k, v; q, dout on helper steps: bf16, a quarter of the heads each)
+        delta, copies = 8 * 256 * 4, 256 * (2 * 4 + 2 * 8) // 4 * 16 * 2
+        assert bwd4 <= (bwd1 - delta) / 4 + delta + copies + MODEL_SLACK_B, (schedule, bwd1, bwd4)
+        # the forward also holds one group's finished out (bf16) and lse before they are copied into the call's
+        assert fwd4 <= fwd1 / 4 + copies + 256 * 2 * (16 * 2 + 4) + MODEL_SLACK_B, (schedule, fwd1, fwd4)
 
 
 @pytest.mark.parametrize("schedule", ["balanced", "zigzag", "ring"])

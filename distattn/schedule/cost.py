@@ -1,7 +1,8 @@
 """A cost model of the sequence-parallel plans on a cluster, and the choice among them (``choose``).
 
 Every number is read off the plan objects that the executors run (:func:`distattn.schedule.ring_plan`), step by
-step (their runs, as arrays: seconds at P = 16384), never from closed-form formulas. Legend: ``P`` ranks, ``U``
+step (their runs, as arrays: seconds at P = 16384; each phase in the order it runs the steps, ``Plan.run_order``:
+the backward's reversed), never from closed-form formulas. Legend: ``P`` ranks, ``U``
 Ulysses degree (heads split over ``U`` ranks by an all-to-all), ``R = P / U`` ranks of the ring level, ``n`` tokens
 per rank, ``m = U * n`` tokens per ring shard.
 

@@ -9,6 +9,9 @@ on one, return rounds on the other: ``distattn.comm.PeerExchange``)::
     for t in steps:  post F(t + 1)  (prefetch, depth 1);  wait F(t);  compute(t);  wait R(t - 1), absorb;  post R(t)
     wait R(last), absorb
 
+with ``steps`` in the phase's order (``Plan.run_order``): the plan's steps in the forward, reversed in the backward
+(its local pair last, hiding the previous step's dk/dv return; the first fetch is the lightest step's).
+
 ``F(t)`` is the round of step ``t``'s fetches (k/v to an owner task, q to a helper), ``R(t)`` of its returns (a helper's
 partial output / dq, an owner's dk/dv partial; none for owner tasks in the forward). This module replays that order
 (:func:`rank_events`, held equal to the executor's own trace on gloo by ``tests/test_timeline.py``) and times it
