@@ -215,6 +215,29 @@ def test_prefetch_depth_is_a_what_if():
         step_timeline(make_plan(4, True, "ring", chunk=1024), shapes, link, prefetch=0)
 
 
+def test_receive_slots_are_a_what_if():
+    """``slots`` (default 2, the executor's double-buffered receives): a fetch round waits for the compute that last
+    read the buffers it reuses, ``slots - 1`` steps before its posting step; a third set of buffers (3) or fresh ones
+    (``None``, no wait) let a late sender's k/v leave earlier. Zigzag over uniform documents at P = 8 (every pair has
+    work, steps of unequal work): each is faster than the one before, and none beats the busiest rank's compute (even
+    on free links the wait couples a rank to its peers' progress: the round starts when both ends reach it); a wrong
+    value is refused."""
+    shapes = dataclasses.replace(SHAPES, seq_per_rank=4096)
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths("uniform:8192", 8 * 4096, seed=42))
+    plan = make_plan(8, True, "zigzag", mask=mask, chunk=4096)
+    cluster = Cluster.preset("nvlink")
+    two, three, fresh = (step_timeline(plan, shapes, cluster, slots=s)["makespan"] for s in (2, 3, None))
+    assert two == step_timeline(plan, shapes, cluster)["makespan"]
+    assert two > three * (1 + 1e-3) and three > fresh * (1 + 1e-3), (two, three, fresh)
+    free = Cluster(intra=FAST, inter=FAST)
+    for s in (2, 3, None):
+        tl = step_timeline(plan, shapes, free, slots=s)
+        assert tl["makespan"] >= tl["busiest"] * (1 - 1e-12) and tl["exposed"] < 1e-15
+    for bad in (1, 0, True, 2.0):
+        with pytest.raises(ValueError, match="slots="):
+            step_timeline(plan, shapes, cluster, slots=bad)
+
+
 @pytest.mark.parametrize("schedule", ["ring", "balanced", "zigzag", "placed"])
 def test_returns_on_their_own_stream(schedule):
     """The executor's return rounds have a side stream (and on NCCL a communicator) of their own

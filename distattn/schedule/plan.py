@@ -172,9 +172,10 @@ class Plan:
         steps in order; the backward in reverse. Step 0 holds every rank's local pair, which needs no fetch: first in
         the forward, it hides the next step's fetch; last in the backward, it hides the dk/dv partials the step before
         it returns, where in order the last step's return (fp32 by default: twice the k/v it borrowed) would wait
-        alone at the end of the phase, and the reversed backward's first fetch is its lightest step's (the forward's
-        last). On the per-pair timeline it takes the worst packed seeds 0.01-0.09 of perfect balance lower (uniform
-        at P = 8, seed 160: 1.134x -> 1.095x; ``bench/results/placement-sim``) and leaves dense plans within 0.005.
+        alone at the end of the phase, and the reversed backward's first fetch is the forward's last step's (the
+        plans run their heavy pairs early, so it is one of the light ones). On the per-pair timeline it takes the
+        worst packed seeds 0.01-0.09 of perfect balance lower (uniform at P = 8, seed 160: 1.134x -> 1.095x, the same
+        plan; ``bench/results/placement-sim``) and leaves dense plans within 0.005.
         Every walker of a phase reads this: the executor (``distattn.executor.Executor._run``), its memory replay
         (``distattn.memory.executor``), the per-pair timeline and the cost model. Cached: one view per plan."""
         _check_phase(phase)

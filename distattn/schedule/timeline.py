@@ -10,7 +10,8 @@ on one, return rounds on the other: ``distattn.comm.PeerExchange``)::
     wait R(last), absorb
 
 with ``steps`` in the phase's order (``Plan.run_order``): the plan's steps in the forward, reversed in the backward
-(its local pair last, hiding the previous step's dk/dv return; the first fetch is the lightest step's).
+(its local pair last, hiding the previous step's dk/dv return; its first fetch is the forward's last step's, one of
+the light ones). A step number in :func:`rank_events` and the executor's trace is its place in the phase's order.
 
 ``F(t)`` is the round of step ``t``'s fetches (k/v to an owner task, q to a helper), ``R(t)`` of its returns (a helper's
 partial output / dq, an owner's dk/dv partial; none for owner tasks in the forward). This module replays that order
@@ -36,7 +37,11 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
 Per rank it reports the makespan, the compute time, the idle time and its part spent waiting inside the rank's own
 transfers (*exposed communication*; the rest of the idle is waiting for late peers, i.e. imbalance). ``prefetch``
 (default 1, the executor's) is a what-if: ``F(t + prefetch)`` posted at step ``t``, the first ``prefetch`` rounds
-before step 0 (``bench/placement_diagnose.py`` weighs a deeper prefetch on the worst seeds). ``return_stream=False``
+before step 0 (``bench/placement_diagnose.py`` weighs a deeper prefetch on the worst seeds). ``slots`` (default 2, the
+executor's double-buffered receives) is another: a fetch round waits for the compute ``slots - 1`` steps before its
+posting step, the last one to read the receive buffers it reuses (3: one more set of them, so it waits for an earlier
+compute; ``None``: fresh buffers every round, no wait, memory growing with how far the host runs ahead; the worst seeds
+weigh both in ``bench/results/placement-sim/WHATIF.md``). ``return_stream=False``
 is the what-if of the executor before it had the second side stream (every round on one, in posting order ``F0, F1,
 R0, F2, R1, ..``: the backward's dk/dv return waited behind the next fetch), kept to show what the stream buys
 (``bench/results/placement-sim/COMPARE-200.md``). Left out, as in the cost model: kernel launch overheads, the absorb's
@@ -138,13 +143,17 @@ class _Rounds:
 
 
 def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-                   stride: int = 1, prefetch: int = 1, return_stream: bool = True) -> PhaseTimeline:
-    """One phase of ``plan`` on the per-pair timeline (module docstring; ``prefetch`` and ``return_stream=False`` are
-    what-ifs)."""
+                   stride: int = 1, prefetch: int = 1, return_stream: bool = True,
+                   slots: int | None = 2) -> PhaseTimeline:
+    """One phase of ``plan`` on the per-pair timeline (module docstring; ``prefetch``, ``return_stream=False`` and
+    ``slots`` are what-ifs)."""
     _check_phase(phase)
     plan = plan.run_order(phase)  # the order the phase runs its steps in (the backward: reversed)
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch}: the executor posts at least the next step's fetch (>= 1)")
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 2):
+        raise ValueError(f"slots={slots!r}: receive slots of the fetch rounds are an int >= 2 (the executor's: 2) or "
+                         f"None (fresh buffers, no wait)")
     p, n_steps = plan.world_size, plan.num_steps()
     kinds = ("kv", "q", "out") if phase == "forward" else ("kv", "q", "dkv", "dq")
     sizes = {kind: payload_bytes(kind, phase, shapes, partials) for kind in kinds}
@@ -159,6 +168,7 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     side, zero = np.zeros(p), np.zeros(p)  # the fetch stream's free time per rank
     back_side = np.zeros(p) if return_stream else side  # the return stream's (the what-if: the same stream)
     done = [zero, zero]  # compute end of steps t - 2, t - 1
+    computed = []  # computed[t]: compute end of step t (an idle step keeps the one before)
     host = zero.copy()  # when the host gets past its latest wait (a wait blocks it until the round is done)
     ends = {}  # ("F" | "R", t): end per rank (-inf: no round)
     exposed = np.zeros(p)
@@ -166,7 +176,8 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
         ends[("F", t)] = fetch.run(t, zero, side)
     for t in range(n_steps):
         # posted at compute t - 1's point, once the host is past step t - 1's waits
-        ends[("F", t + prefetch)] = fetch.run(t + prefetch, np.maximum(done[1], host), side)
+        gate = zero if slots is None else computed[t - slots + 1] if t - slots + 1 >= 0 else zero  # buffer reuse
+        ends[("F", t + prefetch)] = fetch.run(t + prefetch, np.maximum(gate, host), side)
         f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 2), np.full(p, -np.inf))
         host = np.maximum(host, f_end)  # wait F(t)
         start = np.maximum.reduce([done[1], f_end, r_old, host])
@@ -174,6 +185,7 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
         exposed += np.where(cost[t] > 0, np.minimum(waited, _own(fetch, t) + _own(back, t - 2)), 0.0)
         end = np.where(cost[t] > 0, start + cost[t], done[1])
         done = [done[1], end]
+        computed.append(end)
         host = np.maximum(host, ends.get(("R", t - 1), zero))  # wait R(t - 1)
         ends[("R", t)] = back.run(t, np.maximum(end, host), back_side)
     finish = np.maximum.reduce([done[1], ends.get(("R", n_steps - 1), zero), ends.get(("R", n_steps - 2), zero)])
@@ -186,20 +198,21 @@ def _own(rounds: _Rounds, t: int) -> np.ndarray:
 
 
 def timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-             stride: int = 1, prefetch: int = 1, return_stream: bool = True) -> tuple[PhaseTimeline, PhaseTimeline]:
+             stride: int = 1, prefetch: int = 1, return_stream: bool = True,
+             slots: int | None = 2) -> tuple[PhaseTimeline, PhaseTimeline]:
     """The forward and backward of ``plan`` (ring ranks, shards shaped ``shapes``) on the per-pair timeline.
     ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree), for which link a message takes;
-    ``prefetch``, ``return_stream``: what-ifs (module docstring)."""
-    return tuple(phase_timeline(plan, phase, shapes, cluster, partials, stride, prefetch, return_stream)
+    ``prefetch``, ``return_stream``, ``slots``: what-ifs (module docstring)."""
+    return tuple(phase_timeline(plan, phase, shapes, cluster, partials, stride, prefetch, return_stream, slots)
                  for phase in PHASES)
 
 
 def step_timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-                  stride: int = 1, prefetch: int = 1, return_stream: bool = True) -> dict:
+                  stride: int = 1, prefetch: int = 1, return_stream: bool = True, slots: int | None = 2) -> dict:
     """One training step's attention (forward + backward) on the per-pair timeline: ``makespan`` (s), ``perfect``
     (total compute / ranks, s), ``ratio`` (makespan / perfect), ``compute_idle`` and ``exposed`` (the busiest-exposed
     rank's waits inside its own transfers, s)."""
-    fwd, bwd = timeline(plan, shapes, cluster, partials, stride, prefetch, return_stream)
+    fwd, bwd = timeline(plan, shapes, cluster, partials, stride, prefetch, return_stream, slots)
     makespan, perfect = fwd.makespan + bwd.makespan, fwd.perfect + bwd.perfect
     return {"makespan": makespan, "perfect": perfect, "ratio": makespan / perfect if perfect else 1.0,
             "compute_idle": 1.0 - perfect / makespan if makespan else 0.0,
