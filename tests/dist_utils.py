@@ -156,11 +156,12 @@ def refused(fn) -> str:
 
 
 @contextlib.contextmanager
-def placed_forced(order: str | None = None, group: int | None = None, cut: float | None = None):
+def placed_forced(order: str | None = None, group: int | None = None, cut: float | None = None,
+                  backward: str | None = None):
     """Inside a rank: every placement the solver returns (``distattn.schedule.placement``, through which the shards and
-    the plan both go) runs its steps in ``order`` (``Layout.order``), whatever order the solver chose; with ``group``,
-    groups of that size instead of the solver's choice, their documents cut by work when ``cut`` is given
-    (``distattn.schedule.groups``)."""
+    the plan both go) runs its steps in ``order`` (``Layout.order``) and its backward in ``backward``
+    (``Layout.backward``), whatever the solver chose; with ``group``, groups of that size instead of the solver's
+    choice, their documents cut by work when ``cut`` is given (``distattn.schedule.groups``)."""
     import distattn.schedule.placement as pl
 
     solve = pl._place_cached
@@ -169,7 +170,9 @@ def placed_forced(order: str | None = None, group: int | None = None, cut: float
         if group is not None and p % group == 0 and p > 1 and not spec.dense:
             grp, kwargs = group, dict(kwargs, cut=cut)
         lay = solve(spec, p, n, grp, *args, **kwargs)
-        return dataclasses.replace(lay, order=order) if order and lay.kind == "placed" else lay
+        if lay.kind != "placed":
+            return lay
+        return dataclasses.replace(lay, order=order or lay.order, backward=backward or lay.backward)
 
     pl._place_cached = forced
     try:

@@ -151,6 +151,38 @@ def test_matched_orders_against_reference(world, order):
     assert results[0][0] > 0, "no rank idles between its pairs: pick a stream that leaves a hole"
 
 
+def _backward_worker(rank, world, n, order, backward):
+    """:func:`_check` on placed plans whose backward runs the steps in ``backward``'s order (``Layout.backward``),
+    forced; the executor's computes (``distattn.executor.TRACE``) run the backward's pairs in that order."""
+    from distattn import executor
+    from distattn.schedule import make_plan
+
+    seen = []
+    with placed_forced(order, backward=backward):
+        for i, cu in enumerate(list(_streams(world, n))[:2]):
+            plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(cu)), chunk=n)
+            assert (plan.layout.order, plan.layout.backward) == (order, backward), plan.layout
+            executor.TRACE = []
+            try:
+                seen.append(_check(rank, world, CASES[0], cu, n, seed=40 + i))
+                trace = executor.TRACE
+            finally:
+                executor.TRACE = None
+            fwd, bwd = ([e[2:] for p, e in trace if p == ph and e[0] == "compute"] for ph in ("forward", "backward"))
+            assert fwd and bwd == (fwd if backward == "forward" else fwd[::-1]), (backward, fwd, bwd)
+    return seen
+
+
+@pytest.mark.parametrize("world,order", [(3, "rotation"), (4, "pairs-work")])
+@pytest.mark.parametrize("backward", ["forward", "reversed"])
+def test_either_backward_order_against_reference(world, order, backward):
+    """A placed layout's backward runs the plan's steps reversed (every plan's default, ``Plan.run_order``) or in the
+    plan's own order where the solver finds that faster (``Layout.backward``): exact against fp64 either way, the
+    byte counters equal to the plan's, and the executor computes the backward's pairs in that order."""
+    results = run_distributed(_backward_worker, world, 12, order, backward, timeout=TIMEOUT_S)
+    assert all(r == results[0] for r in results)  # one placement on every rank
+
+
 def _cut_worker(rank, world, n):
     """:func:`_check` on placements whose documents are cut by work (``distattn.schedule.groups``) over groups of one
     rank: the long document of the first stream goes to several ranks in consecutive pieces, each with short documents

@@ -1,5 +1,7 @@
 """Tests for distattn.schedule: plan invariants, transfers, simulator bytes, input validation."""
 
+import dataclasses
+
 import pytest
 
 from distattn import schedule as sched
@@ -205,6 +207,19 @@ def test_the_backward_runs_the_steps_in_reverse(plan):
                 assert got == tuple(tuple(Transfer(x.src, x.dst, x.kind, x.chunk, t) for x in side) for side in want)
     with pytest.raises(ValueError, match="phase='sideways'"):
         plan.run_order("sideways")
+    if plan.layout is not None and plan.layout.kind == "placed":  # a placed layout may keep the plan's order
+        kept = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, backward="forward"))
+        assert kept.run_order("backward") is kept and kept.run_order("forward") is kept
+
+
+def test_only_a_placed_layout_keeps_the_plans_order_in_the_backward():
+    from distattn.schedule.layouts import Layout
+
+    with pytest.raises(ValueError, match="backward='sideways'"):
+        Layout("contiguous", 4, backward="sideways")
+    with pytest.raises(ValueError, match="backward='forward'"):
+        Layout("zigzag", 4, backward="forward")
+    assert Layout("placed", 1, placement=(((0, 4),),), backward="forward").backward == "forward"
 
 
 def test_rank_ops_reject_bad_arguments():

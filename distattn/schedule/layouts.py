@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "ORDERS", "Layout", "local_bounds", "pieces_of"]
+__all__ = ["LAYOUTS", "ORDERS", "BACKWARDS", "Layout", "local_bounds", "pieces_of"]
 
 LAYOUTS = ("contiguous", "zigzag", "placed")
 ORDERS = ("rotation", "pairs-work", "pairs-keys", "ranks-work", "ranks-keys")
+BACKWARDS = ("reversed", "forward")
+"""The order the backward runs a plan's steps in (``Layout.backward``, ``distattn.schedule.plan.Plan.run_order``)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class Layout:
     """``"placed"``: the order the plan runs the pairs in (:data:`ORDERS`, ``distattn.schedule.masked``):
     ``"rotation"``, each group's ring rotations (``group_order``), or steps as matchings (``matched_steps``). The
     solver keeps the one its per-pair timeline finds fastest."""
+    backward: str = "reversed"
+    """The order the backward runs the plan's steps in (:data:`BACKWARDS`, ``Plan.run_order``): ``"reversed"``, as
+    every plan's backward (the local pair last), or, ``"placed"`` only, ``"forward"``, the plan's own order, where the
+    solver's per-pair timeline finds it faster."""
     note: str = field(default="", compare=False)
     """How the layout was chosen (the placement's groups and block size, or why it fell back to contiguous)."""
 
@@ -80,6 +86,9 @@ class Layout:
         if self.order not in ORDERS or (self.order != "rotation" and self.kind != "placed"):
             raise ValueError(f"order={self.order!r}: a placed layout's order is one of {ORDERS}; other layouts keep "
                              f"'rotation'")
+        if self.backward not in BACKWARDS or (self.backward != "reversed" and self.kind != "placed"):
+            raise ValueError(f"backward={self.backward!r}: a placed layout's backward order is one of {BACKWARDS}; "
+                             f"other layouts keep 'reversed'")
         if self.kind == "placed" and len(self.placement) != self.world_size:
             raise ValueError(f"a placed layout holds the segments of every ring rank ({len(self.placement)} given "
                              f"for world_size={self.world_size}); solve it with distattn.schedule.placement.place("

@@ -101,11 +101,11 @@ import numpy as np
 
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
 from distattn.schedule.groups import RowWork, assign_groups
-from distattn.schedule.layouts import ORDERS, Layout
+from distattn.schedule.layouts import BACKWARDS, ORDERS, Layout
 from distattn.schedule.masked import masked_plan_of
 from distattn.schedule.pairs import pair_table
 from distattn.schedule.masks import MaskSpec
-from distattn.schedule.timeline import step_timeline
+from distattn.schedule.timeline import phase_timeline
 from distattn.schedule.windows import SHARES, window_owners
 from distattn.schedule.wire import Shapes
 
@@ -229,7 +229,12 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         for order in ORDERS:
             cand = dataclasses.replace(lay, order=order)
             plan = masked_plan_of(p, "placed", spec, n, cand, table)
-            found.append((step_timeline(plan, shapes, cluster, stride=stride)["makespan"], cand))
+            fwd = phase_timeline(plan, "forward", shapes, cluster, stride=stride).makespan
+            for backward in BACKWARDS:  # the backward's steps reversed (every plan's; a tie keeps it) or as planned
+                timed = dataclasses.replace(cand, backward=backward)
+                bwd = phase_timeline(dataclasses.replace(plan, layout=timed), "backward", shapes, cluster,
+                                     stride=stride).makespan
+                found.append((fwd + bwd, timed))
         return min(found, key=lambda tl: tl[0])
 
     seen: set[int] = set()  # the placements timed (their hashes)
@@ -265,6 +270,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                 best_time, best = t, dataclasses.replace(plain, note=f"{plain.note.split(';')[0]} (the placement of "
                                                                      f"the documents without the window: faster)")
     how = "" if best.order == "rotation" else f", steps as matchings ({best.order})"
+    how += ", the backward in the plan's order" if best.backward == "forward" else ""
     return dataclasses.replace(best, note=f"{best.note}{how}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
 

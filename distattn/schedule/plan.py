@@ -164,8 +164,8 @@ class Plan:
     """Masked plans: the pairs with work (``distattn.schedule.pairs.PairTable``), whose ranges are the rows inside a
     span that the pair's queries see (:meth:`key_ranges`); ``None``: a span is seen whole."""
     runs: str = "forward"
-    """The phase whose order of steps ``run_table`` is in (:meth:`run_order`): ``"backward"`` for the view the
-    backward walks, the plan's steps reversed."""
+    """The order of ``run_table``'s steps (:meth:`run_order`): ``"forward"``, the plan's own, or ``"backward"``, its
+    steps reversed, the view the backward walks (unless its layout keeps the plan's order, ``Layout.backward``)."""
 
     def run_order(self, phase: str) -> "Plan":
         """The plan as ``phase`` runs it: its step ``t`` is the ``t``-th step that phase runs. The forward runs the
@@ -176,10 +176,13 @@ class Plan:
         plans run their heavy pairs early, so it is one of the light ones). On the per-pair timeline it takes the
         worst packed seeds 0.01-0.09 of perfect balance lower (uniform at P = 8, seed 160: 1.134x -> 1.095x, the same
         plan; ``bench/results/placement-sim``) and leaves dense plans within 0.005.
-        Every walker of a phase reads this: the executor (``distattn.executor.Executor._run``), its memory replay
-        (``distattn.memory.executor``), the per-pair timeline and the cost model. Cached: one view per plan."""
+        A placed layout may keep the plan's order in the backward too (``Layout.backward == "forward"``: the
+        placement solver times both and keeps the faster). Every walker of a phase reads this: the executor
+        (``distattn.executor.Executor._run``), its memory replay (``distattn.memory.executor``), the per-pair timeline
+        and the cost model. Cached: one view per plan."""
         _check_phase(phase)
-        return self if phase == self.runs else self._flipped
+        flip = phase == "backward" and (self.layout is None or self.layout.backward == "reversed")
+        return self if self.runs == ("backward" if flip else "forward") else self._flipped
 
     @functools.cached_property
     def _flipped(self) -> "Plan":
