@@ -174,8 +174,8 @@ class Plan:
         it returns, where in order the last step's return (fp32 by default: twice the k/v it borrowed) would wait
         alone at the end of the phase, and the reversed backward's first fetch is the forward's last step's (the
         plans run their heavy pairs early, so it is one of the light ones). On the per-pair timeline it takes the
-        worst packed seeds 0.01-0.09 of perfect balance lower (uniform at P = 8, seed 160: 1.134x -> 1.095x, the same
-        plan; ``bench/results/placement-sim``) and leaves dense plans within 0.005.
+        worst of 200 packed seeds per setting up to 0.06 of perfect balance lower (uniform at P = 8: 1.134x ->
+        1.084x; ``bench/results/placement-sim/COMPARE-200-backward.md``) and dense plans by at most 0.005.
         A placed layout may keep the plan's order in the backward too (``Layout.backward == "forward"``: the
         placement solver times both and keeps the faster). Every walker of a phase reads this: the executor
         (``distattn.executor.Executor._run``), its memory replay (``distattn.memory.executor``), the per-pair timeline
