@@ -66,9 +66,9 @@ worst of 200 seeds of the Pile on NVLink: 1.61x -> 1.29x of perfect balance at P
 cached (only the chosen plan's is, when the library builds it). Each order's backward is timed twice, its steps
 reversed (every plan's backward, ``Plan.run_order``: the local pair last hides the dk/dv return before it) and in the
 plan's own order (``Layout.backward = "forward"``), the forward once; a tie keeps the reversed one. The reversal
-lowers nearly every seed, but on some deals (windowed, P = 64: the backward's last steps light, its first ones heavy)
-the plan's order is faster, so the choice leaves no seed slower than before it
-(``bench/results/placement-sim/COMPARE-200-backward.md``).
+alone lowered nearly every seed but slowed 48 of 3600 (mostly windowed at P = 64, by up to 0.04); with the choice no
+causal seed is slower than before and three windowed ones are, by at most 0.011 (their documents-only fallback can
+change: ``bench/results/placement-sim/COMPARE-200-backward.md``).
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
@@ -86,17 +86,15 @@ Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement 
 all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`; the
-backward's twice) per group
-size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two group sizes, often cut short by
-the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts on up to 3 group
-sizes); at 4096 tokens per rank the median over 200 seeds is
-1.0-1.4 s of CPU at P = 64 on NVLink, 1.1-2.2 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``,
-solver time of a causal mask, on 2 cores with a second sweep job beside each solve; 0.7-1.1 / 0.7-2.0 s before the
-backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median
-of 10 seeds, ``COMPARE-200-cuts.md``), and up to 30 s (causal) / 49 s (windowed) on the worst seeds at P = 256 with
-three other jobs beside each solve (``WORST-256.md``; 20 / 36 s before, with one); before the windowed deal 3.4 s
-(NVLink) / 8.2 s (IB)
-at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure Python + numpy.
+backward's twice) per group size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two
+group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut
+(3 cuts on up to 3 group sizes); at 4096 tokens per rank the median over 200 seeds is 1.0-1.4 s of CPU at P = 64 on
+NVLink, 1.1-2.2 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on
+2 cores with a second sweep job beside each solve; 0.7-1.1 / 0.7-2.0 s before the backward's two orders, 0.45-0.8 s
+before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
+``COMPARE-200-cuts.md``), and up to 30 s (causal) / 49 s (windowed) on the worst seeds at P = 256 with three other
+jobs beside each solve (``WORST-256.md``; 20 / 36 s before, with one); before the windowed deal 3.4 s (NVLink) / 8.2 s
+(IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure Python + numpy.
 """
 
 from __future__ import annotations
