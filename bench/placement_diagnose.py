@@ -26,14 +26,14 @@ placement the library used before, both on the per-pair timeline of that link's 
     python bench/placement_diagnose.py --seeds 10 --out bench/results/placement-sim/window-seeds.md
 
 ``--whatif K``: instead, the K worst seeds per setting of ``--sweep`` (NVLink; causal, and windowed placed for the
-window) with the plan the library solves, as the executor runs it (fp32 partials, prefetch depth 1), against what-ifs
-of the same plan: ``partials="input"`` (the partials in the inputs' dtype, half the backward's return bytes: an option
-users have, ``distattn.DistAttnConfig.partials``; the solver still times fp32), a deeper prefetch (2: NOT what the
-executor does; each more in flight costs a k/v buffer), a third set of receive buffers (``slots=3``: a fetch round
-then waits for the compute two steps back, not one: the executor's two slots make a late peer's k/v wait for its
-compute) and fresh buffers every round (``slots=None``: no such wait, memory growing with how far the host runs ahead),
-free links (what is left: imbalance and the plan's step order) and the busiest rank's compute (a lower bound of any
-order of that plan)::
+window) with the plan the library solves, as the executor runs it (fp32 partials, the plan's prefetch depth: 1, or 2
+where the solver found fetching two steps ahead faster, ``Layout.prefetch``), against the same plan at either depth and
+what-ifs of it: ``partials="input"`` (the partials in the inputs' dtype, half the backward's return bytes: an option
+users have, ``distattn.DistAttnConfig.partials``; the solver still times fp32), one more set of receive buffers than
+the depth needs (``slots=depth + 2``: a fetch round then waits for an earlier compute than the one before its posting;
+not what the executor does) and fresh buffers every round (``slots=None``: no such wait, memory growing with how far
+the host runs ahead), free links (what is left: imbalance and the plan's step order) and the busiest rank's compute (a
+lower bound of any order of that plan)::
 
     python bench/placement_diagnose.py --whatif 3 --world 8 16 64 256 --sweep
         bench/results/placement-sim/sweep-200.csv --out bench/results/placement-sim/WHATIF.md  (one line)
@@ -183,19 +183,20 @@ def whatif(args) -> None:
     free_link = Link(name="free", bandwidth=1e30, latency=0.0)
     free = dataclasses.replace(cl, intra=free_link, inter=free_link)
     shapes = Shapes(seq_per_rank=n, **SHAPES)
-    lines = ["| docs | P | mask | seed | group | as is (fp32 partials, prefetch 1) | partials=\"input\" (what-if) | "
-             "prefetch 2 (what-if) | 3 receive slots (what-if) | fresh receive buffers (what-if) | comm free | "
-             "busiest rank |", "|" + "---|" * 12]
+    lines = ["| docs | P | mask | seed | group | depth | as is (fp32 partials, the plan's depth) | prefetch 1 | "
+             "prefetch 2 | partials=\"input\" (what-if) | one more receive slot (what-if) | fresh receive buffers "
+             "(what-if) | comm free | busiest rank |", "|" + "---|" * 14]
     for (docs, p, m), seeds in sorted(sweep_rows(args.sweep, set(args.world)).items()):
         for _, seed in seeds[:args.whatif]:
             win = (-1, -1) if m == "causal" else (int(m.split()[1]), 0)
             mask = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
             plan = make_plan(p, True, "placed", mask=mask, chunk=n)  # the public path: placed for the call's window
-            runs = [tl.step_timeline(plan, shapes, cl), tl.step_timeline(plan, shapes, cl, partials="input"),
-                    tl.step_timeline(plan, shapes, cl, prefetch=2), tl.step_timeline(plan, shapes, cl, slots=3),
+            runs = [tl.step_timeline(plan, shapes, cl), tl.step_timeline(plan, shapes, cl, prefetch=1),
+                    tl.step_timeline(plan, shapes, cl, prefetch=2), tl.step_timeline(plan, shapes, cl, partials="input"),
+                    tl.step_timeline(plan, shapes, cl, slots=plan.prefetch + 2),
                     tl.step_timeline(plan, shapes, cl, slots=None), tl.step_timeline(plan, shapes, free)]
             ratios = [x["ratio"] for x in runs] + [runs[0]["busiest"] / runs[0]["perfect"]]
-            lines.append(f"| {docs} | {p} | {m} | {seed} | {plan.layout.group} | " +
+            lines.append(f"| {docs} | {p} | {m} | {seed} | {plan.layout.group} | {plan.prefetch} | " +
                          " | ".join(f"{x:.3f}" for x in ratios) + " |")
             print(lines[-1], flush=True)
     if args.out:

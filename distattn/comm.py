@@ -2,14 +2,16 @@
 
 ``PeerExchange.post(slot, sends, recvs)`` starts one round of batched ``isend``/``irecv``
 (``torch.distributed.batch_isend_irecv``) and returns at once; ``wait(slot)`` completes it. The executor
-posts the transfers of step ``t + 1`` before it computes step ``t``, so communication hides behind compute.
-Two fetch slots alternate (double-buffered receives): at most two fetch rounds, and so two sets of receive
-buffers, are alive at a time; the executor keeps one set per slot in a pool and reuses it two steps later.
+posts the transfers of step ``t + 1`` (``t + 2`` for a plan of prefetch depth 2, ``Plan.prefetch``) before it
+computes step ``t``, so communication hides behind compute. ``depth + 1`` fetch slots alternate (double-buffered
+receives at depth 1): at most that many fetch rounds, and so sets of receive buffers, are alive at a time; the
+executor keeps one set per slot in a pool and reuses it ``depth + 1`` steps later.
 
 What a fetch waits for: the side stream waits for an event recorded when the round is posted, i.e. after the
-compute of step ``t - 1`` was enqueued (the round of step ``t + 1`` is posted before step ``t`` computes). That
-is exactly what the pooled receive buffers need (slot ``(t + 1) % 2`` was last read by step ``t - 1``); the
-sent tensors (q, k, v, dout, lse, delta) were final before step 0, so nothing waits on step ``t``'s compute.
+compute of step ``t - 1`` was enqueued (the round of step ``t + depth`` is posted before step ``t`` computes). That
+is exactly what the pooled receive buffers need (slot ``(t + depth) % (depth + 1)`` was last read by step
+``t - 1``); the sent tensors (q, k, v, dout, lse, delta) were final before step 0, so nothing waits on step ``t``'s
+compute.
 
 On CUDA the round is posted on a side stream of its kind's own, one for fetch rounds and one for return rounds (on
 their own groups too), so a step's partials going back never queue behind the next step's prefetch (the per-pair
@@ -56,8 +58,8 @@ def backend_name(group) -> str:
 
 # -- message tags -----------------------------------------------------------------------------------------
 ROUNDS_PER_CALL = 4096
-"""Tags a call cycles through. At most 4 rounds of one call are in flight at once (two fetch slots, two return
-slots), so a round's tag repeats only 4096 rounds later, long after that round was waited for."""
+"""Tags a call cycles through. At most 5 rounds of one call are in flight at once (two or three fetch slots, two
+return slots), so a round's tag repeats only 4096 rounds later, long after that round was waited for."""
 _CALLS_PER_CYCLE = (2 ** 31) // ROUNDS_PER_CALL  # 524,288 calls, then tags start again from call 0's
 
 

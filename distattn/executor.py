@@ -170,10 +170,11 @@ class Executor:
         buffers}``.
 
         Receive buffers come from the executor's pool: one set per (slot, kind, order within the round), made at
-        the first use and reused two steps later (double buffering). Reuse is safe: a slot is posted again only
-        after the step that read it was enqueued, and the side stream waits for that point (``PeerExchange``). A
-        k/v slice or dk/dv partial of fewer rows than the shard (:meth:`rows`) is received into the front of the
-        whole-shard buffers, viewed with its own shape, so the pool never grows past two slots of whole shards.
+        the first use and reused ``prefetch + 1`` steps later (``Plan.prefetch``: double buffering at depth 1). Reuse
+        is safe: a slot is posted again only after the step that read it was enqueued, and the side stream waits for
+        that point (``PeerExchange``). A k/v slice or dk/dv partial of fewer rows than the shard (:meth:`rows`) is
+        received into the front of the whole-shard buffers, viewed with its own shape, so the pool never grows past
+        ``prefetch + 1`` fetch slots (and two return slots) of whole shards.
         """
         sends = [(tr.dst, payload(tr)) for tr in ops[0]]
         inbox = {}
@@ -223,23 +224,24 @@ class Executor:
         """
         phase = self.phase
         plan = self.plan.run_order(phase)  # the backward walks the steps in reverse (Plan.run_order)
-        steps = plan.num_steps()
+        steps, depth = plan.num_steps(), plan.prefetch
+        slots = depth + 1  # fetch slot of step t + depth, posted before step t computes: last read by step t - 1
 
-        def fetch(t):  # post step t's inputs into fetch slot t % 2 (double-buffered)
+        def fetch(t):  # post step t's inputs into fetch slot t % slots (double-buffered at depth 1)
             ops = plan.rank_ops(t, self.rank, phase, "fetch")
             if TRACE is not None:
                 _trace(phase, "fetch", t, ops)
-            return self.post(("fetch", phase, t % 2), ops, fetch_payload, fetch_buffers)
+            return self.post(("fetch", phase, t % slots), ops, fetch_payload, fetch_buffers)
 
-        fetched = {0: fetch(0)} if self.cfg.overlap else {}
+        fetched = {t: fetch(t) for t in range(min(depth, steps))} if self.cfg.overlap else {}
         returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
         for t in range(steps):
             self.step, self.comm.where = t, f"{phase} {self.call}, step {t} of {steps}"
             if not self.cfg.overlap:
                 fetched[t] = fetch(t)
-            elif t + 1 < steps:  # prefetch: the next step's inputs travel while this step computes
-                fetched[t + 1] = fetch(t + 1)
-            self.comm.wait(("fetch", phase, t % 2))
+            elif t + depth < steps:  # prefetch: a later step's inputs travel while this step computes
+                fetched[t + depth] = fetch(t + depth)
+            self.comm.wait(("fetch", phase, t % slots))
             if TRACE is not None:
                 TRACE.append((phase, ("wait", "fetch", t)))
             inbox = fetched.pop(t)

@@ -157,10 +157,10 @@ def refused(fn) -> str:
 
 @contextlib.contextmanager
 def placed_forced(order: str | None = None, group: int | None = None, cut: float | None = None,
-                  backward: str | None = None):
+                  backward: str | None = None, prefetch: int | None = None):
     """Inside a rank: every placement the solver returns (``distattn.schedule.placement``, through which the shards and
-    the plan both go) runs its steps in ``order`` (``Layout.order``) and its backward in ``backward``
-    (``Layout.backward``), whatever the solver chose; with ``group``, groups of that size instead of the solver's
+    the plan both go) runs its steps in ``order`` (``Layout.order``), its backward in ``backward``
+    (``Layout.backward``) and fetches ``prefetch`` steps ahead (``Layout.prefetch``), whatever the solver chose; with ``group``, groups of that size instead of the solver's
     choice, their documents cut by work when ``cut`` is given (``distattn.schedule.groups``)."""
     import distattn.schedule.placement as pl
 
@@ -172,7 +172,8 @@ def placed_forced(order: str | None = None, group: int | None = None, cut: float
         lay = solve(spec, p, n, grp, *args, **kwargs)
         if lay.kind != "placed":
             return lay
-        return dataclasses.replace(lay, order=order or lay.order, backward=backward or lay.backward)
+        return dataclasses.replace(lay, order=order or lay.order, backward=backward or lay.backward,
+                                   prefetch=prefetch or lay.prefetch)
 
     pl._place_cached = forced
     try:

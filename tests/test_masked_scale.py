@@ -70,7 +70,8 @@ def plan_digest(plan) -> str:
              [(i, j, int(plan.work[i][j]), plan.key_span(i, j)) for i, j in sorted(plan.pairs())],
              plan.schedule, plan.causal, plan.num_steps(),
              None if plan.layout is None else [plan.layout.kind, plan.layout.group, plan.layout.placement]
-             + ([] if plan.layout.backward == "reversed" else [plan.layout.backward])]
+             + ([] if plan.layout.backward == "reversed" else [plan.layout.backward])
+             + ([] if plan.layout.prefetch == 1 else [f"prefetch {plan.layout.prefetch}"])]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
@@ -235,7 +236,8 @@ def test_masked_plans_are_the_plans_built_before():
     with its heaviest piece, and 5 more with the order "pairs-work"; 3 placed ones of windowed masks since the solver
     also times documents cut by their work, distattn.schedule.groups; 16 placed ones since the backward runs the
     plan's steps in reverse, ``Plan.run_order``, which the timeline the solver judges by follows; 29 since the solver
-    times both backward orders, ``Layout.backward``, which the digest names where it is the plan's own)."""
+    times both backward orders, ``Layout.backward``, which the digest names where it is the plan's own; 5 since it
+    times the chosen layout fetching two steps ahead, ``Layout.prefetch``, which the digest names where it is 2)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

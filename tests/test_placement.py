@@ -438,6 +438,35 @@ def test_the_solver_keeps_the_backward_in_the_plans_order_where_that_is_faster(d
     assert steps["forward"]["ratio"] == pytest.approx({36: 1.1897, 172: 1.1313}[seed], abs=1e-4)
 
 
+@pytest.mark.parametrize("docs,p,window,seed,depth,ratio", [("longtail:2048", 8, None, 145, 2, 1.0739),
+                                                             ("uniform:8192", 8, 4096, 46, 1, 1.0930)])
+def test_the_solver_fetches_two_steps_ahead_where_it_pays(docs, p, window, seed, depth, ratio):
+    """The chosen layout is timed once more fetching two steps ahead (``Layout.prefetch = 2``: one more set of receive
+    buffers) and kept so where the step is shorter by at least ``DEEPER``: longtail at P = 8, seed 145 (the worst of
+    200 seeds before it, 1.106x of perfect balance: the fetch of a busy sender's k/v no longer waits for the compute
+    just before it), not the uniform windowed seed 46 (no gain: its excess is the steps' own imbalance)."""
+    import dataclasses
+
+    from distattn.schedule import Shapes
+    from distattn.schedule.build import placement_mask
+    from distattn.schedule.cluster import Cluster
+    from distattn.schedule.masked import make_masked_plan
+    from distattn.schedule.placement import DEEPER, _place_cached
+    from distattn.schedule.timeline import step_timeline
+
+    shapes, cluster = Shapes(seq_per_rank=4096, heads_q=32, heads_kv=8, head_dim=128), Cluster.preset("nvlink")
+    cu = document_lengths(docs, p * 4096, seed=seed)
+    mask = MaskSpec(causal=True, window=(-1, -1) if window is None else (window, 0), cu_seqlens=cu)
+    chosen = _place_cached.__wrapped__(placement_mask(cu, mask.window), p, 4096, None, cluster)
+    steps = {d: step_timeline(make_masked_plan.__wrapped__(p, "placed", mask, 4096,
+                                                           dataclasses.replace(chosen, prefetch=d)), shapes, cluster)
+             for d in (1, 2)}
+    assert chosen.prefetch == depth and ("fetches two steps ahead" in chosen.note) == (depth == 2), chosen.note
+    deeper_pays = steps[2]["makespan"] < steps[1]["makespan"] * (1 - DEEPER)
+    assert deeper_pays == (depth == 2), steps
+    assert steps[depth]["ratio"] == pytest.approx(ratio, abs=1e-4)
+
+
 def test_an_order_belongs_to_a_placed_layout():
     with pytest.raises(ValueError, match="order"):
         Layout("zigzag", 4, order="ranks-work")

@@ -83,6 +83,55 @@ def test_the_executor_runs_a_matched_orders_event_order():
                                timeout=TIMEOUT_S))
 
 
+def _trace_deeper_worker(rank, world, n, cases):
+    """:func:`_trace_worker` with every placement fetching two steps ahead (``Layout.prefetch = 2``)."""
+    with placed_forced(prefetch=2):
+        return _trace_worker(rank, world, n, cases)
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_the_executor_runs_a_deeper_prefetchs_event_order(world):
+    """A placed plan fetching two steps ahead (``Plan.prefetch`` = 2, three fetch slots): the executor posts the
+    first two steps' fetches, then step ``t + 2``'s before step ``t`` computes; its posts, waits and computes are the
+    timeline's replay (``rank_events`` reads the plan's depth), which differs from the same plan's at depth 1."""
+    from distattn.schedule.masked import make_masked_plan
+
+    n = 16
+    cu = [0, 5, 5 + world * 6, world * n - 3, world * n]
+    assert all(run_distributed(_trace_deeper_worker, world, n, [("placed", True, (-1, -1), cu)],
+                               timeout=TIMEOUT_S))
+    mask = MaskSpec(causal=True, cu_seqlens=tuple(cu))
+    with placed_forced(prefetch=2):
+        deep = make_plan(world, True, "placed", mask=mask, chunk=n)
+    shallow = make_masked_plan(world, "placed", mask, n, dataclasses.replace(deep.layout, prefetch=1))
+    assert deep.prefetch == 2 and shallow.prefetch == 1 and deep.num_steps() >= 3
+    for phase in ("forward", "backward"):
+        deep_events = [rank_events(deep, r, phase) for r in range(world)]
+        assert deep_events != [rank_events(shallow, r, phase) for r in range(world)]
+        for events in deep_events:  # the first two fetches are posted before anything waits
+            assert [e[:3] for e in events[:2]] == [("post", "fetch", 0), ("post", "fetch", 1)], events[:3]
+
+
+def test_the_timeline_runs_the_plans_prefetch_depth():
+    """``prefetch=None`` (the default) is the plan's depth (``Plan.prefetch``), with ``prefetch + 1`` receive slots:
+    a placed plan of depth 2 times as its depth-1 twin does with ``prefetch=2``; fewer slots than the depth needs are
+    refused. Uniform documents at P = 8, seed 187 (depth 2: 1.076x -> 1.044x of perfect balance; the solver keeps it)."""
+    from distattn.schedule.masked import make_masked_plan
+
+    shapes, cluster = SHAPES, Cluster.preset("nvlink")
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths("uniform:8192", 8 * 4096, seed=187))
+    chosen = make_plan(8, True, "placed", mask=mask, chunk=4096).layout
+    assert chosen.prefetch == 2 and "fetches two steps ahead" in chosen.note
+    plan, deep = (make_masked_plan(8, "placed", mask, 4096, dataclasses.replace(chosen, prefetch=d)) for d in (1, 2))
+    one, two = step_timeline(plan, shapes, cluster), step_timeline(deep, shapes, cluster)
+    assert two == step_timeline(plan, shapes, cluster, prefetch=2)
+    assert one == step_timeline(deep, shapes, cluster, prefetch=1)
+    assert two["ratio"] < one["ratio"] - 0.02, (one["ratio"], two["ratio"])
+    assert step_timeline(deep, shapes, cluster, slots=3) == two
+    with pytest.raises(ValueError, match="slots=2"):
+        step_timeline(deep, shapes, cluster, slots=2)
+
+
 def test_two_ranks_by_hand():
     """Causal ring on 2 ranks: step 0 the diagonals (half a pair each), step 1 rank 1 computes (1, 0) with rank 0's
     k/v, fetched while step 0 computes. On a slow link the fetch ends after the diagonal: rank 1 waits for it."""
@@ -190,7 +239,7 @@ def _longtail_case():
 
 
 def test_prefetch_depth_is_a_what_if():
-    """``prefetch`` (default 1, the executor's). Deeper starts a later step's fetch earlier. With every round on one
+    """``prefetch`` (default: the plan's, 1 for these). Deeper starts a later step's fetch earlier. With every round on one
     side stream (``return_stream=False``, the executor before its second stream) it can be faster (ring over these
     packed documents: the backward's next fetch is posted before the return it queued behind) or change nothing
     (balanced: its rounds already wait on compute, not on the stream); with the returns on their own stream (the
@@ -208,7 +257,7 @@ def test_prefetch_depth_is_a_what_if():
     for schedule in ("balanced", "ring"):
         two = steps(schedule, link, return_stream=True)
         assert two[0] == step_timeline(make_plan(4, True, schedule, mask=mask, chunk=1024), shapes,
-                                       link)["makespan"]  # prefetch 1 and the return stream are the defaults
+                                       link)["makespan"]  # the plan's prefetch (1) and the return stream: defaults
         assert len(set(two)) == 1, two
     free_link = Link(name="free", bandwidth=1e30, latency=0.0)
     free = dataclasses.replace(Cluster(), intra=free_link, inter=free_link)
@@ -218,8 +267,8 @@ def test_prefetch_depth_is_a_what_if():
 
 
 def test_receive_slots_are_a_what_if():
-    """``slots`` (default 2, the executor's double-buffered receives): a fetch round waits for the compute that last
-    read the buffers it reuses, ``slots - 1`` steps before its posting step; a third set of buffers (3) or fresh ones
+    """``slots`` (default the executor's, ``prefetch + 1``: double-buffered receives at depth 1): a fetch round waits
+    for the compute that last read the buffers it reuses, ``slots - prefetch`` steps before its posting step; a third set of buffers (3) or fresh ones
     (``None``, no wait) let a late sender's k/v leave earlier. Zigzag over uniform documents at P = 8 (every pair has
     work, steps of unequal work): each is faster than the one before, and none beats the busiest rank's compute (even
     on free links the wait couples a rank to its peers' progress: the round starts when both ends reach it); a wrong

@@ -6,9 +6,10 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
   ``(b, h_q, n)``) and the fp32 accumulators ``dq, dk, dv`` of the whole shard (cast to the input dtype once, at
   the end: the outputs);
 * the receive pool (``distattn.executor.Executor.post``): one set of whole-shard buffers per ``(slot, kind, order
-  in the round)`` the plan ever uses, made at first use and kept to the end of the call; the slots are
-  double-buffered (``t % 2``), so a rank that fetches k/v at one step and queries at another of the same parity
-  holds both kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a
+  in the round)`` the plan ever uses, made at first use and kept to the end of the call; the fetch slots alternate
+  over ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, ``t % 3`` where the placement solver deepened it; the
+  return slots ``t % 2``), so a rank that fetches k/v at one step and queries at another of the same slot holds both
+  kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a
   buffer of the query shard's size;
 * the partials a task computes (a helper's fp32 state or ``dq``; an owner's fp32 ``dk, dv`` of the borrowed slice,
   ``partials="input"``: plus their cast copies), alive until their send round is waited for, one step later, and
@@ -20,8 +21,8 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
 
 ``executor_peak(plan, ...)`` walks the same :class:`~distattn.schedule.Plan` the executor runs (``plan.task``,
 ``plan.rank_ops``, ``plan.key_ranges``; the backward's steps reversed, ``Plan.run_order``) in the executor's order of
-events (``Executor._run``: post the next fetch, wait this fetch, compute, absorb the previous step's partials, post
-this step's partials) and gives the peak of the live bytes, when it happens and what it is made of.
+events (``Executor._run``: post the fetch ``prefetch`` steps ahead, wait this fetch, compute, absorb the previous
+step's partials, post this step's partials) and gives the peak of the live bytes, when it happens and what it is made of.
 ``tests/test_executor_memory.py`` holds it equal to the bytes the real executor allocates on CPU/gloo
 (``distattn.memory.measure.live_bytes``). Not here: the kernels' own working set
 (Triton: O(b h n) fp32 statistics; the CPU backends' per-tile temporaries), the agreement's and the NaN check's small
@@ -244,20 +245,21 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
     def rows_of(task):
         return count(task.q_chunk, task.kv_chunk)
 
-    steps = plan.num_steps()
+    steps, depth = plan.num_steps(), plan.prefetch
 
     def fetch(t):
-        post(("fetch", t % 2), plan.rank_ops(t, rank, phase, "fetch"), fetch_payload, fetch_buffers)
+        post(("fetch", t % (depth + 1)), plan.rank_ops(t, rank, phase, "fetch"), fetch_payload, fetch_buffers)
 
-    fetch(0)
+    for t in range(min(depth, steps)):
+        fetch(t)
     stay: list[int] = []  # what the variable ``produced`` keeps of the last partial beyond what travels
     returned = None
     for t in range(steps):
         where = f"{phase} {label}step {t} of {steps}, rank {rank}"
         lv.where = f"{where}: the next step's fetch posted"
-        if t + 1 < steps:
-            fetch(t + 1)
-        wait(("fetch", t % 2))
+        if t + depth < steps:
+            fetch(t + depth)
+        wait(("fetch", t % (depth + 1)))
         task = plan.task(t, rank)
         lv.where = f"{where}: computing " + ("nothing" if task is None else "a helper task" if task.is_helper else
                                               "a local task" if task.is_local else "an owner task on borrowed k/v")

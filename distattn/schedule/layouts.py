@@ -40,12 +40,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "ORDERS", "BACKWARDS", "Layout", "local_bounds", "pieces_of"]
+__all__ = ["LAYOUTS", "ORDERS", "BACKWARDS", "PREFETCHES", "Layout", "local_bounds", "pieces_of"]
 
 LAYOUTS = ("contiguous", "zigzag", "placed")
 ORDERS = ("rotation", "pairs-work", "pairs-keys", "ranks-work", "ranks-keys")
 BACKWARDS = ("reversed", "forward")
 """The order the backward runs a plan's steps in (``Layout.backward``, ``distattn.schedule.plan.Plan.run_order``)."""
+PREFETCHES = (1, 2)
+"""How many steps ahead the executor posts a step's fetch (``Layout.prefetch``; ``distattn.executor.Executor._run``)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ class Layout:
     """The order the backward runs the plan's steps in (:data:`BACKWARDS`, ``Plan.run_order``): ``"reversed"``, as
     every plan's backward (the local pair last), or, ``"placed"`` only, ``"forward"``, the plan's own order, where the
     solver's per-pair timeline finds it faster."""
+    prefetch: int = 1
+    """How many steps ahead the executor posts a step's fetch (:data:`PREFETCHES`; the receive buffers of
+    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, 2, where the solver's
+    per-pair timeline finds it faster by :data:`~distattn.schedule.placement.DEEPER` (one more set of receive
+    buffers: ``distattn.memory.executor`` counts it)."""
     note: str = field(default="", compare=False)
     """How the layout was chosen (the placement's groups and block size, or why it fell back to contiguous)."""
 
@@ -89,6 +96,10 @@ class Layout:
         if self.backward not in BACKWARDS or (self.backward != "reversed" and self.kind != "placed"):
             raise ValueError(f"backward={self.backward!r}: a placed layout's backward order is one of {BACKWARDS}; "
                              f"other layouts keep 'reversed'")
+        if (isinstance(self.prefetch, bool) or self.prefetch not in PREFETCHES
+                or (self.prefetch != 1 and self.kind != "placed")):
+            raise ValueError(f"prefetch={self.prefetch!r}: a placed layout's prefetch depth is one of {PREFETCHES}; "
+                             f"other layouts keep 1")
         if self.kind == "placed" and len(self.placement) != self.world_size:
             raise ValueError(f"a placed layout holds the segments of every ring rank ({len(self.placement)} given "
                              f"for world_size={self.world_size}); solve it with distattn.schedule.placement.place("

@@ -115,8 +115,8 @@ from distattn.schedule.timeline import phase_timeline
 from distattn.schedule.windows import SHARES, window_owners
 from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "NEAR", "WIDER_MAX_RANKS", "place",
-           "block_size"]
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "NEAR", "WIDER_MAX_RANKS", "DEEPER",
+           "place", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -135,6 +135,10 @@ pieces (``distattn.schedule.groups``) in candidates of groups of 1, 2 and the ch
 NEAR = 0.02
 """The windowed deal's third rule (``by="near"``): a short document goes to the rank of the block next to it when that
 rank is within this share of a rank's mean work of the window the deal picks (``distattn.schedule.windows``)."""
+DEEPER = 0.002
+"""The chosen layout is timed once more with the executor fetching two steps ahead (``Layout.prefetch = 2``: one more
+set of receive buffers, so a fetch travels during two computes, not one) and kept so where the per-pair timeline finds
+the step shorter by at least this share (a gain, not a rounding difference, pays for the memory)."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
@@ -233,7 +237,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         seen.add(digest)
         table, found = pair_table(spec, p, n, lay, cache=False), []  # one table, every order
         for order in ORDERS:
-            cand = dataclasses.replace(lay, order=order)
+            cand = dataclasses.replace(lay, order=order, prefetch=1)
             plan = masked_plan_of(p, "placed", spec, n, cand, table)
             fwd = phase_timeline(plan, "forward", shapes, cluster, stride=stride).makespan
             for backward in BACKWARDS:  # the backward's steps reversed (every plan's; a tie keeps it) or as planned
@@ -275,8 +279,14 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, dataclasses.replace(plain, note=f"{plain.note.split(';')[0]} (the placement of "
                                                                      f"the documents without the window: faster)")
+    deeper = dataclasses.replace(best, prefetch=2)  # one more set of receive buffers: kept only where it pays
+    plan = masked_plan_of(p, "placed", spec, n, deeper, pair_table(spec, p, n, deeper, cache=False))
+    t = sum(phase_timeline(plan, phase, shapes, cluster, stride=stride).makespan for phase in ("forward", "backward"))
+    if t < best_time * (1 - DEEPER):
+        best_time, best = t, deeper
     how = "" if best.order == "rotation" else f", steps as matchings ({best.order})"
     how += ", the backward in the plan's order" if best.backward == "forward" else ""
+    how += ", fetches two steps ahead" if best.prefetch == 2 else ""
     return dataclasses.replace(best, note=f"{best.note}{how}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
 

@@ -184,6 +184,13 @@ class Plan:
         flip = phase == "backward" and (self.layout is None or self.layout.backward == "reversed")
         return self if self.runs == ("backward" if flip else "forward") else self._flipped
 
+    @property
+    def prefetch(self) -> int:
+        """How many steps ahead the executor posts a step's fetch (``Layout.prefetch``: 1 but for placed layouts the
+        solver deepened); ``prefetch + 1`` fetch rounds' receive buffers alternate. Read by every walker of a phase
+        (the executor, its memory replay, the per-pair timeline and ``rank_events``)."""
+        return 1 if self.layout is None else self.layout.prefetch
+
     @functools.cached_property
     def _flipped(self) -> "Plan":
         """The plan with its steps reversed, as the other phase runs it (its own ``_flipped``: this plan)."""

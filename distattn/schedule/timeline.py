@@ -5,9 +5,12 @@ does. The executor (``distattn.executor.Executor._run``) synchronises per pair: 
 takes part in. Per rank and phase it runs, with its compute stream and two side streams for the exchange (fetch rounds
 on one, return rounds on the other: ``distattn.comm.PeerExchange``)::
 
-    post F(0)
-    for t in steps:  post F(t + 1)  (prefetch, depth 1);  wait F(t);  compute(t);  wait R(t - 1), absorb;  post R(t)
+    post F(0) .. F(depth - 1)
+    for t in steps:  post F(t + depth)  (prefetch);  wait F(t);  compute(t);  wait R(t - 1), absorb;  post R(t)
     wait R(last), absorb
+
+with ``depth`` the plan's prefetch depth (``Plan.prefetch``: 1, or 2 where the placement solver found it faster) and
+``depth + 1`` fetch slots of receive buffers alternating,
 
 with ``steps`` in the phase's order (``Plan.run_order``): the plan's steps in the forward, reversed in the backward
 (its local pair last, hiding the previous step's dk/dv return; its first fetch is the forward's last step's, one of
@@ -20,7 +23,8 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
 
 * rounds of one kind run in posting order on that kind's side stream (``F0, F1, F2, ..`` on one, ``R0, R1, ..`` on
   the other, so a return never queues behind the next fetch); a round waits for the compute stream's point at its
-  posting (``F(t + 1)``: compute ``t - 1`` done; ``R(t)``: compute ``t`` done), and starts when every peer it
+  posting (``F(t + depth)``: compute ``t - 1`` done, the last to read the slot it reuses; ``R(t)``: compute ``t``
+  done), and starts when every peer it
   exchanges with has reached the same round (a message needs both ends); an empty round costs nothing and waits for
   nothing;
 * a round on rank ``r`` lasts ``max(bytes sent, bytes received) / bandwidth + latency * messages`` per link, the
@@ -28,7 +32,7 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
   across nodes working side by side (a fetch and a return in flight at once each take the link's full rate: the
   model leaves out contention between them, as it leaves out contention beyond a rank's own link);
 * the host posts in the order above and a wait blocks it until its round is done (NCCL: it polls, bounded), so a
-  round is also never posted before the host is past the waits before it (``F(t + 1)``: those of step ``t - 1``;
+  round is also never posted before the host is past the waits before it (``F(t + depth)``: those of step ``t - 1``;
   ``R(t)``: ``F(t)`` and ``R(t - 1)``);
 * compute ``t`` starts when compute ``t - 1`` is done, ``F(t)`` has arrived and ``R(t - 2)`` was waited for (the host
   waits in that order), and lasts the task's work (in full ``m x m`` pairs) x ``4 b m^2 h d`` FLOPs (x2.5 backward) /
@@ -36,12 +40,12 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
 
 Per rank it reports the makespan, the compute time, the idle time and its part spent waiting inside the rank's own
 transfers (*exposed communication*; the rest of the idle is waiting for late peers, i.e. imbalance). ``prefetch``
-(default 1, the executor's) is a what-if: ``F(t + prefetch)`` posted at step ``t``, the first ``prefetch`` rounds
-before step 0 (``bench/placement_diagnose.py`` weighs a deeper prefetch on the worst seeds). ``slots`` (default 2, the
-executor's double-buffered receives) is another: a fetch round waits for the compute ``slots - 1`` steps before its
-posting step, the last one to read the receive buffers it reuses (3: one more set of them, so it waits for an earlier
-compute; ``None``: fresh buffers every round, no wait, memory growing with how far the host runs ahead; the worst seeds
-weigh both in ``bench/results/placement-sim/WHATIF.md``). ``return_stream=False``
+(default ``None``: the plan's, as the executor runs it) is a what-if otherwise: ``F(t + prefetch)`` posted at step
+``t``, the first ``prefetch`` rounds before step 0 (``bench/placement_diagnose.py`` weighs depths on the worst
+seeds). ``slots`` (default ``"executor"``: ``prefetch + 1``) is another: a fetch round waits for the compute that last
+read the receive buffers it reuses, ``slots - prefetch`` steps before its posting step (one more slot than the depth
+needs: it waits for an earlier compute; ``None``: fresh buffers every round, no wait, memory growing with how far the
+host runs ahead; the worst seeds weigh both in ``bench/results/placement-sim/WHATIF.md``). ``return_stream=False``
 is the what-if of the executor before it had the second side stream (every round on one, in posting order ``F0, F1,
 R0, F2, R1, ..``: the backward's dk/dv return waited behind the next fetch), kept to show what the stream buys
 (``bench/results/placement-sim/COMPARE-200.md``). Left out, as in the cost model: kernel launch overheads, the absorb's
@@ -143,17 +147,19 @@ class _Rounds:
 
 
 def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-                   stride: int = 1, prefetch: int = 1, return_stream: bool = True,
-                   slots: int | None = 2) -> PhaseTimeline:
-    """One phase of ``plan`` on the per-pair timeline (module docstring; ``prefetch``, ``return_stream=False`` and
-    ``slots`` are what-ifs)."""
+                   stride: int = 1, prefetch: int | None = None, return_stream: bool = True,
+                   slots: int | str | None = "executor") -> PhaseTimeline:
+    """One phase of ``plan`` on the per-pair timeline (module docstring; ``prefetch`` and ``slots`` other than the
+    plan's and ``return_stream=False`` are what-ifs)."""
     _check_phase(phase)
     plan = plan.run_order(phase)  # the order the phase runs its steps in (the backward: reversed)
-    if prefetch < 1:
-        raise ValueError(f"prefetch={prefetch}: the executor posts at least the next step's fetch (>= 1)")
-    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 2):
-        raise ValueError(f"slots={slots!r}: receive slots of the fetch rounds are an int >= 2 (the executor's: 2) or "
-                         f"None (fresh buffers, no wait)")
+    prefetch = plan.prefetch if prefetch is None else prefetch
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch={prefetch!r}: the executor posts at least the next step's fetch (an int >= 1)")
+    slots = prefetch + 1 if slots == "executor" else slots
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < prefetch + 1):
+        raise ValueError(f"slots={slots!r}: receive slots of the fetch rounds are an int >= prefetch + 1 = "
+                         f"{prefetch + 1} (the executor's), 'executor' or None (fresh buffers, no wait)")
     p, n_steps = plan.world_size, plan.num_steps()
     kinds = ("kv", "q", "out") if phase == "forward" else ("kv", "q", "dkv", "dq")
     sizes = {kind: payload_bytes(kind, phase, shapes, partials) for kind in kinds}
@@ -176,7 +182,8 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
         ends[("F", t)] = fetch.run(t, zero, side)
     for t in range(n_steps):
         # posted at compute t - 1's point, once the host is past step t - 1's waits
-        gate = zero if slots is None else computed[t - slots + 1] if t - slots + 1 >= 0 else zero  # buffer reuse
+        last = None if slots is None else t + prefetch - slots  # the compute that last read F(t + prefetch)'s slot
+        gate = computed[last] if last is not None and last >= 0 else zero  # buffer reuse
         ends[("F", t + prefetch)] = fetch.run(t + prefetch, np.maximum(gate, host), side)
         f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 2), np.full(p, -np.inf))
         host = np.maximum(host, f_end)  # wait F(t)
@@ -198,8 +205,8 @@ def _own(rounds: _Rounds, t: int) -> np.ndarray:
 
 
 def timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-             stride: int = 1, prefetch: int = 1, return_stream: bool = True,
-             slots: int | None = 2) -> tuple[PhaseTimeline, PhaseTimeline]:
+             stride: int = 1, prefetch: int | None = None, return_stream: bool = True,
+             slots: int | str | None = "executor") -> tuple[PhaseTimeline, PhaseTimeline]:
     """The forward and backward of ``plan`` (ring ranks, shards shaped ``shapes``) on the per-pair timeline.
     ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree), for which link a message takes;
     ``prefetch``, ``return_stream``, ``slots``: what-ifs (module docstring)."""
@@ -208,7 +215,8 @@ def timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials:
 
 
 def step_timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
-                  stride: int = 1, prefetch: int = 1, return_stream: bool = True, slots: int | None = 2) -> dict:
+                  stride: int = 1, prefetch: int | None = None, return_stream: bool = True,
+                  slots: int | str | None = "executor") -> dict:
     """One training step's attention (forward + backward) on the per-pair timeline: ``makespan`` (s), ``perfect``
     (total compute / ranks, s), ``ratio`` (makespan / perfect), ``compute_idle`` and ``exposed`` (the busiest-exposed
     rank's waits inside its own transfers, s)."""
@@ -232,10 +240,12 @@ def rank_events(plan: Plan, rank: int, phase: str) -> list[tuple]:
         sends, recvs = plan.rank_ops(t, rank, phase, which)
         out.append(("post", which, t, tuple(sorted(tr.dst for tr in sends)), tuple(sorted(tr.src for tr in recvs))))
 
-    post("fetch", 0)
+    depth = plan.prefetch
+    for t in range(min(depth, n_steps)):
+        post("fetch", t)
     for t in range(n_steps):
-        if t + 1 < n_steps:
-            post("fetch", t + 1)
+        if t + depth < n_steps:
+            post("fetch", t + depth)
         out.append(("wait", "fetch", t))
         task = plan.task(t, rank)
         if task is not None:
