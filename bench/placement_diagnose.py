@@ -192,7 +192,8 @@ def whatif(args) -> None:
             mask = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
             plan = make_plan(p, True, "placed", mask=mask, chunk=n)  # the public path: placed for the call's window
             runs = [tl.step_timeline(plan, shapes, cl), tl.step_timeline(plan, shapes, cl, prefetch=1),
-                    tl.step_timeline(plan, shapes, cl, prefetch=2), tl.step_timeline(plan, shapes, cl, partials="input"),
+                    tl.step_timeline(plan, shapes, cl, prefetch=2),
+                    tl.step_timeline(plan, shapes, cl, partials="input"),
                     tl.step_timeline(plan, shapes, cl, slots=plan.prefetch + 2),
                     tl.step_timeline(plan, shapes, cl, slots=None), tl.step_timeline(plan, shapes, free)]
             ratios = [x["ratio"] for x in runs] + [runs[0]["busiest"] / runs[0]["perfect"]]

@@ -160,8 +160,9 @@ def placed_forced(order: str | None = None, group: int | None = None, cut: float
                   backward: str | None = None, prefetch: int | None = None):
     """Inside a rank: every placement the solver returns (``distattn.schedule.placement``, through which the shards and
     the plan both go) runs its steps in ``order`` (``Layout.order``), its backward in ``backward``
-    (``Layout.backward``) and fetches ``prefetch`` steps ahead (``Layout.prefetch``), whatever the solver chose; with ``group``, groups of that size instead of the solver's
-    choice, their documents cut by work when ``cut`` is given (``distattn.schedule.groups``)."""
+    (``Layout.backward``) and fetches ``prefetch`` steps ahead (``Layout.prefetch``), whatever the solver chose; with
+    ``group``, groups of that size instead of the solver's choice, their documents cut by work when ``cut`` is given
+    (``distattn.schedule.groups``)."""
     import distattn.schedule.placement as pl
 
     solve = pl._place_cached

@@ -115,7 +115,8 @@ def test_the_executor_runs_a_deeper_prefetchs_event_order(world):
 def test_the_timeline_runs_the_plans_prefetch_depth():
     """``prefetch=None`` (the default) is the plan's depth (``Plan.prefetch``), with ``prefetch + 1`` receive slots:
     a placed plan of depth 2 times as its depth-1 twin does with ``prefetch=2``; fewer slots than the depth needs are
-    refused. Uniform documents at P = 8, seed 187 (depth 2: 1.076x -> 1.044x of perfect balance; the solver keeps it)."""
+    refused. Uniform documents at P = 8, seed 187 (depth 2: 1.076x -> 1.044x of perfect balance; the solver keeps
+    it)."""
     from distattn.schedule.masked import make_masked_plan
 
     shapes, cluster = SHAPES, Cluster.preset("nvlink")
@@ -239,8 +240,8 @@ def _longtail_case():
 
 
 def test_prefetch_depth_is_a_what_if():
-    """``prefetch`` (default: the plan's, 1 for these). Deeper starts a later step's fetch earlier. With every round on one
-    side stream (``return_stream=False``, the executor before its second stream) it can be faster (ring over these
+    """``prefetch`` (default: the plan's, 1 for these). Deeper starts a later step's fetch earlier. With every round on
+    one side stream (``return_stream=False``, the executor before its second stream) it can be faster (ring over these
     packed documents: the backward's next fetch is posted before the return it queued behind) or change nothing
     (balanced: its rounds already wait on compute, not on the stream); with the returns on their own stream (the
     executor) these plans gain nothing from it; on free links every depth gives the same step; 0 is refused."""
@@ -268,11 +269,11 @@ def test_prefetch_depth_is_a_what_if():
 
 def test_receive_slots_are_a_what_if():
     """``slots`` (default the executor's, ``prefetch + 1``: double-buffered receives at depth 1): a fetch round waits
-    for the compute that last read the buffers it reuses, ``slots - prefetch`` steps before its posting step; a third set of buffers (3) or fresh ones
-    (``None``, no wait) let a late sender's k/v leave earlier. Zigzag over uniform documents at P = 8 (every pair has
-    work, steps of unequal work): each is faster than the one before, and none beats the busiest rank's compute (even
-    on free links the wait couples a rank to its peers' progress: the round starts when both ends reach it); a wrong
-    value is refused."""
+    for the compute that last read the buffers it reuses, ``slots - prefetch`` steps before its posting step; a third
+    set of buffers (3) or fresh ones (``None``, no wait) let a late sender's k/v leave earlier. Zigzag over uniform
+    documents at P = 8 (every pair has work, steps of unequal work): each is faster than the one before, and none beats
+    the busiest rank's compute (even on free links the wait couples a rank to its peers' progress: the round starts
+    when both ends reach it); a wrong value is refused."""
     shapes = dataclasses.replace(SHAPES, seq_per_rank=4096)
     mask = MaskSpec(causal=True, cu_seqlens=document_lengths("uniform:8192", 8 * 4096, seed=42))
     plan = make_plan(8, True, "zigzag", mask=mask, chunk=4096)

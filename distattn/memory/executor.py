@@ -22,7 +22,8 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
 ``executor_peak(plan, ...)`` walks the same :class:`~distattn.schedule.Plan` the executor runs (``plan.task``,
 ``plan.rank_ops``, ``plan.key_ranges``; the backward's steps reversed, ``Plan.run_order``) in the executor's order of
 events (``Executor._run``: post the fetch ``prefetch`` steps ahead, wait this fetch, compute, absorb the previous
-step's partials, post this step's partials) and gives the peak of the live bytes, when it happens and what it is made of.
+step's partials, post this step's partials) and gives the peak of the live bytes, when it happens and what it is made
+of.
 ``tests/test_executor_memory.py`` holds it equal to the bytes the real executor allocates on CPU/gloo
 (``distattn.memory.measure.live_bytes``). Not here: the kernels' own working set
 (Triton: O(b h n) fp32 statistics; the CPU backends' per-tile temporaries), the agreement's and the NaN check's small
