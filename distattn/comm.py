@@ -1,9 +1,9 @@
 """Peer-to-peer exchange for the sequence-parallel executor: one class, an explicit post/wait life cycle.
 
 ``PeerExchange.post(slot, sends, recvs)`` starts one round of batched ``isend``/``irecv``
-(``torch.distributed.batch_isend_irecv``) and returns at once; ``wait(slot)`` completes it. The executor
-posts the transfers of step ``t + 1`` (``t + 2`` for a plan of prefetch depth 2, ``Plan.prefetch``) before it
-computes step ``t``, so communication hides behind compute. ``depth + 1`` fetch slots alternate (double-buffered
+(``torch.distributed.batch_isend_irecv``) and returns at once; ``wait(slot)`` completes it. The executor posts the
+transfers of step ``t + 1`` (``t + depth`` for a plan of prefetch depth ``depth``, ``Plan.prefetch``) before it computes
+step ``t``, so communication hides behind compute. ``depth + 1`` fetch slots alternate (double-buffered
 receives at depth 1): at most that many fetch rounds, and so sets of receive buffers, are alive at a time; the
 executor keeps one set per slot in a pool and reuses it ``depth + 1`` steps later.
 
@@ -58,8 +58,8 @@ def backend_name(group) -> str:
 
 # -- message tags -----------------------------------------------------------------------------------------
 ROUNDS_PER_CALL = 4096
-"""Tags a call cycles through. At most 5 rounds of one call are in flight at once (two or three fetch slots, two
-return slots), so a round's tag repeats only 4096 rounds later, long after that round was waited for."""
+"""Tags a call cycles through. At most 7 rounds of one call are in flight at once (two to five fetch slots, two return
+slots), so a round's tag repeats only 4096 rounds later, long after that round was waited for."""
 _CALLS_PER_CYCLE = (2 ** 31) // ROUNDS_PER_CALL  # 524,288 calls, then tags start again from call 0's
 
 

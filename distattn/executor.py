@@ -2,8 +2,9 @@
 
 ``Executor`` is what ``distattn.attention``'s forward and backward interpreters stand on: the call's connection to
 the library's communicators (``distattn.communicators.open_call``) and the agreement before anything sized by the
-inputs, the plan and the per-pair masks, a pool of receive buffers reused two steps later, and ``run``, which walks
-the plan step by step (fetch, compute, return partials, absorb; the backward walks the steps in reverse,
+inputs, the plan and the per-pair masks, a pool of receive buffers (a fetch slot's reused ``Plan.prefetch + 1`` steps
+later, a return slot's two), and ``run``, which walks the plan step by step (fetching ``Plan.prefetch`` steps ahead;
+fetch, compute, return partials, absorb; the backward walks the steps in reverse,
 ``Plan.run_order``, so the local pair comes last and hides the previous step's return) and, on any failure, aborts the
 library's communicators so that the peers fail at once.
 

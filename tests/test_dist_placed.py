@@ -183,17 +183,18 @@ def test_either_backward_order_against_reference(world, order, backward):
     assert all(r == results[0] for r in results)  # one placement on every rank
 
 
-def _deeper_worker(rank, world, n, order):
-    """:func:`_check` on placed plans fetching two steps ahead (``Layout.prefetch = 2``: three fetch slots whose
-    receive buffers the executor reuses three steps later), forced; the executor posts each fetch two steps ahead."""
+def _deeper_worker(rank, world, n, order, depth):
+    """:func:`_check` on placed plans fetching ``depth`` steps ahead (``Layout.prefetch``: ``depth + 1`` fetch slots
+    whose receive buffers the executor reuses that many steps later), forced; the executor posts each fetch ``depth``
+    steps ahead."""
     from distattn import executor
     from distattn.schedule import make_plan
 
     seen = []
-    with placed_forced(order, prefetch=2):
+    with placed_forced(order, prefetch=depth):
         for i, cu in enumerate(list(_streams(world, n))[:2]):
             plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(cu)), chunk=n)
-            assert (plan.layout.order, plan.prefetch) == (order, 2), plan.layout
+            assert (plan.layout.order, plan.prefetch) == (order, depth), plan.layout
             executor.TRACE = []
             try:
                 for case in (CASES[0], CASES[3]):  # causal: fp32 GQA, fp16
@@ -202,16 +203,16 @@ def _deeper_worker(rank, world, n, order):
             finally:
                 executor.TRACE = None
             events = [e[:3] for ph, e in trace if ph == "forward"][:8]  # the first call's forward
-            if plan.num_steps() >= 3:  # step 2's fetch is posted before step 0's is waited for
-                assert events.index(("post", "fetch", 2)) < events.index(("wait", "fetch", 0)), events
+            if plan.num_steps() > depth:  # step depth's fetch is posted before step 0's is waited for
+                assert events.index(("post", "fetch", depth)) < events.index(("wait", "fetch", 0)), events
     return seen
 
 
-@pytest.mark.parametrize("world,order", [(3, "rotation"), (5, "pairs-work")])
-def test_fetching_two_steps_ahead_against_reference(world, order):
-    """A placed layout whose fetches the executor posts two steps ahead (``Layout.prefetch``, where the solver finds
-    it faster): exact against fp64 with the byte counters equal to the plan's, on odd worlds."""
-    results = run_distributed(_deeper_worker, world, 12, order, timeout=TIMEOUT_S)
+@pytest.mark.parametrize("world,order,depth", [(3, "rotation", 2), (5, "pairs-work", 3), (4, "rotation", 4)])
+def test_fetching_steps_ahead_against_reference(world, order, depth):
+    """A placed layout whose fetches the executor posts ``depth`` steps ahead (``Layout.prefetch``, as deep as the
+    solver finds it faster): exact against fp64 with the byte counters equal to the plan's."""
+    results = run_distributed(_deeper_worker, world, 12, order, depth, timeout=TIMEOUT_S)
     assert all(r == results[0] for r in results)  # one placement on every rank
 
 

@@ -94,19 +94,20 @@ def test_executor_buffers_equal_the_replay_on_packed_rows():
                     f"P={PACKED_WORLD} rank {rank} {case} {phase}: measured {measured} B, replay {model} B ({moment})")
 
 
-def _measure_deeper(rank, world, cases):
-    """:func:`_measure` with every placement fetching two steps ahead (``Layout.prefetch = 2``: three fetch slots)."""
+def _measure_deeper(rank, world, cases, depth):
+    """:func:`_measure` with every placement fetching ``depth`` steps ahead (``Layout.prefetch``)."""
     from tests.dist_utils import placed_forced
 
-    with placed_forced(prefetch=2):
+    with placed_forced(prefetch=depth):
         return _measure(rank, world, cases)
 
 
-def test_executor_buffers_equal_the_replay_fetching_two_steps_ahead():
-    """A placed plan fetching two steps ahead (``Layout.prefetch``, the placement solver's where it finds it faster)
-    holds three fetch slots of receive buffers: the replay counts them as the executor allocates them, and its peak
-    lies above the same plan's at depth 1 on some rank (the third slot is live beside the other two). A long document
-    over 4 ranks: 4 steps, 3 of them fetching, so the third slot is used."""
+@pytest.mark.parametrize("depth", [2, 3])
+def test_executor_buffers_equal_the_replay_fetching_steps_ahead(depth):
+    """A placed plan fetching ``depth`` steps ahead (``Layout.prefetch``, as deep as the placement solver finds it
+    faster) holds ``depth + 1`` fetch slots of receive buffers: the replay counts them as the executor allocates them,
+    and its peak lies above the same plan's at depth 1 on some rank (a third slot is live beside the other two). A long
+    document over 4 ranks: 4 steps, 3 of them fetching, so three slots are used."""
     import dataclasses
 
     from distattn.memory.executor import executor_peak
@@ -115,16 +116,16 @@ def test_executor_buffers_equal_the_replay_fetching_two_steps_ahead():
 
     PACKED_CU, PACKED_N, PACKED_WORLD = [0, 500, 512], 128, 4
     cases = [("placed", PACKED_N, partials, False, PACKED_CU) for partials in ("fp32", "input")]
-    results = run_distributed(_measure_deeper, PACKED_WORLD, cases, timeout=300)
+    results = run_distributed(_measure_deeper, PACKED_WORLD, cases, depth, timeout=300)
     for rank, per_case in enumerate(results):
         for case, res in per_case:
             for phase, (measured, model, moment) in res.items():
                 assert abs(measured - model) <= min(ABS_SLACK, REL_TOL * model), (
                     f"P={PACKED_WORLD} rank {rank} {case} {phase}: measured {measured} B, replay {model} B ({moment})")
-    with placed_forced(prefetch=2):
+    with placed_forced(prefetch=depth):
         deep = make_plan(PACKED_WORLD, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(PACKED_CU)),
                          chunk=PACKED_N)
-    assert deep.prefetch == 2 and deep.num_steps() == 4
+    assert deep.prefetch == depth and deep.num_steps() == 4
     shallow = dataclasses.replace(deep, layout=dataclasses.replace(deep.layout, prefetch=1))
     peaks = [[executor_peak(plan, batch=B, n=PACKED_N, heads=HQ, kv_heads=HKV, head_dim=D, phase=phase,
                             rank=r).total for plan in (shallow, deep)] for r in range(PACKED_WORLD)

@@ -222,16 +222,16 @@ def test_only_a_placed_layout_keeps_the_plans_order_in_the_backward():
     assert Layout("placed", 1, placement=(((0, 4),),), backward="forward").backward == "forward"
 
 
-def test_only_a_placed_layout_fetches_two_steps_ahead():
-    """``Layout.prefetch`` (``Plan.prefetch``): 1 for every plan, 2 only for a placed layout (the solver's choice)."""
+def test_only_a_placed_layout_fetches_more_than_a_step_ahead():
+    """``Layout.prefetch`` (``Plan.prefetch``): 1 for every plan, up to 4 only for a placed layout (the solver's)."""
     from distattn.schedule.layouts import Layout
 
-    for bad in (0, 3, True):
+    for bad in (0, 5, True, 2.0):
         with pytest.raises(ValueError, match=f"prefetch={bad!r}"):
             Layout("placed", 1, placement=(((0, 4),),), prefetch=bad)
     with pytest.raises(ValueError, match="prefetch=2"):
         Layout("zigzag", 4, prefetch=2)
-    assert Layout("placed", 1, placement=(((0, 4),),), prefetch=2).prefetch == 2
+    assert Layout("placed", 1, placement=(((0, 4),),), prefetch=4).prefetch == 4
     assert make_plan(4, True, "zigzag").prefetch == 1 and make_plan(4, True, "ring").prefetch == 1
 
 

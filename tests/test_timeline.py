@@ -12,6 +12,7 @@ from dist_utils import placed_forced, run_distributed
 from distattn.schedule import MaskSpec, Shapes, make_plan, simulate
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.cluster import Cluster, Link
+from distattn.schedule.layouts import PREFETCHES
 from distattn.schedule.timeline import phase_timeline, rank_events, step_timeline, timeline
 from distattn.schedule.wire import payload_bytes
 
@@ -83,54 +84,56 @@ def test_the_executor_runs_a_matched_orders_event_order():
                                timeout=TIMEOUT_S))
 
 
-def _trace_deeper_worker(rank, world, n, cases):
-    """:func:`_trace_worker` with every placement fetching two steps ahead (``Layout.prefetch = 2``)."""
-    with placed_forced(prefetch=2):
+def _trace_deeper_worker(rank, world, n, cases, depth):
+    """:func:`_trace_worker` with every placement fetching ``depth`` steps ahead (``Layout.prefetch``)."""
+    with placed_forced(prefetch=depth):
         return _trace_worker(rank, world, n, cases)
 
 
-@pytest.mark.parametrize("world", [3, 5])
-def test_the_executor_runs_a_deeper_prefetchs_event_order(world):
-    """A placed plan fetching two steps ahead (``Plan.prefetch`` = 2, three fetch slots): the executor posts the
-    first two steps' fetches, then step ``t + 2``'s before step ``t`` computes; its posts, waits and computes are the
-    timeline's replay (``rank_events`` reads the plan's depth), which differs from the same plan's at depth 1."""
+@pytest.mark.parametrize("world,depth", [(3, 2), (5, 3)])
+def test_the_executor_runs_a_deeper_prefetchs_event_order(world, depth):
+    """A placed plan fetching ``depth`` steps ahead (``Plan.prefetch``, ``depth + 1`` fetch slots): the executor posts
+    the first ``depth`` steps' fetches, then step ``t + depth``'s before step ``t`` computes; its posts, waits and
+    computes are the timeline's replay (``rank_events`` reads the plan's depth), which differs from the same plan's at
+    depth 1."""
     from distattn.schedule.masked import make_masked_plan
 
     n = 16
     cu = [0, 5, 5 + world * 6, world * n - 3, world * n]
-    assert all(run_distributed(_trace_deeper_worker, world, n, [("placed", True, (-1, -1), cu)],
+    assert all(run_distributed(_trace_deeper_worker, world, n, [("placed", True, (-1, -1), cu)], depth,
                                timeout=TIMEOUT_S))
     mask = MaskSpec(causal=True, cu_seqlens=tuple(cu))
-    with placed_forced(prefetch=2):
+    with placed_forced(prefetch=depth):
         deep = make_plan(world, True, "placed", mask=mask, chunk=n)
     shallow = make_masked_plan(world, "placed", mask, n, dataclasses.replace(deep.layout, prefetch=1))
-    assert deep.prefetch == 2 and shallow.prefetch == 1 and deep.num_steps() >= 3
+    assert deep.prefetch == depth and shallow.prefetch == 1 and deep.num_steps() > depth
     for phase in ("forward", "backward"):
         deep_events = [rank_events(deep, r, phase) for r in range(world)]
         assert deep_events != [rank_events(shallow, r, phase) for r in range(world)]
-        for events in deep_events:  # the first two fetches are posted before anything waits
-            assert [e[:3] for e in events[:2]] == [("post", "fetch", 0), ("post", "fetch", 1)], events[:3]
+        for events in deep_events:  # the first depth fetches are posted before anything waits
+            assert [e[:3] for e in events[:depth]] == [("post", "fetch", t) for t in range(depth)], events[:depth]
 
 
 def test_the_timeline_runs_the_plans_prefetch_depth():
     """``prefetch=None`` (the default) is the plan's depth (``Plan.prefetch``), with ``prefetch + 1`` receive slots:
-    a placed plan of depth 2 times as its depth-1 twin does with ``prefetch=2``; fewer slots than the depth needs are
-    refused. Uniform documents at P = 8, seed 187 (depth 2: 1.076x -> 1.044x of perfect balance; the solver keeps
-    it)."""
+    a placed plan of depth ``d`` times as its depth-1 twin does with ``prefetch=d``; fewer slots than the depth needs
+    are refused. Uniform documents at P = 8, seed 187 (depth 2: 1.076x -> 1.044x of perfect balance; the solver goes
+    deeper)."""
     from distattn.schedule.masked import make_masked_plan
 
     shapes, cluster = SHAPES, Cluster.preset("nvlink")
     mask = MaskSpec(causal=True, cu_seqlens=document_lengths("uniform:8192", 8 * 4096, seed=187))
     chosen = make_plan(8, True, "placed", mask=mask, chunk=4096).layout
-    assert chosen.prefetch == 2 and "fetches two steps ahead" in chosen.note
-    plan, deep = (make_masked_plan(8, "placed", mask, 4096, dataclasses.replace(chosen, prefetch=d)) for d in (1, 2))
-    one, two = step_timeline(plan, shapes, cluster), step_timeline(deep, shapes, cluster)
-    assert two == step_timeline(plan, shapes, cluster, prefetch=2)
-    assert one == step_timeline(deep, shapes, cluster, prefetch=1)
-    assert two["ratio"] < one["ratio"] - 0.02, (one["ratio"], two["ratio"])
-    assert step_timeline(deep, shapes, cluster, slots=3) == two
-    with pytest.raises(ValueError, match="slots=2"):
-        step_timeline(deep, shapes, cluster, slots=2)
+    assert chosen.prefetch >= 2 and f"fetches {chosen.prefetch} steps ahead" in chosen.note
+    plans = {d: make_masked_plan(8, "placed", mask, 4096, dataclasses.replace(chosen, prefetch=d)) for d in PREFETCHES}
+    runs = {d: step_timeline(plans[d], shapes, cluster) for d in PREFETCHES}
+    for d in PREFETCHES:
+        assert runs[d] == step_timeline(plans[1], shapes, cluster, prefetch=d)
+        assert runs[1] == step_timeline(plans[d], shapes, cluster, prefetch=1)
+        assert step_timeline(plans[d], shapes, cluster, slots=d + 1) == runs[d]
+        with pytest.raises(ValueError, match=f"slots={d}"):
+            step_timeline(plans[d], shapes, cluster, slots=d)
+    assert runs[2]["ratio"] < runs[1]["ratio"] - 0.02, (runs[1]["ratio"], runs[2]["ratio"])
 
 
 def test_two_ranks_by_hand():

@@ -46,7 +46,7 @@ LAYOUTS = ("contiguous", "zigzag", "placed")
 ORDERS = ("rotation", "pairs-work", "pairs-keys", "ranks-work", "ranks-keys")
 BACKWARDS = ("reversed", "forward")
 """The order the backward runs a plan's steps in (``Layout.backward``, ``distattn.schedule.plan.Plan.run_order``)."""
-PREFETCHES = (1, 2)
+PREFETCHES = (1, 2, 3, 4)
 """How many steps ahead the executor posts a step's fetch (``Layout.prefetch``; ``distattn.executor.Executor._run``)."""
 
 
@@ -76,9 +76,9 @@ class Layout:
     solver's per-pair timeline finds it faster."""
     prefetch: int = 1
     """How many steps ahead the executor posts a step's fetch (:data:`PREFETCHES`; the receive buffers of
-    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, 2, where the solver's
-    per-pair timeline finds it faster by :data:`~distattn.schedule.placement.DEEPER` (one more set of receive
-    buffers: ``distattn.memory.executor`` counts it)."""
+    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, up to 4, as deep as the
+    solver's per-pair timeline finds each step deeper faster by :data:`~distattn.schedule.placement.DEEPER` (one more
+    set of receive buffers each: ``distattn.memory.executor`` counts them)."""
     note: str = field(default="", compare=False)
     """How the layout was chosen (the placement's groups and block size, or why it fell back to contiguous)."""
 
@@ -96,7 +96,7 @@ class Layout:
         if self.backward not in BACKWARDS or (self.backward != "reversed" and self.kind != "placed"):
             raise ValueError(f"backward={self.backward!r}: a placed layout's backward order is one of {BACKWARDS}; "
                              f"other layouts keep 'reversed'")
-        if (isinstance(self.prefetch, bool) or self.prefetch not in PREFETCHES
+        if (type(self.prefetch) is not int or self.prefetch not in PREFETCHES
                 or (self.prefetch != 1 and self.kind != "placed")):
             raise ValueError(f"prefetch={self.prefetch!r}: a placed layout's prefetch depth is one of {PREFETCHES}; "
                              f"other layouts keep 1")

@@ -107,7 +107,7 @@ import numpy as np
 
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
 from distattn.schedule.groups import RowWork, assign_groups
-from distattn.schedule.layouts import BACKWARDS, ORDERS, Layout
+from distattn.schedule.layouts import BACKWARDS, ORDERS, PREFETCHES, Layout
 from distattn.schedule.masked import masked_plan_of
 from distattn.schedule.pairs import pair_table
 from distattn.schedule.masks import MaskSpec
@@ -136,9 +136,10 @@ NEAR = 0.02
 """The windowed deal's third rule (``by="near"``): a short document goes to the rank of the block next to it when that
 rank is within this share of a rank's mean work of the window the deal picks (``distattn.schedule.windows``)."""
 DEEPER = 0.002
-"""The chosen layout is timed once more with the executor fetching two steps ahead (``Layout.prefetch = 2``: one more
-set of receive buffers, so a fetch travels during two computes, not one) and kept so where the per-pair timeline finds
-the step shorter by at least this share (a gain, not a rounding difference, pays for the memory)."""
+"""The chosen layout is timed again with the executor fetching 2, 3, .. steps ahead (``Layout.prefetch``,
+:data:`~distattn.schedule.layouts.PREFETCHES`: one more set of receive buffers each, and a fetch posted that much
+earlier) and each depth kept while the per-pair timeline finds the step shorter than the depth before by at least this
+share (a gain, not a rounding difference, pays for the memory)."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
@@ -279,14 +280,17 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, dataclasses.replace(plain, note=f"{plain.note.split(';')[0]} (the placement of "
                                                                      f"the documents without the window: faster)")
-    deeper = dataclasses.replace(best, prefetch=2)  # one more set of receive buffers: kept only where it pays
-    plan = masked_plan_of(p, "placed", spec, n, deeper, pair_table(spec, p, n, deeper, cache=False))
-    t = sum(phase_timeline(plan, phase, shapes, cluster, stride=stride).makespan for phase in ("forward", "backward"))
-    if t < best_time * (1 - DEEPER):
+    plan = masked_plan_of(p, "placed", spec, n, best, pair_table(spec, p, n, best, cache=False))
+    for depth in PREFETCHES[1:]:  # one more set of receive buffers each: deeper only while each pays
+        deeper = dataclasses.replace(best, prefetch=depth)
+        t = sum(phase_timeline(dataclasses.replace(plan, layout=deeper), phase, shapes, cluster, stride=stride).makespan
+                for phase in ("forward", "backward"))
+        if t >= best_time * (1 - DEEPER):
+            break
         best_time, best = t, deeper
     how = "" if best.order == "rotation" else f", steps as matchings ({best.order})"
     how += ", the backward in the plan's order" if best.backward == "forward" else ""
-    how += ", fetches two steps ahead" if best.prefetch == 2 else ""
+    how += f", fetches {best.prefetch} steps ahead" if best.prefetch > 1 else ""
     return dataclasses.replace(best, note=f"{best.note}{how}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
 
