@@ -26,9 +26,9 @@ placement the library used before, both on the per-pair timeline of that link's 
     python bench/placement_diagnose.py --seeds 10 --out bench/results/placement-sim/window-seeds.md
 
 ``--whatif K``: instead, the K worst seeds per setting of ``--sweep`` (NVLink; causal, and windowed placed for the
-window) with the plan the library solves, as the executor runs it (fp32 partials, the plan's prefetch depth: 1, or 2
-where the solver found fetching two steps ahead faster, ``Layout.prefetch``), against the same plan at either depth and
-what-ifs of it: ``partials="input"`` (the partials in the inputs' dtype, half the backward's return bytes: an option
+window) with the plan the library solves, as the executor runs it (fp32 partials, the plan's prefetch depth: 1, or up to
+4 where the solver found each step deeper faster, ``Layout.prefetch``), against the same plan at depth 1 and at the
+deepest, 4, and what-ifs of it: ``partials="input"`` (the partials in the inputs' dtype, half the backward's return bytes: an option
 users have, ``distattn.DistAttnConfig.partials``; the solver still times fp32), one more set of receive buffers than
 the depth needs (``slots=depth + 2``: a fetch round then waits for an earlier compute than the one before its posting;
 not what the executor does) and fresh buffers every round (``slots=None``: no such wait, memory growing with how far
@@ -184,7 +184,7 @@ def whatif(args) -> None:
     free = dataclasses.replace(cl, intra=free_link, inter=free_link)
     shapes = Shapes(seq_per_rank=n, **SHAPES)
     lines = ["| docs | P | mask | seed | group | depth | as is (fp32 partials, the plan's depth) | prefetch 1 | "
-             "prefetch 2 | partials=\"input\" (what-if) | one more receive slot (what-if) | fresh receive buffers "
+             "prefetch 4 | partials=\"input\" (what-if) | one more receive slot (what-if) | fresh receive buffers "
              "(what-if) | comm free | busiest rank |", "|" + "---|" * 14]
     for (docs, p, m), seeds in sorted(sweep_rows(args.sweep, set(args.world)).items()):
         for _, seed in seeds[:args.whatif]:
@@ -192,7 +192,7 @@ def whatif(args) -> None:
             mask = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
             plan = make_plan(p, True, "placed", mask=mask, chunk=n)  # the public path: placed for the call's window
             runs = [tl.step_timeline(plan, shapes, cl), tl.step_timeline(plan, shapes, cl, prefetch=1),
-                    tl.step_timeline(plan, shapes, cl, prefetch=2),
+                    tl.step_timeline(plan, shapes, cl, prefetch=4),
                     tl.step_timeline(plan, shapes, cl, partials="input"),
                     tl.step_timeline(plan, shapes, cl, slots=plan.prefetch + 2),
                     tl.step_timeline(plan, shapes, cl, slots=None), tl.step_timeline(plan, shapes, free)]

@@ -38,7 +38,8 @@ class DistAttnConfig:
     group: object = None
     """Process group (``None``: the default group)."""
     overlap: bool = True
-    """Post step ``t + 1``'s fetches before computing step ``t``; ``False`` waits first (ablation)."""
+    """Post step ``t + 1``'s fetches (``t + Plan.prefetch``'s) before computing step ``t``; ``False`` waits first
+    (ablation)."""
     cu_seqlens: tuple[int, ...] | None = None
     """Packed documents: cumulative lengths over the whole stream (identical on every rank), or None."""
     timeout: float = DEFAULT_TIMEOUT_S

@@ -190,11 +190,12 @@ def _deeper_worker(rank, world, n, order, depth):
     from distattn import executor
     from distattn.schedule import make_plan
 
-    seen = []
+    seen, steps = [], []
     with placed_forced(order, prefetch=depth):
-        for i, cu in enumerate(list(_streams(world, n))[:2]):
+        for i, cu in enumerate(list(_streams(world, n))[::2]):  # the second: one document over all ranks
             plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(cu)), chunk=n)
             assert (plan.layout.order, plan.prefetch) == (order, depth), plan.layout
+            steps.append(plan.num_steps())
             executor.TRACE = []
             try:
                 for case in (CASES[0], CASES[3]):  # causal: fp32 GQA, fp16
@@ -205,10 +206,11 @@ def _deeper_worker(rank, world, n, order, depth):
             events = [e[:3] for ph, e in trace if ph == "forward"][:8]  # the first call's forward
             if plan.num_steps() > depth:  # step depth's fetch is posted before step 0's is waited for
                 assert events.index(("post", "fetch", depth)) < events.index(("wait", "fetch", 0)), events
+    assert max(steps) >= depth + 2, steps  # a fetch slot is reused
     return seen
 
 
-@pytest.mark.parametrize("world,order,depth", [(3, "rotation", 2), (5, "pairs-work", 3), (4, "rotation", 4)])
+@pytest.mark.parametrize("world,order,depth", [(4, "rotation", 2), (5, "pairs-work", 3), (6, "rotation", 4)])
 def test_fetching_steps_ahead_against_reference(world, order, depth):
     """A placed layout whose fetches the executor posts ``depth`` steps ahead (``Layout.prefetch``, as deep as the
     solver finds it faster): exact against fp64 with the byte counters equal to the plan's."""

@@ -90,7 +90,7 @@ def _trace_deeper_worker(rank, world, n, cases, depth):
         return _trace_worker(rank, world, n, cases)
 
 
-@pytest.mark.parametrize("world,depth", [(3, 2), (5, 3)])
+@pytest.mark.parametrize("world,depth", [(4, 2), (5, 3)])
 def test_the_executor_runs_a_deeper_prefetchs_event_order(world, depth):
     """A placed plan fetching ``depth`` steps ahead (``Plan.prefetch``, ``depth + 1`` fetch slots): the executor posts
     the first ``depth`` steps' fetches, then step ``t + depth``'s before step ``t`` computes; its posts, waits and
@@ -99,14 +99,14 @@ def test_the_executor_runs_a_deeper_prefetchs_event_order(world, depth):
     from distattn.schedule.masked import make_masked_plan
 
     n = 16
-    cu = [0, 5, 5 + world * 6, world * n - 3, world * n]
+    cu = [0, 3, world * n - 2, world * n]  # a long document: a step per rank
     assert all(run_distributed(_trace_deeper_worker, world, n, [("placed", True, (-1, -1), cu)], depth,
                                timeout=TIMEOUT_S))
     mask = MaskSpec(causal=True, cu_seqlens=tuple(cu))
     with placed_forced(prefetch=depth):
         deep = make_plan(world, True, "placed", mask=mask, chunk=n)
     shallow = make_masked_plan(world, "placed", mask, n, dataclasses.replace(deep.layout, prefetch=1))
-    assert deep.prefetch == depth and shallow.prefetch == 1 and deep.num_steps() > depth
+    assert deep.prefetch == depth and shallow.prefetch == 1 and deep.num_steps() >= depth + 2  # a slot is reused
     for phase in ("forward", "backward"):
         deep_events = [rank_events(deep, r, phase) for r in range(world)]
         assert deep_events != [rank_events(shallow, r, phase) for r in range(world)]

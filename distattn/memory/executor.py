@@ -7,8 +7,8 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
   the end: the outputs);
 * the receive pool (``distattn.executor.Executor.post``): one set of whole-shard buffers per ``(slot, kind, order
   in the round)`` the plan ever uses, made at first use and kept to the end of the call; the fetch slots alternate
-  over ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, ``t % 3`` where the placement solver deepened it; the
-  return slots ``t % 2``), so a rank that fetches k/v at one step and queries at another of the same slot holds both
+  over ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, up to ``t % 5`` where the placement solver deepened
+  it; the return slots ``t % 2``), so a rank that fetches k/v at one step and queries at another of the same slot holds both
   kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a
   buffer of the query shard's size;
 * the partials a task computes (a helper's fp32 state or ``dq``; an owner's fp32 ``dk, dv`` of the borrowed slice,
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from distattn.schedule import MaskSpec, Plan, head_groups, make_plan
+from distattn.schedule.layouts import PREFETCHES
 
 __all__ = ["ExecutorPeak", "executor_peak", "attention_buffers", "ATTENTION_SCHEDULES"]
 
@@ -344,6 +345,11 @@ def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int,
     Every buffer of a dense plan is a whole or half shard (or ``n`` int32 key bounds), so each byte count is ``n``
     times one of a reference length and the peak falls at the same event: the plan is replayed once at
     ``_REF_TOKENS`` tokens per rank and scaled (exact for even ``n``), so the planner's search replays each plan once.
+
+    ``"placed"`` (packed documents; its dense stand-in is the balanced plan) also counts the deepest prefetch the
+    placement solver may choose (``Layout.prefetch`` up to ``PREFETCHES[-1]``): per fetch round more in flight, one
+    more set of whole-shard k/v receive buffers and the k/v send copies of that round (part ``"deeper prefetch
+    (placed)"``), so a plan the solver deepens never holds more than the planner counted for them.
     """
     if groups is None:  # the executor decides at the real length
         groups = head_groups(batch, n, heads, kv_heads, head_dim, dtype.itemsize,
@@ -353,4 +359,7 @@ def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int,
                         partials=partials, phase=phase, copied=copied, outputs=outputs, groups=groups)
     scale = lambda nbytes: nbytes * n // _REF_TOKENS  # noqa: E731
     parts = {k: scale(v) for k, v in ref.parts.items()}
+    if schedule == "placed":  # k and v received, k and v sent, per round in flight beyond the first
+        parts["deeper prefetch (placed)"] = ((PREFETCHES[-1] - 1) * 4 * batch * n * (kv_heads // groups) * head_dim
+                                             * dtype.itemsize)
     return ExecutorPeak(sum(parts.values()), parts, ref.moment, ref.rank)

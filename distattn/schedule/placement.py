@@ -278,7 +278,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if plain.kind == "placed" and plain.placement != best.placement:
             t, plain = fastest(plain)
             if t < best_time * (1 - 1e-9):
-                best_time, best = t, dataclasses.replace(plain, note=f"{plain.note.split(';')[0]} (the placement of "
+                best_time, best = t, dataclasses.replace(plain, note=f"{_dealt_note(plain.note)} (the placement of "
                                                                      f"the documents without the window: faster)")
     plan = masked_plan_of(p, "placed", spec, n, best, pair_table(spec, p, n, best, cache=False))
     for depth in PREFETCHES[1:]:  # one more set of receive buffers each: deeper only while each pays
@@ -293,6 +293,15 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     how += f", fetches {best.prefetch} steps ahead" if best.prefetch > 1 else ""
     return dataclasses.replace(best, note=f"{best.note}{how}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
+
+
+def _dealt_note(note: str) -> str:
+    """A solved layout's note without what the solve adds to its deal's (order, backward, depth, modelled step): those
+    are said again for the layout they end up on."""
+    note = note.split(";")[0]
+    for added in (", steps as matchings", ", the backward in the plan's order", ", fetches "):
+        note = note.split(added)[0]
+    return note
 
 
 def _cluster_name(cluster: Cluster, ranks: int) -> str:
