@@ -8,8 +8,8 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
 * the receive pool (``distattn.executor.Executor.post``): one set of whole-shard buffers per ``(slot, kind, order
   in the round)`` the plan ever uses, made at first use and kept to the end of the call; the fetch slots alternate
   over ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, up to ``t % 5`` where the placement solver deepened
-  it; the return slots ``t % 2``), so a rank that fetches k/v at one step and queries at another of the same slot holds both
-  kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a
+  it; the return slots ``t % 2``), so a rank that fetches k/v at one step and queries at another of the same slot
+  holds both kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a
   buffer of the query shard's size;
 * the partials a task computes (a helper's fp32 state or ``dq``; an owner's fp32 ``dk, dv`` of the borrowed slice,
   ``partials="input"``: plus their cast copies), alive until their send round is waited for, one step later, and
