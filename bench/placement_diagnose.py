@@ -29,11 +29,11 @@ placement the library used before, both on the per-pair timeline of that link's 
 window) with the plan the library solves, as the executor runs it (fp32 partials, the plan's prefetch depth: 1, or up to
 4 where the solver found each step deeper faster, ``Layout.prefetch``), against the same plan at depth 1 and at the
 deepest, 4, and what-ifs of it: ``partials="input"`` (the partials in the inputs' dtype, half the backward's return
-bytes: an option users have, ``distattn.DistAttnConfig.partials``; the solver still times fp32), one more set of receive buffers than
-the depth needs (``slots=depth + 2``: a fetch round then waits for an earlier compute than the one before its posting;
-not what the executor does) and fresh buffers every round (``slots=None``: no such wait, memory growing with how far
-the host runs ahead), free links (what is left: imbalance and the plan's step order) and the busiest rank's compute (a
-lower bound of any order of that plan)::
+bytes: an option users have, ``distattn.DistAttnConfig.partials``; the solver still times fp32), one more set of receive
+buffers than the depth needs (``slots=depth + 2``: a fetch round then waits for an earlier compute than the one before
+its posting; not what the executor does) and fresh buffers every round (``slots=None``: no such wait, memory growing
+with how far the host runs ahead), free links (what is left: imbalance and the plan's step order) and the busiest rank's
+compute (a lower bound of any order of that plan)::
 
     python bench/placement_diagnose.py --whatif 3 --world 8 16 64 256 --sweep
         bench/results/placement-sim/sweep-200.csv --out bench/results/placement-sim/WHATIF.md  (one line)

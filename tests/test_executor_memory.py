@@ -136,8 +136,8 @@ def test_executor_buffers_equal_the_replay_fetching_steps_ahead(depth, world, cu
 def test_the_planner_counts_the_deepest_prefetch_of_a_placed_plan():
     """``attention_buffers("placed", ...)`` (what ``--memory auto`` weighs for packed documents) adds the deepest
     prefetch the solver may choose: 3 more fetch rounds in flight, each with whole-shard k/v receive buffers and k/v
-    send copies; a placed plan forced to that depth (a long document over 6 ranks: 6 steps, so every slot is reused) holds
-    no more on any rank, in either phase."""
+    send copies; a placed plan forced to that depth (a long document over 6 ranks: 6 steps, so every slot is reused)
+    holds no more on any rank, in either phase."""
     import dataclasses
 
     from distattn.memory.executor import attention_buffers, executor_peak
