@@ -70,6 +70,16 @@ alone lowered nearly every seed but slowed 48 of 3600 (mostly windowed at P = 64
 causal seed is slower than before and three windowed ones are, by at most 0.011 (their documents-only fallback can
 change: ``bench/results/placement-sim/COMPARE-200-backward.md``).
 
+The layout chosen is then timed fetching 2, 3 and 4 steps ahead (``Layout.prefetch``: the executor posts each step's
+fetch ``depth`` steps before that step computes, over ``depth + 1`` sets of receive buffers), each depth kept while it
+shortens the step by :data:`DEEPER` over the one before. A fetch round reuses the buffers the compute before its posting
+read, so it cannot start before that compute is done on both ends: a busy sender holds its peers back, and posting the
+round further ahead gives it more computes to travel behind. The memory is counted: ``distattn.memory.executor`` replays
+the plan's slots, and the planner counts the deepest for ``"placed"``. Over 200 seeds per setting at P = 8-64 no seed is
+slower and 9-193 are faster; the worst seed falls by up to 0.09 of perfect balance (the Pile windowed at P = 64: 1.635x
+-> 1.542x; the Pile causal at P = 16: 1.257x -> 1.190x; uniform causal at P = 16: 1.134x -> 1.105x; longtail at P = 8:
+1.106x -> 1.088x causal, 1.102x -> 1.098x windowed; ``bench/results/placement-sim/COMPARE-200-prefetch.md``).
+
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
 the snake's symmetry holds per cycle of ``2k`` whole blocks, and twice the blocks leave half the remainder (at 64
@@ -88,7 +98,8 @@ all-to-all gathers each ring shard whole and the ring's plan runs on the placeme
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`; the
 backward's twice) per group size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two
 group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut
-(3 cuts on up to 3 group sizes); at 4096 tokens per rank the median over 200 seeds is 1.0-1.4 s of CPU at P = 64 on
+(3 cuts on up to 3 group sizes), and the chosen layout's pair table once more and up to 3 timelines of it at the deeper
+prefetch depths; at 4096 tokens per rank the median over 200 seeds is 1.0-1.4 s of CPU at P = 64 on
 NVLink, 1.1-2.2 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on
 2 cores with a second sweep job beside each solve; 0.7-1.1 / 0.7-2.0 s before the backward's two orders, 0.45-0.8 s
 before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
