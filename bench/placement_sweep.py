@@ -92,6 +92,47 @@ def one(job):
     return rows
 
 
+def weighed(job):
+    """Only the rows ``one`` makes for the placement solved for the window (NVLink, ``WEIGHED``): the rows a change to
+    the windowed solve alone can move (the causal solves, the other schedules and the IB rows, which run the causal
+    placement, stay as they were)."""
+    docs, p, seed, n, window = job
+    shapes, cluster = Shapes(seq_per_rank=n, **SHAPES), Cluster.preset("nvlink")
+    mask = MaskSpec(causal=True, window=(window, 0), cu_seqlens=document_lengths(docs, p * n, seed=seed))
+    plan = make_masked_plan.__wrapped__(p, "placed", mask, n, _place_cached.__wrapped__(mask, p, n, None, cluster))
+    tl = step_timeline(plan, shapes, cluster)
+    return [{"docs": docs, "P": p, "seed": seed, "mask": f"window {window}", "link": "nvlink", "schedule": WEIGHED,
+             "step ms": round(tl["makespan"] * 1e3, 4), "per-pair / perfect": round(tl["ratio"], 4),
+             "compute idle": round(tl["compute_idle"], 4), "lockstep / perfect": round(_lockstep(plan), 4),
+             "group": plan.layout.group, "solver ms": ""}]
+
+
+def refresh_weighed(base: Path, jobs: list, workers: int, csv_path: Path) -> list[dict]:
+    """``base``'s rows with its ``WEIGHED`` rows solved anew (:func:`weighed`), written to ``csv_path``."""
+    new = {(r["docs"], r["P"], r["seed"]): r for r in run_jobs(weighed, jobs, workers, csv_path)}
+    rows = []
+    with open(base, newline="") as f:
+        for r in csv.DictReader(f):
+            r = {k: (float(v) if k in NUMERIC and v != "" else int(v) if k in ("P", "seed") else v)
+                 for k, v in r.items()}
+            if r["schedule"] == WEIGHED:
+                key = (r["docs"], r["P"], r["seed"])
+                if key not in new:
+                    raise SystemExit(f"{base} holds {key}, which this run did not solve: pass its --docs, --world "
+                                     f"and --seeds")
+                r = new.pop(key)
+            rows.append(r)
+    assert not new, f"{len(new)} re-solved rows have no row in {base}"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+NUMERIC = ("step ms", "per-pair / perfect", "compute idle", "lockstep / perfect", "solver ms")
+
+
 def _stats(values):
     v = np.asarray(values, dtype=float)
     return f"{v.max():.3f} / {np.median(v):.3f} / {v.min():.3f}"
@@ -171,16 +212,27 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-per-rank", type=int, default=4096)
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--refresh-windowed", type=Path, default=None, metavar="BASE_CSV",
+                        help="re-solve only the placement solved for the window (NVLink rows 'placed, window "
+                             "weighed', the only ones a change to the windowed solve moves) and keep BASE_CSV's other "
+                             "rows; the settings and seeds must be BASE_CSV's")
     args = parser.parse_args(argv)
     jobs = [(d, p, s, args.seq_per_rank, args.window) for d in args.docs for p in args.world
             for s in range(args.seeds)]
-    rows = run_jobs(one, jobs, args.jobs, args.out / "sweep.csv")
+    if args.refresh_windowed is not None:
+        rows = refresh_weighed(args.refresh_windowed, jobs, args.jobs, args.out / "sweep.csv")
+    else:
+        rows = run_jobs(one, jobs, args.jobs, args.out / "sweep.csv")
     cmd = " ".join(["python bench/placement_sweep.py", *(argv if argv is not None else sys.argv[1:])])
     text = ["# Packed documents over many seeds: the placement on the per-pair timeline (issue 39)", "",
             f"`{cmd}`: seeds 0..{args.seeds - 1} per setting, {args.seq_per_rank} tokens per rank, LLaMA-3-8B "
             f"attention shapes (32 q / 8 kv heads, d = 128, bf16), causal and window ({args.window}, 0). Modelled "
             f"(no GPU): the per-pair timeline at the cost model's assumed rates. Machine: {platform.machine()}, "
-            f"CPython {platform.python_version()}, 2 shared cores. Rows: sweep.csv.", "", *summary(rows, args.seeds),
+            f"CPython {platform.python_version()}, 2 shared cores. Rows: sweep.csv."
+            + ("" if args.refresh_windowed is None else
+               f" Only the column '{WEIGHED}' was solved anew; every other figure is {args.refresh_windowed}'s (a "
+               f"change to the windowed solve moves no other row: the causal solves and the IB rows run the causal "
+               f"placement)."), "", *summary(rows, args.seeds),
             ""]
     (args.out / "SWEEP.md").write_text("\n".join(text))
     print("\n".join(text))

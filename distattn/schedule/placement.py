@@ -47,13 +47,13 @@ seeds communication bound); the call's plan follows the window its shards were p
 plan and keeps it when it is faster (the deal by windowed row work is a heuristic too: on InfiniBand it lost to the
 causal deal on some seeds, ``bench/results/placement-sim/DIAGNOSIS.md``), so it is never worse than that.
 
-Under a left window the solver also times *documents cut by their work* (``distattn.schedule.groups``): a document
-whose windowed work passes :data:`CUTS` of a rank's mean is cut into consecutive pieces of about equal work before the
-groups are dealt, so a long document no longer fills whole groups by their token room (its heavy rows alone on a few
-ranks) but spreads in pieces that short documents fill around; under a window a piece borrows at most the window's
-keys from the pieces before it. Timed on groups of 1, 2 and the chosen size at each cut, kept where faster (the Pile
-at P = 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work; 2.40x -> 1.46x of perfect
-balance on NVLink; causal work is never cut this way: the last piece would borrow the whole document's keys).
+Under a left window the solver also times *documents cut by their work* (``distattn.schedule.groups``): a document whose
+windowed work passes :data:`CUTS` of a rank's mean is cut into consecutive pieces of about equal work before the groups
+are dealt, so a long document no longer fills whole groups by their token room (its heavy rows alone on a few ranks) but
+spreads in pieces that short documents fill around; under a window a piece borrows at most the window's keys from the
+pieces before it. Timed on groups of 1, 2, the chosen size and half of it at each cut, kept where faster (the Pile at P
+= 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work; 2.40x -> 1.46x of perfect balance on
+NVLink; causal work is never cut this way: the last piece would borrow the whole document's keys).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
@@ -143,7 +143,7 @@ BALANCED = 1.04
 mean (the former rule, which the timeline then improves on)."""
 CUTS = (0.5, 0.75, 1.0)
 """Under a left window, documents whose work passes this share of a rank's mean work are also cut by work into
-pieces (``distattn.schedule.groups``) in candidates of groups of 1, 2 and the chosen size, each timed."""
+pieces (``distattn.schedule.groups``) in candidates of groups of 1, 2, the chosen size and half of it, each timed."""
 NEAR = 0.02
 """The windowed deal's third rule (``by="near"``): a short document goes to the rank of the block next to it when that
 rank is within this share of a rank's mean work of the window the deal picks (``distattn.schedule.windows``)."""
@@ -280,8 +280,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by))  # documents over windows of the groups
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
             best_time, best = t, lay
-    if rows.l < n * p:  # a left window: documents cut by work, over single ranks, pairs and the chosen groups
-        for kk, cut in [(kk, c) for kk in sorted({1, 2, k} & set(divisors)) for c in CUTS]:
+    if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
+        for kk, cut in [(kk, c) for kk in sorted({1, 2, k // 2, k} & set(divisors)) for c in CUTS]:
             t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut))
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, lay
