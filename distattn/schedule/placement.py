@@ -51,9 +51,12 @@ Under a left window the solver also times *documents cut by their work* (``dista
 windowed work passes :data:`CUTS` of a rank's mean is cut into consecutive pieces of about equal work before the groups
 are dealt, so a long document no longer fills whole groups by their token room (its heavy rows alone on a few ranks) but
 spreads in pieces that short documents fill around; under a window a piece borrows at most the window's keys from the
-pieces before it. Timed on groups of 1, 2, the chosen size and half of it at each cut, kept where faster (the Pile at P
-= 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work; 2.40x -> 1.46x of perfect balance on
-NVLink; causal work is never cut this way: the last piece would borrow the whole document's keys).
+pieces before it. Timed on groups of 1, 2, the chosen size and half of it at each cut, kept where faster (the Pile at
+P = 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work; 2.40x -> 1.46x of perfect balance on
+NVLink; causal work is never cut this way: the last piece would borrow the whole document's keys). Half the chosen size
+helps where the climb chose groups whose windowed deal is communication bound (longtail at P = 16: the
+worst of 200 windowed seeds 1.282x -> 1.244x, seed 157 1.280x -> 1.136x;
+``bench/results/placement-sim/COMPARE-200-cut-halves.md``).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
