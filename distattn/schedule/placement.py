@@ -101,12 +101,12 @@ all-to-all gathers each ring shard whole and the ring's plan runs on the placeme
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`; the
 backward's twice) per group size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two
 group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut
-(3 cuts on up to 3 group sizes), and the chosen layout's pair table once more and up to 3 timelines of it at the deeper
+(3 cuts on up to 4 group sizes), and the chosen layout's pair table once more and up to 3 timelines of it at the deeper
 prefetch depths; at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 s
 on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2 cores with a
 second sweep job beside each solve; 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the
 backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median
-of 10 seeds, ``COMPARE-200-cuts.md``), and up to 32 s (causal) / 41 s (windowed) on the worst seeds at P = 256
+of 10 seeds, ``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P = 256
 (``WORST-256.md``; 30 / 49 s before, with two other jobs beside each solve); before the windowed deal 3.4 s (NVLink) /
 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory).
 Pure Python + numpy.
