@@ -101,12 +101,12 @@ all-to-all gathers each ring shard whole and the ring's plan runs on the placeme
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`; the
 backward's twice) per group size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two
 group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut
-(3 cuts on up to 4 group sizes), and the chosen layout's pair table once more and up to 3 timelines of it at the deeper
-prefetch depths; at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 s
-on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2 cores with a
-second sweep job beside each solve; 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the
-backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median
-of 10 seeds, ``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P = 256
+(3 cuts on up to 4 group sizes), and up to 3 timelines of the chosen layout at the deeper prefetch depths (on the pair
+table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on
+NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2
+cores with a second sweep job beside each solve; 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s
+before the backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders
+(median of 10 seeds, ``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P = 256
 (``WORST-256.md``; 30 / 49 s before, with two other jobs beside each solve); before the windowed deal 3.4 s (NVLink) /
 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory).
 Pure Python + numpy.
@@ -261,9 +261,13 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                 bwd = phase_timeline(dataclasses.replace(plan, layout=timed), "backward", shapes, cluster,
                                      stride=stride).makespan
                 found.append((fwd + bwd, timed))
-        return min(found, key=lambda tl: tl[0])
+        t, fast = min(found, key=lambda tl: tl[0])
+        if t < kept.get("time", float("inf")):  # the fastest deal so far: the depth climb reuses its table
+            kept.update(time=t, digest=digest, table=table)
+        return t, fast
 
     seen: set[int] = set()  # the placements timed (their hashes)
+    kept: dict = {}  # the pair table of the fastest deal timed so far (one table, not one per candidate)
 
     # start from the smallest group whose dealt blocks balance (never worse than that rule), then climb down and up
     # the divisors while the modelled step improves; a node's size is always tried (on InfiniBand it keeps a group's
@@ -295,7 +299,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, dataclasses.replace(plain, note=f"{_dealt_note(plain.note)} (the placement of "
                                                                      f"the documents without the window: faster)")
-    plan = masked_plan_of(p, "placed", spec, n, best, pair_table(spec, p, n, best, cache=False))
+    table = kept["table"] if kept.get("digest") == hash(best.placement) else pair_table(spec, p, n, best, cache=False)
+    plan = masked_plan_of(p, "placed", spec, n, best, table)
     for depth in PREFETCHES[1:]:  # one more set of receive buffers each: deeper only while each pays
         deeper = dataclasses.replace(best, prefetch=depth)
         t = sum(phase_timeline(dataclasses.replace(plan, layout=deeper), phase, shapes, cluster, stride=stride).makespan
