@@ -60,15 +60,22 @@ class RowWork:
         return x + self._s(x, self.l) + self._s(length, self.r) - self._s(length - x, self.r)
 
 
-def cut_by_work(lengths: np.ndarray, rows: RowWork, cut: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def cut_by_work(lengths: np.ndarray, rows: RowWork, cut: float | None,
+                tokens: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The items the groups are dealt: ``(doc, lo, hi)`` arrays, rows ``[lo, hi)`` of document ``doc``, in stream
     order. Every document is one item, but one whose work passes ``cut`` (``None``: none is cut) is cut into
-    ``ceil(work / cut)`` consecutive pieces of about equal work (cut at whole rows; no piece is empty)."""
+    ``ceil(work / cut)`` consecutive pieces of about equal work (cut at whole rows; no piece is empty); with
+    ``tokens``, each such piece longer than ``tokens`` rows is cut again every ``tokens`` rows, the last part shorter
+    (two parts of half a group's tokens fill it exactly; parts of equal rows leave room no part fits). Under a window
+    a document's first rows see few keys, so its first piece of equal work is long: it fills a group's token room with
+    little work and leaves that group short of work; capped, it shares the group with heavier pieces."""
     docs = np.arange(len(lengths))
     if cut is None:
         return docs, np.zeros(len(lengths), dtype=np.int64), lengths.astype(np.int64)
     if cut <= 0:
         raise ValueError(f"cut={cut!r} must be a positive amount of work")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"tokens={tokens!r} must be a positive number of rows per piece")
     whole = rows.prefix(docs, lengths)
     out = []
     for d in docs.tolist():
@@ -81,23 +88,26 @@ def cut_by_work(lengths: np.ndarray, rows: RowWork, cut: float | None) -> tuple[
         done = rows.prefix(np.full(length + 1, d), x)  # work of rows [0, x), non-decreasing in x
         at = np.searchsorted(done, int(whole[d]) * np.arange(1, parts) / parts)
         bounds = np.unique(np.concatenate(([0], np.clip(at, 1, length - 1), [length])))
+        if tokens is not None:  # long pieces again, every `tokens` rows
+            more = [np.arange(a + tokens, b, tokens) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+            bounds = np.unique(np.concatenate([bounds] + more))
         out += [(d, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
     doc, lo, hi = (np.asarray(c, dtype=np.int64) for c in zip(*out))
     return doc, lo, hi
 
 
 def assign_groups(starts, lengths, rows: RowWork, groups: int, cap: int, limit: float = float("inf"),
-                  cut: float | None = None):
+                  cut: float | None = None, tokens: int | None = None):
     """Documents (their pieces, :func:`cut_by_work`), longest first, to the least loaded group with room for them
     whole; an item no group has room for is cut, its first part to the group with the most room. Returns ``pieces``
     (``[start, stop, group, doc]`` rows, global positions); ``None`` as soon as a group's load (row work) exceeds
-    ``limit`` (loads only grow: the caller's tolerance is already lost).
+    ``limit`` (loads only grow: the caller's tolerance is already lost). ``cut``, ``tokens``: :func:`cut_by_work`.
 
     Two heaps, O((items + pieces) log groups): ``ready``, ``(load, group)`` of the groups with room for the current
     item, and ``waiting``, ``(-room, group)`` of the others with any room. The items only get shorter, so a ready
     group stays ready until it takes an item (then it waits, its room smaller), and before each item the waiting
     groups with room enough join the ready ones; a cut takes the top of ``waiting``."""
-    doc, lo, hi = cut_by_work(lengths, rows, cut)
+    doc, lo, hi = cut_by_work(lengths, rows, cut, tokens)
     size = hi - lo
     work = rows.prefix(doc, hi) - rows.prefix(doc, lo)
     if cut is not None:

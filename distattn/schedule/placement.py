@@ -130,7 +130,8 @@ from distattn.schedule.timeline import phase_timeline
 from distattn.schedule.windows import SHARES, window_owners
 from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "NEAR", "WIDER_MAX_RANKS", "DEEPER",
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "NEAR", "WIDER_MAX_RANKS",
+           "DEEPER",
            "place", "block_size"]
 
 BLOCK = 64
@@ -150,6 +151,10 @@ pieces (``distattn.schedule.groups``) in candidates of groups of 1, 2, the chose
 NEAR = 0.02
 """The windowed deal's third rule (``by="near"``): a short document goes to the rank of the block next to it when that
 rank is within this share of a rank's mean work of the window the deal picks (``distattn.schedule.windows``)."""
+PIECES = 0.5
+"""Cut documents are also timed with every piece holding at most this share of its group's tokens (a long piece is
+cut again every that many rows, ``distattn.schedule.groups.cut_by_work``): under a window a document's
+first piece of equal work is long and light, and a group it fills is left short of work."""
 DEEPER = 0.002
 """The chosen layout is timed again with the executor fetching 2, 3, .. steps ahead (``Layout.prefetch``,
 :data:`~distattn.schedule.layouts.PREFETCHES`: one more set of receive buffers each, and a fetch posted that much
@@ -181,7 +186,8 @@ def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = Non
 
 @functools.lru_cache(maxsize=64)
 def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, cluster: Cluster | None = None,
-                  stride: int = 1, cut: float | None = None, share: float | None = None, by: str = "work") -> Layout:
+                  stride: int = 1, cut: float | None = None, share: float | None = None, by: str = "work",
+                  capped: bool = False) -> Layout:
     """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
     table of ``bench/placement_sim.py --groups``), and with it ``cut`` the documents cut by work
     (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work) and ``share``, ``by`` the
@@ -209,13 +215,14 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     mean = whole.sum() / p
 
     def dealt(k: int, limit: float = float("inf"), share: float | None = None, by: str = "work",
-              cut: float | None = None) -> Layout | None:
+              cut: float | None = None, capped: bool = False) -> Layout | None:
         """Groups of ``k``, or ``None`` as soon as a group's (then a dealt rank's) work passes ``limit`` per group: a
         document that fits a group (never cut), a group's documents, then a rank's blocks; loads only grow."""
         cut_work = None if cut is None else cut * mean
         if whole[(lengths <= k * n) & (whole <= (cut_work or np.inf))].max(initial=0) > limit:
             return None
-        pieces = assign_groups(starts, lengths, rows, p // k, k * n, limit, cut_work)
+        tokens = max(1, int(PIECES * k * n)) if capped and cut is not None else None
+        pieces = assign_groups(starts, lengths, rows, p // k, k * n, limit, cut_work, tokens)
         segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k, share,
                                                       mean, by)  # per rank
         if segments is None:
@@ -224,12 +231,13 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                                        f"its {'longest' if by == 'tokens' else 'heaviest'} piece" \
                                        f"{', a short document beside its neighbour' if by == 'near' else ''})"
         if cut is not None and (whole > cut_work).any():  # a cut that cuts nothing deals the documents whole
-            how += f", documents cut by work (pieces of at most {cut} of a rank's mean)"
+            how += f", documents cut by work (pieces of at most {cut} of a rank's mean" + \
+                   (f" and {tokens} tokens)" if tokens else ")")
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
                                                                        f"tokens{how}")
 
     if group is not None:
-        return dealt(group, share=share, by=by, cut=cut)
+        return dealt(group, share=share, by=by, cut=cut, capped=capped)
     divisors = _divisors(p)
     times: dict[int, tuple[float, Layout | None]] = {}
 
@@ -253,7 +261,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         seen.add(digest)
         table, found = pair_table(spec, p, n, lay, cache=False), []  # one table, every order
         for order in ORDERS:
-            cand = dataclasses.replace(lay, order=order, prefetch=1)
+            cand = dataclasses.replace(lay, order=order, prefetch=PREFETCHES[-1])  # timed at the deepest depth
             plan = masked_plan_of(p, "placed", spec, n, cand, table)
             fwd = phase_timeline(plan, "forward", shapes, cluster, stride=stride).makespan
             for backward in BACKWARDS:  # the backward's steps reversed (every plan's; a tie keeps it) or as planned
@@ -288,8 +296,9 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
             best_time, best = t, lay
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
-        for kk, cut in [(kk, c) for kk in sorted({1, 2, k // 2, k} & set(divisors)) for c in CUTS]:
-            t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut))
+        for kk, cut, capped in [(kk, c, cap) for kk in sorted({1, 2, k // 2, k} & set(divisors)) for c in CUTS
+                                for cap in (False, True)]:
+            t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped))
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, lay
     if spec.window != (-1, -1):  # never worse than the documents-only placement, timed on the same windowed plan
@@ -301,13 +310,15 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                                                                      f"the documents without the window: faster)")
     table = kept["table"] if kept.get("digest") == hash(best.placement) else pair_table(spec, p, n, best, cache=False)
     plan = masked_plan_of(p, "placed", spec, n, best, table)
-    for depth in PREFETCHES[1:]:  # one more set of receive buffers each: deeper only while each pays
-        deeper = dataclasses.replace(best, prefetch=depth)
-        t = sum(phase_timeline(dataclasses.replace(plan, layout=deeper), phase, shapes, cluster, stride=stride).makespan
-                for phase in ("forward", "backward"))
-        if t >= best_time * (1 - DEEPER):
-            break
-        best_time, best = t, deeper
+    times = {PREFETCHES[-1]: best_time}  # the candidates were timed at the deepest depth
+    for depth in PREFETCHES[:-1]:
+        shallower = dataclasses.replace(plan, layout=dataclasses.replace(best, prefetch=depth))
+        times[depth] = sum(phase_timeline(shallower, phase, shapes, cluster, stride=stride).makespan
+                           for phase in ("forward", "backward"))
+    # the shallowest depth no deeper one beats by DEEPER per extra set of receive buffers
+    depth = next(d for d in PREFETCHES
+                 if all(times[e] >= times[d] * (1 - DEEPER * (e - d)) for e in PREFETCHES if e > d))
+    best_time, best = times[depth], dataclasses.replace(best, prefetch=depth)
     how = "" if best.order == "rotation" else f", steps as matchings ({best.order})"
     how += ", the backward in the plan's order" if best.backward == "forward" else ""
     how += f", fetches {best.prefetch} steps ahead" if best.prefetch > 1 else ""
