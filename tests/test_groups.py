@@ -59,6 +59,31 @@ def test_pieces_cover_every_document_in_order_with_about_equal_work(seed):
 
 
 @pytest.mark.parametrize("seed", range(10))
+def test_pieces_capped_in_rows_cut_the_equal_work_pieces_every_so_many_rows(seed):
+    """``tokens``: every piece of equal work longer than ``tokens`` rows is cut again every ``tokens`` rows (the last
+    part shorter); documents that are not cut stay whole, however long."""
+    rng = random.Random(50 + seed)
+    spec = _spec(rng)
+    lengths = np.asarray([rng.choice([1, 2, 5, rng.randint(1, 300)]) for _ in range(rng.randint(1, 30))])
+    rows = RowWork(spec, lengths)
+    cut, tokens = float(rows.prefix(np.arange(len(lengths)), lengths).sum()) / rng.choice([3, 10]), rng.randint(1, 40)
+    doc, lo, hi = cut_by_work(lengths, rows, cut)
+    cdoc, clo, chi = cut_by_work(lengths, rows, cut, tokens)
+    assert (cdoc == np.sort(cdoc)).all() and (chi > clo).all()
+    for d in range(len(lengths)):
+        mine, capped = np.flatnonzero(doc == d), np.flatnonzero(cdoc == d)
+        if len(mine) == 1:  # not cut by work: whole
+            assert len(capped) == 1 and (clo[capped[0]], chi[capped[0]]) == (0, lengths[d])
+            continue
+        want = [(a + i, min(a + i + tokens, b)) for a, b in zip(lo[mine].tolist(), hi[mine].tolist())
+                for i in range(0, b - a, tokens)]
+        assert list(zip(clo[capped].tolist(), chi[capped].tolist())) == want
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="positive number of rows"):
+            cut_by_work(lengths, rows, cut, bad)
+
+
+@pytest.mark.parametrize("seed", range(10))
 def test_groups_of_cut_documents_hold_every_token_once_and_their_loads(seed):
     rng = random.Random(100 + seed)
     spec = _spec(rng)

@@ -237,7 +237,9 @@ def test_masked_plans_are_the_plans_built_before():
     also times documents cut by their work, distattn.schedule.groups; 16 placed ones since the backward runs the
     plan's steps in reverse, ``Plan.run_order``, which the timeline the solver judges by follows; 29 since the solver
     times both backward orders, ``Layout.backward``, which the digest names where it is the plan's own; 5 since it
-    times the chosen layout fetching 2-4 steps ahead, ``Layout.prefetch``, which the digest names where it is not 1)."""
+    times the chosen layout fetching 2-4 steps ahead, ``Layout.prefetch``, which the digest names where it is not 1;
+    3 since it times every candidate 4 steps ahead, picks the depth after, and also cuts documents into pieces of at
+    most half a group's tokens)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

@@ -413,12 +413,12 @@ def test_the_solver_keeps_the_fastest_order_of_its_deal(docs, p, seed):
     assert f"steps as matchings ({chosen.order})" in chosen.note
 
 
-@pytest.mark.parametrize("docs,p,seed", [("pile:4", 16, 36), ("pile:4", 16, 172)])
+@pytest.mark.parametrize("docs,p,seed", [("pile:4", 16, 47), ("pile:4", 16, 172)])
 def test_the_solver_keeps_the_backward_in_the_plans_order_where_that_is_faster(docs, p, seed):
     """Every plan's backward runs the steps reversed (``Plan.run_order``: the local pair last hides the return before
     it), but on some deals the plan's own order is faster; the solver times both per candidate and order and keeps
-    the faster (``Layout.backward``): on these seeds (both slower reversed in the 200-seed sweep, by 0.008 and 0.010
-    of perfect balance) the plan's order, and the step is the one the sweep had before the reversal."""
+    the faster (``Layout.backward``): on these seeds the plan's order (reversed, the chosen layout's step would be
+    0.001 and 0.013 of perfect balance longer; seed 172 was slower reversed in the 200-seed sweep too)."""
     import dataclasses
 
     from distattn.schedule import Shapes
@@ -434,19 +434,22 @@ def test_the_solver_keeps_the_backward_in_the_plans_order_where_that_is_faster(d
                                                            dataclasses.replace(chosen, backward=b)), shapes, cluster)
              for b in ("forward", "reversed")}
     assert chosen.backward == "forward" and "the backward in the plan's order" in chosen.note
-    assert steps["forward"]["makespan"] < steps["reversed"]["makespan"] * (1 - 1e-3), steps
-    assert steps["forward"]["ratio"] == pytest.approx({36: 1.1897, 172: 1.1313}[seed], abs=1e-4)
+    assert steps["forward"]["makespan"] < steps["reversed"]["makespan"] * (1 - 5e-4), steps
+    assert steps["forward"]["ratio"] == pytest.approx({47: 1.1452, 172: 1.1313}[seed], abs=1e-4)
 
 
-@pytest.mark.parametrize("docs,p,window,seed,depth,ratio", [("longtail:2048", 8, None, 145, 2, 1.0739),
-                                                             ("uniform:8192", 8, 4096, 46, 1, 1.0930),
+@pytest.mark.parametrize("docs,p,window,seed,depth,ratio", [("longtail:2048", 8, None, 145, 2, 1.0737),
+                                                             ("uniform:8192", 8, 4096, 46, 2, 1.0824),
+                                                             ("pile:4", 16, None, 30, 1, 1.0061),
+                                                             ("pile:4", 16, None, 35, 3, 1.1002),
                                                              ("pile:4", 16, None, 42, 4, 1.1456)])
 def test_the_solver_fetches_steps_ahead_where_it_pays(docs, p, window, seed, depth, ratio):
-    """The chosen layout is timed again fetching 2, 3, 4 steps ahead (``Layout.prefetch``: one more set of receive
-    buffers each) and each depth kept while the step is shorter than the depth before by at least ``DEEPER``: longtail
-    at P = 8, seed 145 (the worst of 200 seeds before, 1.106x of perfect balance) at depth 2; the Pile at P = 16, seed
-    42 (the worst, 1.257x: a fetch from a busy sender travels during more of the computes before it) at depth 4; not the
-    uniform windowed seed 46 (no gain: its excess is the steps' own imbalance)."""
+    """Every candidate is timed fetching 4 steps ahead (``Layout.prefetch``, the deepest); the chosen layout then
+    takes the shallowest depth that no deeper one beats by ``DEEPER`` per extra set of receive buffers: longtail at
+    P = 8, seed 145 (the worst of 200 seeds before the deeper prefetch, 1.106x of perfect balance) and uniform
+    windowed seed 46 (the worst windowed, 1.093x at depth 1 when only the winner was deepened) at depth 2; the Pile at
+    P = 16, seed 42 (a fetch from a busy sender travels during more of the computes before it) at depth 4, seed 35 at
+    3, and seed 30 (1.006x: nothing to hide) at 1."""
     import dataclasses
 
     from distattn.schedule import Shapes
@@ -465,8 +468,11 @@ def test_the_solver_fetches_steps_ahead_where_it_pays(docs, p, window, seed, dep
     steps = {d: step_timeline(dataclasses.replace(plan, layout=dataclasses.replace(chosen, prefetch=d)), shapes,
                               cluster)["makespan"] for d in PREFETCHES}
     assert chosen.prefetch == depth and (f"fetches {depth} steps ahead" in chosen.note) == (depth > 1), chosen.note
-    pays = [steps[d] < steps[d - 1] * (1 - DEEPER) for d in PREFETCHES[1:]]
-    assert pays[:depth - 1] == [True] * (depth - 1) and (depth == PREFETCHES[-1] or not pays[depth - 1]), steps
+
+    def beaten(d):  # a deeper depth pays for its buffers
+        return any(steps[e] < steps[d] * (1 - DEEPER * (e - d)) for e in PREFETCHES if e > d)
+
+    assert not beaten(depth) and all(beaten(d) for d in PREFETCHES if d < depth), steps
     assert step_timeline(plan, shapes, cluster)["ratio"] == pytest.approx(ratio, abs=1e-4)
 
 
@@ -488,6 +494,31 @@ def test_documents_cut_by_work_are_also_timed_on_half_the_chosen_groups():
     assert chosen.group == 8 and "documents cut by work" in chosen.note, chosen.note
     ratio = step_timeline(make_masked_plan.__wrapped__(16, "placed", mask, 4096, chosen), shapes, cluster)["ratio"]
     assert ratio == pytest.approx(1.136, abs=1e-3)
+
+
+def test_documents_cut_by_work_are_also_timed_in_pieces_of_half_a_groups_tokens():
+    """Under a window a document's first piece of equal work is long and light and fills its group's token room; the
+    solver also times the cut pieces capped at half a group's tokens (``PIECES``): the Pile at P = 16, seed 37 (the
+    second worst of 200 windowed seeds before, 1.325x of perfect balance, its busiest rank at 1.29x): groups of 1,
+    pieces of at most a rank's mean work and 2048 tokens, 1.235x."""
+    from distattn.schedule import Shapes
+    from distattn.schedule.build import placement_mask
+    from distattn.schedule.cluster import Cluster
+    from distattn.schedule.masked import make_masked_plan
+    from distattn.schedule.placement import PIECES, _place_cached
+    from distattn.schedule.timeline import step_timeline
+
+    shapes, cluster = Shapes(seq_per_rank=4096, heads_q=32, heads_kv=8, head_dim=128), Cluster.preset("nvlink")
+    cu = document_lengths("pile:4", 16 * 4096, seed=37)
+    mask = MaskSpec(causal=True, window=(4096, 0), cu_seqlens=cu)
+    spec = placement_mask(cu, mask.window)
+    chosen = _place_cached.__wrapped__(spec, 16, 4096, None, cluster)
+    assert chosen.group == 1 and f"and {int(PIECES * 4096)} tokens)" in chosen.note, chosen.note
+    capped, whole = (_place_cached.__wrapped__(spec, 16, 4096, 1, cluster, 1, 1.0, None, "work", c)
+                     for c in (True, False))
+    assert chosen.placement == capped.placement != whole.placement
+    ratio = step_timeline(make_masked_plan.__wrapped__(16, "placed", mask, 4096, chosen), shapes, cluster)["ratio"]
+    assert ratio == pytest.approx(1.235, abs=1e-3)
 
 
 def test_an_order_belongs_to_a_placed_layout():
