@@ -56,7 +56,11 @@ P = 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the wor
 NVLink; causal work is never cut this way: the last piece would borrow the whole document's keys). Half the chosen size
 helps where the climb chose groups whose windowed deal is communication bound (longtail at P = 16: the
 worst of 200 windowed seeds 1.282x -> 1.244x, seed 157 1.280x -> 1.136x;
-``bench/results/placement-sim/COMPARE-200-cut-halves.md``).
+``bench/results/placement-sim/COMPARE-200-cut-halves.md``). Each cut is timed twice: its pieces as cut, and each piece
+longer than :data:`PIECES` of a group's tokens cut again every that many rows. A document's first rows see few keys,
+so its first piece of equal work is long and light: alone it fills a group's token room and leaves the group short of
+work (the Pile at P = 16, seed 37: a rank at 0.53x of the mean work beside one at 1.32x); two halves fill a group
+exactly and share it with heavier pieces (1.325x -> 1.235x of perfect balance).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
@@ -73,15 +77,15 @@ alone lowered nearly every seed but slowed 48 of 3600 (mostly windowed at P = 64
 causal seed is slower than before and three windowed ones are, by at most 0.011 (their documents-only fallback can
 change: ``bench/results/placement-sim/COMPARE-200-backward.md``).
 
-The layout chosen is then timed fetching 2, 3 and 4 steps ahead (``Layout.prefetch``: the executor posts each step's
-fetch ``depth`` steps before that step computes, over ``depth + 1`` sets of receive buffers), each depth kept while it
-shortens the step by :data:`DEEPER` over the one before. A fetch round reuses the buffers the compute before its posting
-read, so it cannot start before that compute is done on both ends: a busy sender holds its peers back, and posting the
-round further ahead gives it more computes to travel behind. The memory is counted: ``distattn.memory.executor`` replays
-the plan's slots, and the planner counts the deepest for ``"placed"``. Over 200 seeds per setting at P = 8-64 no seed is
-slower and 9-193 are faster; the worst seed falls by up to 0.09 of perfect balance (the Pile windowed at P = 64: 1.635x
--> 1.542x; the Pile causal at P = 16: 1.257x -> 1.190x; uniform causal at P = 16: 1.134x -> 1.105x; longtail at P = 8:
-1.106x -> 1.088x causal, 1.102x -> 1.098x windowed; ``bench/results/placement-sim/COMPARE-200-prefetch.md``).
+Every candidate is timed with the executor fetching 4 steps ahead (``Layout.prefetch``, the deepest of
+:data:`~distattn.schedule.layouts.PREFETCHES`: the executor posts each step's fetch ``depth`` steps before that step
+computes, over ``depth + 1`` sets of receive buffers); the layout chosen is then timed at depths 1, 2 and 3 and takes
+the shallowest that no deeper depth beats by :data:`DEEPER` per extra set of buffers. A fetch round reuses the buffers
+the compute before its posting read, so it cannot start before that compute is done on both ends: a busy sender holds
+its peers back, and posting the round further ahead gives it more computes to travel behind. Timing only the winner
+deeper (the solver before) chose among candidates by their step at depth 1, where a deal whose order stalls on a busy
+sender loses to one that is faster only there (``bench/results/placement-sim/COMPARE-200-depth4.md``). The memory is
+counted: ``distattn.memory.executor`` replays the plan's slots, and the planner counts the deepest for ``"placed"``.
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
@@ -101,16 +105,15 @@ all-to-all gathers each ring shard whole and the ring's plan runs on the placeme
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`; the
 backward's twice) per group size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two
 group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut
-(3 cuts on up to 4 group sizes), and up to 3 timelines of the chosen layout at the deeper prefetch depths (on the pair
-table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on
-NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2
-cores with a second sweep job beside each solve; 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s
-before the backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders
-(median of 10 seeds, ``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P = 256
-(``WORST-256.md``; 30 / 49 s before, with two other jobs beside each solve); before the windowed deal 3.4 s (NVLink) /
-8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory).
-Pure Python + numpy.
-"""
+(3 cuts, capped or not, on up to 4 group sizes), and 3 timelines of the chosen layout at the shallower prefetch depths
+(on the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P =
+64 on NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask,
+on 2 cores with a second sweep job beside each solve; 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0
+s before the backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's
+orders (median of 10 seeds, ``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P
+= 256 (``WORST-256.md``; 30 / 49 s before, with two other jobs beside each solve); before the windowed deal 3.4 s
+(NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure
+Python + numpy. """
 
 from __future__ import annotations
 
@@ -156,10 +159,10 @@ PIECES = 0.5
 cut again every that many rows, ``distattn.schedule.groups.cut_by_work``): under a window a document's
 first piece of equal work is long and light, and a group it fills is left short of work."""
 DEEPER = 0.002
-"""The chosen layout is timed again with the executor fetching 2, 3, .. steps ahead (``Layout.prefetch``,
+"""The chosen layout, timed with the executor fetching 1, 2, 3 and 4 steps ahead (``Layout.prefetch``,
 :data:`~distattn.schedule.layouts.PREFETCHES`: one more set of receive buffers each, and a fetch posted that much
-earlier) and each depth kept while the per-pair timeline finds the step shorter than the depth before by at least this
-share (a gain, not a rounding difference, pays for the memory)."""
+earlier), takes the shallowest depth that no deeper one makes shorter on the per-pair timeline by at least this share
+per extra set of buffers (a gain, not a rounding difference, pays for the memory)."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
@@ -190,8 +193,9 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                   capped: bool = False) -> Layout:
     """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
     table of ``bench/placement_sim.py --groups``), and with it ``cut`` the documents cut by work
-    (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work) and ``share``, ``by`` the
-    windowed deal (``distattn.schedule.windows``); tests, benches, diagnosis."""
+    (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work; ``capped``: and of at most
+    :data:`PIECES` of a group's tokens) and ``share``, ``by`` the windowed deal (``distattn.schedule.windows``); tests,
+    benches, diagnosis."""
     if p == 1:
         return Layout("contiguous", 1, note="one rank: nothing to place")
     if spec.dense:
