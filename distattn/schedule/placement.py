@@ -84,7 +84,7 @@ the shallowest that no deeper depth beats by :data:`DEEPER` per extra set of buf
 the compute before its posting read, so it cannot start before that compute is done on both ends: a busy sender holds
 its peers back, and posting the round further ahead gives it more computes to travel behind. Timing only the winner
 deeper (the solver before) chose among candidates by their step at depth 1, where a deal whose order stalls on a busy
-sender loses to one that is faster only there (``bench/results/placement-sim/COMPARE-200-depth4.md``). The memory is
+sender loses to one that is faster only there (``bench/results/placement-sim/WORST-8-64.md``). The memory is
 counted: ``distattn.memory.executor`` replays the plan's slots, and the planner counts the deepest for ``"placed"``.
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
@@ -108,12 +108,14 @@ group sizes, often cut short by the bound above or dealt alike by two shares, ti
 (3 cuts, capped or not, on up to 4 group sizes), and 3 timelines of the chosen layout at the shallower prefetch depths
 (on the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P =
 64 on NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask,
-on 2 cores with a second sweep job beside each solve; 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0
-s before the backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's
-orders (median of 10 seeds, ``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P
-= 256 (``WORST-256.md``; 30 / 49 s before, with two other jobs beside each solve); before the windowed deal 3.4 s
-(NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure
-Python + numpy. """
+on 2 cores with a second sweep job beside each solve, the solver of 447c42d; today's times the same candidates 4 steps
+ahead and, under a window, twice the cuts: 1.9-4.2 s causal and 5.9-12.2 s windowed at most on the worst P = 64 seeds,
+``WORST-8-64.md``; 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the backward's two orders,
+0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
+``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P = 256 (``WORST-256.md``; 30
+/ 49 s before, with two other jobs beside each solve); before the windowed deal 3.4 s (NVLink) / 8.2 s (IB) at P = 4096
+(``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure Python + numpy.
+"""
 
 from __future__ import annotations
 
@@ -134,8 +136,7 @@ from distattn.schedule.windows import SHARES, window_owners
 from distattn.schedule.wire import Shapes
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "NEAR", "WIDER_MAX_RANKS",
-           "DEEPER",
-           "place", "block_size"]
+           "DEEPER", "place", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -274,7 +275,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                                      stride=stride).makespan
                 found.append((fwd + bwd, timed))
         t, fast = min(found, key=lambda tl: tl[0])
-        if t < kept.get("time", float("inf")):  # the fastest deal so far: the depth climb reuses its table
+        if t < kept.get("time", float("inf")):  # the fastest deal so far: the depth pick reuses its table
             kept.update(time=t, digest=digest, table=table)
         return t, fast
 
