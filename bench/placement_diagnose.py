@@ -27,7 +27,7 @@ placement the library used before, both on the per-pair timeline of that link's 
 
 ``--whatif K``: instead, the K worst seeds per setting of ``--sweep`` (NVLink; causal, and windowed placed for the
 window) with the plan the library solves, as the executor runs it (fp32 partials, the plan's prefetch depth: 1, or up to
-4 where the solver found each step deeper faster, ``Layout.prefetch``), against the same plan at depth 1 and at the
+4 where the solver found a deeper depth faster, ``Layout.prefetch``), against the same plan at depth 1 and at the
 deepest, 4, and what-ifs of it: ``partials="input"`` (the partials in the inputs' dtype, half the backward's return
 bytes: an option users have, ``distattn.DistAttnConfig.partials``; the solver still times fp32), one more set of receive
 buffers than the depth needs (``slots=depth + 2``: a fetch round then waits for an earlier compute than the one before

@@ -76,9 +76,10 @@ class Layout:
     solver's per-pair timeline finds it faster."""
     prefetch: int = 1
     """How many steps ahead the executor posts a step's fetch (:data:`PREFETCHES`; the receive buffers of
-    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, up to 4, as deep as the
-    solver's per-pair timeline finds each step deeper faster by :data:`~distattn.schedule.placement.DEEPER` (one more
-    set of receive buffers each: ``distattn.memory.executor`` counts them)."""
+    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, up to 4: the shallowest
+    depth that no deeper one makes faster on the solver's per-pair timeline by
+    :data:`~distattn.schedule.placement.DEEPER` per extra set of receive buffers (``distattn.memory.executor`` counts
+    them)."""
     note: str = field(default="", compare=False)
     """How the layout was chosen (the placement's groups and block size, or why it fell back to contiguous)."""
 
