@@ -69,13 +69,13 @@ def cut_by_work(lengths: np.ndarray, rows: RowWork, cut: float | None,
     (two parts of half a group's tokens fill it exactly; parts of equal rows leave room no part fits). Under a window
     a document's first rows see few keys, so its first piece of equal work is long: it fills a group's token room with
     little work and leaves that group short of work; capped, it shares the group with heavier pieces."""
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"tokens={tokens!r} must be a positive number of rows per piece")
     docs = np.arange(len(lengths))
     if cut is None:
         return docs, np.zeros(len(lengths), dtype=np.int64), lengths.astype(np.int64)
     if cut <= 0:
         raise ValueError(f"cut={cut!r} must be a positive amount of work")
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise ValueError(f"tokens={tokens!r} must be a positive number of rows per piece")
     whole = rows.prefix(docs, lengths)
     out = []
     for d in docs.tolist():
