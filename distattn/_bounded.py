@@ -4,13 +4,20 @@ Every wait distattn makes is bounded (``timeout`` seconds, the ``DISTATTN_TIMEOU
 ``Work.wait(timeout=...)``; on NCCL host-side polling of ``Work.is_completed()`` (a hung transfer never returns from a
 device-side wait). A wait that fails raises ``DistAttnError``, naming what it waited for and why (a timeout, or a peer
 that closed its connections).
+
+A wait may also watch the job's store (``gave_up``): a peer that fails a call marks it given up there before it closes
+its connections (``distattn.communicators``), and the waiting rank reads the mark every ``WATCH_S`` and fails at once.
+Closed connections alone do not always reach a waiting rank: NCCL has no such signal, and on gloo a receive posted
+after the peer's connection closed was seen to wait out its whole bound (then to report the closed connection).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +29,7 @@ TIMEOUT_ENV = "DISTATTN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 REBUILD_TIMEOUT_ENV = "DISTATTN_REBUILD_TIMEOUT"
 DEFAULT_REBUILD_TIMEOUT_S = 10.0
+WATCH_S = 0.25  # how often a watched wait reads the given-up mark (one store round trip each time)
 
 
 class DistAttnError(RuntimeError):
@@ -59,22 +67,25 @@ def _seconds_env(name: str, default: float) -> float:
     return value
 
 
-def bounded_wait(works, timeout: float, what: str, *, poll: bool = False) -> None:
+def bounded_wait(works, timeout: float, what: str, *, poll: bool = False,
+                 gave_up: Callable[[], str | None] | None = None) -> None:
     """Wait for ``works`` at most ``timeout`` seconds each; ``DistAttnError`` naming ``what`` otherwise.
 
     gloo: ``Work.wait(timeout=...)``. NCCL: the host polls ``is_completed()`` (a hung transfer never returns
     from a device-side wait, so the bound has to be on the host), then orders the current stream after it.
+    ``gave_up``: asked every ``WATCH_S`` while the wait lasts; the text it returns (a peer gave this call up: what the
+    job's store says) ends the wait at once. On gloo a watched wait runs in a helper thread (gloo's own wait cannot
+    be woken, and a timed-out gloo wait severs every connection of its group), which the caller joins in slices.
     """
     error = None
     try:
-        for work in works:
-            if poll:
-                deadline = time.monotonic() + timeout
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"timed out after {timeout:g} s")
-                    time.sleep(50e-6)
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        if poll:
+            _poll(works, timeout, gave_up)
+        elif gave_up is not None:
+            _watched(works, timeout, gave_up)
+        else:
+            for work in works:
+                work.wait(timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001
         error = exc
     if error is not None:
@@ -82,7 +93,59 @@ def bounded_wait(works, timeout: float, what: str, *, poll: bool = False) -> Non
         # caller's list is emptied too.
         works.clear()
         work = None  # noqa: F841
+        if isinstance(error, _PeerGaveUp):
+            raise DistAttnError(f"{what}: a peer failed and aborted the library's communicators (the job's store: "
+                                f"{error})", timed_out="timeout" in str(error)) from None
         raise DistAttnError(f"{what}: {reason(error, timeout)}", timed_out=_timed_out(error)) from None
+
+
+class _PeerGaveUp(Exception):
+    """A watched wait ended by the given-up mark (the message: what ``gave_up`` returned)."""
+
+
+def _check(gave_up) -> None:
+    found = gave_up()
+    if found is not None:
+        raise _PeerGaveUp(found)
+
+
+def _poll(works, timeout: float, gave_up) -> None:
+    for work in works:
+        deadline = time.monotonic() + timeout
+        watch = time.monotonic() + WATCH_S
+        while not work.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"timed out after {timeout:g} s")
+            if gave_up is not None and now > watch:
+                _check(gave_up)
+                watch = time.monotonic() + WATCH_S
+            time.sleep(50e-6)
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+
+
+def _watched(works, timeout: float, gave_up) -> None:
+    """gloo's blocking waits in a daemon thread; this thread joins it in ``WATCH_S`` slices, reading the mark between
+    them. A wait given up here leaves the thread blocked until gloo ends it (at the latest at ``timeout``): it holds
+    the old group, never the next call's."""
+    box: list[Exception] = []
+
+    def wait_all(pending=list(works)):
+        try:
+            for work in pending:
+                work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # noqa: BLE001 - handed to the joining thread
+            box.append(exc)
+        pending.clear()
+
+    thread = threading.Thread(target=wait_all, name="distattn-wait", daemon=True)
+    thread.start()
+    thread.join(WATCH_S)
+    while thread.is_alive():
+        _check(gave_up)
+        thread.join(WATCH_S)
+    if box:
+        raise box[0]
 
 
 def all_gather_text(group, text: str, device: torch.device, timeout: float, what: str) -> list[str]:

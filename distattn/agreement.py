@@ -119,11 +119,14 @@ def out_of_step(per_rank: list[dict]) -> DistAttnError:
 
 def confirm(comm: Communicator, device: torch.device, timeout: float, where: str) -> None:
     """Every rank finished the call: one all-reduce after the last step, which completes only when every rank
-    reaches it. A rank that failed mid-call has aborted the communicator, so this fails at once on its peers:
-    every rank then fails the same call, and a loop that skips the failed batch skips it everywhere."""
+    reaches it. A rank that failed mid-call has aborted the communicator and marked the call given up, so this fails
+    on its peers too (on NCCL at once, at the mark; on gloo when the closed connections reach it, else at its bound:
+    ``Communicator.watch_collective``): every rank then fails the same call, and a loop that skips the failed batch
+    skips it everywhere."""
     done = torch.ones(1, dtype=torch.int64, device=device)
     bounded_wait([dist.all_reduce(done, group=comm.fetch, async_op=True)], timeout,
-                 f"distattn: rank {comm.rank}, {where}: confirming that every rank finished", poll=comm.nccl)
+                 f"distattn: rank {comm.rank}, {where}: confirming that every rank finished", poll=comm.nccl,
+                 gave_up=comm.watch_collective)
 
 
 def _all_gather_text(comm: Communicator, text: str, device, timeout: float, where: str) -> list[str]:

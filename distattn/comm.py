@@ -112,11 +112,14 @@ class PeerExchange:
         call: the call's sequence number; message tags are ``message_tag(call, round)``, unique among the
             messages of this call and its neighbours, and always below 2^31.
         return_group: the group for slots ``("return", ...)`` (``None``: ``group``); same ranks as ``group``.
+        gave_up: read while a wait lasts (``bounded_wait``): what the job's store says if a peer gave this call up
+            (``Communicator.peer_gave_up``); ``None``: waits end on their timeout or a closed connection only.
     """
 
     def __init__(self, group, device: torch.device, *, timeout: float | None = None, call: int = 0,
-                 return_group=None):
+                 return_group=None, gave_up=None):
         self.group = group
+        self.gave_up = gave_up
         self.return_group = group if return_group is None else return_group
         self.timeout = default_timeout() if timeout is None else timeout
         self.call = call
@@ -187,11 +190,11 @@ class PeerExchange:
         reqs, copy_back, stream = rnd.reqs, rnd.copy_back, rnd.stream
         rnd = None  # a raised error's frames must not keep the requests (and so the group) alive
         if stream is None or not reqs:
-            bounded_wait(reqs, self.timeout, what)
+            bounded_wait(reqs, self.timeout, what, gave_up=self.gave_up)
         else:
             with torch.cuda.stream(stream):
                 # NCCL: the host polls until the transfer is done (bounded), then wait() orders the side stream
-                bounded_wait(reqs, self.timeout, what, poll=True)
+                bounded_wait(reqs, self.timeout, what, poll=True, gave_up=self.gave_up)
                 done = stream.record_event()
             torch.cuda.current_stream(self.device).wait_event(done)  # compute waits for this round only
         for dst, staged in copy_back:

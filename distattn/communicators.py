@@ -185,17 +185,47 @@ class Communicator:
         """Whether a rank of the group has abandoned this epoch (aborted its groups after a failure)."""
         return self.owned and _Rendezvous(self.name, self.epoch, self.rank, self.world_size).abandoned()
 
-    def abort(self) -> None:
-        """Tear the library's groups down (never the user's) and mark the epoch abandoned in the job's store.
-        Peers waiting on this rank then fail at once on gloo (its connections close); on NCCL the communicators
-        are aborted (``ncclCommAbort``)."""
+    def peer_gave_up(self) -> str | None:
+        """What the job's store says if a rank of the group gave the latest call (or a later one) up, e.g. failed
+        and aborted while this rank waits in it; ``None``: none did. One store round trip (``bounded_wait`` asks it
+        every ``WATCH_S`` of a wait)."""
+        mark, why = _GivenUp(self.name).read()
+        if mark < self.position:
+            return None
+        return f"{describe(mark)} was given up: {why}" if why else f"{describe(mark)} was given up"
+
+    @property
+    def watch(self):
+        """``peer_gave_up`` where a wait may read the mark (``bounded_wait(gave_up=)``), else ``None``: the library's
+        own groups (aborted with the call, so a wait given up early harms nothing) and NCCL (a pending transfer breaks
+        a user's communicator either way). A gloo wait left blocked on the user's own subgroup would sever it at its
+        bound, after the next calls had begun: those waits end on their timeout or a closed connection only."""
+        return self.peer_gave_up if self.owned or self.nccl else None
+
+    @property
+    def watch_collective(self):
+        """``watch`` for a collective's wait: NCCL only. gloo runs a collective on its group's worker thread, which
+        the abort's teardown joins, so a collective given up early would hold the abort until its bound. A gloo
+        collective therefore ends on a peer's closed connections or at its bound: one posted just before the peer's
+        connections closed was seen to wait out its bound (the confirmation after the last step, in
+        tests/test_reliability.py): a gap that remains on gloo."""
+        return self.peer_gave_up if self.nccl else None
+
+    def abort(self, cause: BaseException | None = None) -> None:
+        """Tear the library's groups down (never the user's) and mark the call given up and the epoch abandoned in
+        the job's store. Peers waiting on this rank then fail at once: they read the mark while they wait (``watch``),
+        and on gloo its connections close; on NCCL the communicators are aborted (``ncclCommAbort``). ``cause``: the
+        error that failed the call here (a timeout is named in the mark)."""
         if self.aborted:
             return
         self.aborted = True
+        why = f"group rank {self.rank} failed it and aborted"
+        if getattr(cause, "timed_out", False):
+            why += " (no message within its timeout)"
         # this call failed here: the peers behind fail it too
-        _quietly(_GivenUp(self.name).raise_to, self.position, f"group rank {self.rank} failed it and aborted")
+        _quietly(_GivenUp(self.name).raise_to, self.position, why)
         if not self.owned:
-            return  # the user's group: never aborted (its peers fail at their own timeout)
+            return  # the user's group: never aborted (its peers fail at the mark on NCCL, else at their own timeout)
         _quietly(_Rendezvous(self.name, self.epoch, self.rank, self.world_size).abandon, self.seq)
         self.free()
 

@@ -60,8 +60,8 @@ class Executor:
         """This call's exchange on the library's communicator for the group (built on first use)."""
         self.lib, self.seq = open_call(self.cfg.group, self.cfg.timeout)  # seq: the call's tag number
         self.call = describe(self.lib.position)  # "call k" (of step s): for messages
-        self.comm = PeerExchange(self.lib.fetch, device, timeout=self.cfg.timeout,
-                                 call=self.seq, return_group=self.lib.ret)
+        self.comm = PeerExchange(self.lib.fetch, device, timeout=self.cfg.timeout, call=self.seq,
+                                 return_group=self.lib.ret, gave_up=self.lib.watch)
 
     def _agree(self) -> None:
         """All ranks make the same call, or all raise the same ``ValueError`` (before any transfer).
@@ -78,9 +78,9 @@ class Executor:
                                        {**self.cfg.fingerprint_fields(), "head_groups": self.groups})
         try:
             agreement.agree(self.lib, fields, self._collective_device(), self.cfg.timeout, where)
-        except DistAttnError:
+        except DistAttnError as exc:
             abandoned = self.lib.abandoned_by_peers()  # read before this rank's own abort marks the epoch
-            self._abort()
+            self._abort(exc)
             if not abandoned:
                 raise
             raise DistAttnError(f"distattn: rank {self.rank}, {where}: the other ranks abandoned the library's "
@@ -91,9 +91,9 @@ class Executor:
     def _collective_device(self) -> torch.device:
         return self.device if self.lib.nccl else torch.device("cpu")
 
-    def _abort(self) -> None:
+    def _abort(self, cause: BaseException | None = None) -> None:
         self.comm.abort()
-        self.lib.abort()
+        self.lib.abort(cause)
 
     def start(self, chunk: int) -> int:
         """Global position of the first token of ``chunk``."""
@@ -210,7 +210,7 @@ class Executor:
                 agreement.confirm(self.lib, self._collective_device(), self.cfg.timeout,
                                   f"{self.phase} {self.call}, after the last step")
         except BaseException as exc:
-            self._abort()
+            self._abort(exc)
             if not isinstance(exc, DistAttnError):
                 exc.add_note(f"distattn: rank {self.rank} failed in the {self.phase} at step {self.step} of "
                              f"{self.plan.num_steps()}; it aborted the library's communicators so that its peers "

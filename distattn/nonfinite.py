@@ -101,7 +101,8 @@ class Check:
         """The group's :class:`Columns` of each tensor (this rank's shards), or None when every rank's are finite."""
         ex = self.ex
         what = f"distattn: rank {ex.rank}, {ex.phase} {ex.call}, after the last step"
-        bounded_wait([self.work], ex.cfg.timeout, f"{what}: non-finite check", poll=ex.lib.nccl)
+        bounded_wait([self.work], ex.cfg.timeout, f"{what}: non-finite check", poll=ex.lib.nccl,
+                     gave_up=ex.lib.watch_collective)
         if not self.flag.item():
             return None
         like = self.tensors[0]
@@ -109,7 +110,8 @@ class Check:
         parts = [_local_columns(t, pos) for t in self.tensors]
         flat = torch.cat([x.reshape(-1) for pair in parts for x in pair]).to(self.flag.device)
         bounded_wait([dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=ex.lib.fetch, async_op=True)],
-                     ex.cfg.timeout, f"{what}: non-finite columns", poll=ex.lib.nccl)
+                     ex.cfg.timeout, f"{what}: non-finite columns", poll=ex.lib.nccl,
+                     gave_up=ex.lib.watch_collective)
         flat, out, at = flat.to(like.device), [], 0
         for _, last in parts:
             size = last.numel()
