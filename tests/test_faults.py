@@ -207,3 +207,88 @@ def test_a_huge_declared_shard_fails_the_agreement_before_any_allocation():
         assert took < FAST_S, took
         assert grew_mb < 256, grew_mb  # the plan's per-row bounds for 2^28 rows alone would be 4 GiB
         assert after < EXACT
+
+
+# -- 7. a peer's failure reaches a waiting rank through the job's store ---------------------------------------
+def _unheard_fault_worker(rank, world):
+    """The last rank raises in its first backward kernel call and aborts, but keeps its groups' connections open (its
+    ``Communicator.free`` does nothing here), as when a closed connection does not reach a waiting peer (seen on gloo:
+    a receive posted after the connection closed waits out its bound). Its peers learn of the failure from the
+    given-up mark in the job's store only. Every rank then skips the batch, as a training loop would, and the next
+    call must be exact."""
+    import torch.distributed as dist
+
+    from distattn import communicators
+
+    q, k, v = _data(world, 8, 5)
+    shard = distattn.shard_sequence
+
+    def call():
+        qs, ks, vs = (shard(t).clone().requires_grad_() for t in (q, k, v))
+        out = distattn.dist_flash_attn_func(qs, ks, vs, causal=True, timeout=CALL_TIMEOUT_S)
+        out.sum().backward()
+        return out
+
+    call()  # builds the library's communicators: not part of what is timed
+    real, raised_at = distattn.kernels.backward_chunk_, [0.0]
+
+    def fault(*args, **kw):
+        raised_at[0] = time.monotonic()
+        raise RuntimeError("injected fault")
+    if rank == world - 1:
+        distattn.kernels.backward_chunk_ = fault
+        communicators.Communicator.free = lambda self: None
+    try:
+        kind, msg, _ = _outcome(call)
+    finally:
+        distattn.kernels.backward_chunk_ = real
+    failed_at = time.monotonic()
+    at = torch.tensor([raised_at[0]], dtype=torch.float64)
+    dist.all_reduce(at, op=dist.ReduceOp.MAX)  # one clock for the processes of this machine
+    after = (call() - shard(distattn.flash_attn_func(q, k, v, causal=True))).abs().max().item()
+    return kind, msg, failed_at - at.item(), after
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_failure_that_closes_no_connection_fails_the_peers_within_seconds_through_the_store(world):
+    per_rank = run_distributed(_unheard_fault_worker, world, timeout=SPAWN_TIMEOUT_S)
+    kind, msg, _, _ = per_rank[-1]
+    assert kind == "RuntimeError" and "injected fault" in msg, msg
+    for rank, (kind, msg, took, after) in enumerate(per_rank):
+        assert after < EXACT, (rank, after)
+        if rank < world - 1:
+            assert kind == "DistAttnError", (rank, kind, msg)
+            assert "a peer failed and aborted" in msg and f"group rank {world - 1} failed it and aborted" in msg, msg
+            assert took < FAST_S, (rank, took, msg)  # not CALL_TIMEOUT_S: no closed connection woke it
+
+
+class _Pending:
+    """A request that never completes (a receive whose peer died without closing the connection)."""
+
+    def is_completed(self):
+        return False
+
+    def wait(self, timeout=None):
+        time.sleep(timeout.total_seconds())
+        raise RuntimeError(f"timed out after {timeout.total_seconds():g} s")
+
+
+@pytest.mark.parametrize("poll", [False, True], ids=["blocking wait (gloo)", "polled (NCCL)"])
+def test_a_watched_wait_ends_when_the_store_says_a_peer_gave_the_call_up(poll):
+    from distattn._bounded import WATCH_S, DistAttnError, bounded_wait
+
+    start, marked_after = time.monotonic(), 3 * WATCH_S
+    mark = lambda: "call 4 was given up: group rank 2 failed it and aborted" if (  # noqa: E731
+        time.monotonic() - start > marked_after) else None
+    works = [_Pending()]
+    with pytest.raises(DistAttnError) as err:
+        bounded_wait(works, 30.0, "waiting for the fetch round", poll=poll, gave_up=mark)
+    took = time.monotonic() - start
+    assert marked_after < took < marked_after + 2 * WATCH_S + 1.0, took
+    assert str(err.value) == ("waiting for the fetch round: a peer failed and aborted the library's communicators "
+                              "(the job's store: call 4 was given up: group rank 2 failed it and aborted)")
+    assert not err.value.timed_out and works == []
+    # unwatched, the same wait ends at its bound only, as a timeout
+    with pytest.raises(DistAttnError, match="no message within the timeout") as err:
+        bounded_wait([_Pending()], 0.3, "waiting", poll=poll)
+    assert err.value.timed_out
