@@ -284,7 +284,7 @@ def test_a_watched_wait_ends_when_the_store_says_a_peer_gave_the_call_up(poll):
     with pytest.raises(DistAttnError) as err:
         bounded_wait(works, 30.0, "waiting for the fetch round", poll=poll, gave_up=mark)
     took = time.monotonic() - start
-    assert marked_after < took < marked_after + 2 * WATCH_S + 1.0, took
+    assert marked_after < took < marked_after + 2 * WATCH_S + 2.0, took  # slack for a loaded machine
     assert str(err.value) == ("waiting for the fetch round: a peer failed and aborted the library's communicators "
                               "(the job's store: call 4 was given up: group rank 2 failed it and aborted)")
     assert not err.value.timed_out and works == []
