@@ -116,3 +116,30 @@ def test_a_windowed_placement_is_never_slower_than_the_documents_only_one(monkey
         kept += "without the window" in plan.layout.note
         faster += after_t < before_t * 0.97
     assert kept >= 1 and faster >= 1, (kept, faster)
+
+
+def test_the_documents_dealt_by_causal_work_are_also_timed_at_the_windowed_group():
+    """Longtail at P = 8, seed 118, window 4096 on NVLink: the documents-only solve chooses one group of 8 (1.160x of
+    perfect balance under the window) and the windowed deals reach 1.110x; the documents dealt by causal work in groups
+    of 4, the windowed solve's own size, give 1.066x: the solver times that deal too and keeps it, and it is exactly the
+    forced causal deal of groups of 4 in its fastest order."""
+    import dataclasses
+
+    from distattn.schedule.cluster import Cluster
+    from distattn.schedule.masked import make_masked_plan
+    from distattn.schedule.placement import _place_cached
+
+    p, n, cluster = 8, 4096, Cluster.preset("nvlink")
+    cu = document_lengths("longtail:2048", p * n, seed=118)
+    mask = MaskSpec(causal=True, window=(4096, 0), cu_seqlens=cu)
+    causal = MaskSpec(causal=True, cu_seqlens=cu)
+    chosen = _place_cached.__wrapped__(mask, p, n, None, cluster)
+    assert chosen.group == 4 and "the deal by causal work of the documents without the window: faster" in chosen.note
+    assert _place_cached.__wrapped__(causal, p, n, None, cluster).group == 8
+    forced = _place_cached.__wrapped__(causal, p, n, 4, cluster)
+    assert chosen.placement == forced.placement
+
+    def ratio(lay):
+        return step_timeline(make_masked_plan.__wrapped__(p, "placed", mask, n, lay), SHAPES, cluster)["ratio"]
+    assert ratio(chosen) == pytest.approx(1.0655, abs=1e-3)
+    assert ratio(dataclasses.replace(forced, prefetch=chosen.prefetch)) >= ratio(chosen) * (1 - 1e-9)
