@@ -240,7 +240,8 @@ def test_masked_plans_are_the_plans_built_before():
     times both backward orders, ``Layout.backward``, which the digest names where it is the plan's own; 5 since it
     times the chosen layout fetching 2-4 steps ahead, ``Layout.prefetch``, which the digest names where it is not 1;
     3 since it times every candidate 4 steps ahead, picks the depth after, and also cuts documents into pieces of at
-    most half a group's tokens)."""
+    most half a group's tokens; 1 windowed since it also times the documents dealt by causal work at its own group
+    size)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()
