@@ -77,6 +77,8 @@ def bounded_wait(works, timeout: float, what: str, *, poll: bool = False,
     job's store says) ends the wait at once. On gloo a watched wait runs in a helper thread (gloo's own wait cannot
     be woken, and a timed-out gloo wait severs every connection of its group), which the caller joins in slices.
     """
+    if not works:  # an empty round: nothing to wait for (and no helper thread to start)
+        return
     error = None
     try:
         if poll:
