@@ -242,3 +242,25 @@ def test_documents_cut_by_work_against_reference(world):
     results = run_distributed(_cut_worker, world, 12, timeout=TIMEOUT_S)
     assert all(r[1] == results[0][1] for r in results)  # one placement on every rank
     assert results[0][0] >= 3, results[0][0]
+
+
+def _chunks_worker(rank, world, n):
+    """:func:`_check` on placements of one group dealt in mirrored chunks (``distattn.schedule.deal``): two long
+    documents (one mirrored), and the solver's random streams; returns the placements."""
+    total, seen = world * n, []
+    with placed_forced(group=world, chunks=True, short_first=True):
+        for i, cu in enumerate([[0, 3, 3 + (total - 5) // 2, total - 2, total], list(_streams(world, n))[1]]):
+            lay = placement(cu, n)
+            assert "mirrored chunks" in lay.note, lay.note
+            for case in CASES:  # causal (fp32 GQA, fp16), causal windowed, bidirectional windowed
+                seen.append(_check(rank, world, case, cu, n, seed=60 + i))
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 5])
+def test_mirrored_chunks_against_reference(world):
+    """Documents dealt in mirrored chunks (each one's 2k chunks, rank i holding chunks i and 2k-1-i, every other
+    document mirrored; a pair borrows only the rows its queries see, half a shard from one side): exact against fp64
+    with the byte counters equal to the plan's, causal, windowed and bidirectional, on an even and an odd world."""
+    results = run_distributed(_chunks_worker, world, 40, timeout=TIMEOUT_S)  # 5 blocks of 8 tokens per rank
+    assert all(r == results[0] for r in results)  # one placement on every rank

@@ -241,7 +241,9 @@ def test_masked_plans_are_the_plans_built_before():
     times the chosen layout fetching 2-4 steps ahead, ``Layout.prefetch``, which the digest names where it is not 1;
     3 since it times every candidate 4 steps ahead, picks the depth after, and also cuts documents into pieces of at
     most half a group's tokens; 1 windowed since it also times the documents dealt by causal work at its own group
-    size)."""
+    size; 54 placed ones since it also times, on the chosen groups and twice them, a cut document's shortest piece
+    holding its first rows, its documents in mirrored chunks or not, distattn.schedule.deal: each of the 54 says one
+    of the two in its note)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

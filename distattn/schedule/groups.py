@@ -1,9 +1,15 @@
 """The placement's first level: the documents of a packed stream to groups of ranks, balanced by their rows' work.
 
 :func:`assign_groups` deals the documents, longest first, to the least loaded group with room for them whole
-(longest-processing-time first under a token capacity); a document no group has room for is cut, its first part
-to the group with the most room. :class:`RowWork` gives the work (visible keys) of any rows of a document in closed
-form, causal or not, with or without a sliding window.
+(longest-processing-time first under a token capacity); a document no group has room for is cut by the groups' room,
+the most room first, and its pieces laid out so that the last one cut, the shortest, holds the document's first rows
+(``short_first``; else the first part to the group with the most room). A short piece cut off a document's end would
+hold its heaviest rows, which see every key before them: the group holding it would fetch the long piece's keys from
+every rank the long piece is dealt to, one step each (uniform:8192, P = 64, seed 181: a 64-token end on one rank
+added 8 steps of a few microseconds each; seed 188: 1.121x -> 1.091x of perfect balance with the first rows there
+instead); holding the first rows it borrows nothing, and each of those ranks fetches its few keys in one step. The
+placement solver times both (``distattn.schedule.placement``). :class:`RowWork`
+gives the work (visible keys) of any rows of a document in closed form, causal or not, with or without a sliding window.
 
 A document may also be *cut by its work* before the groups are dealt (``cut``): every document whose rows' work
 passes ``cut`` becomes consecutive pieces of about equal work, each then dealt like a document of its own. A long
@@ -97,9 +103,10 @@ def cut_by_work(lengths: np.ndarray, rows: RowWork, cut: float | None,
 
 
 def assign_groups(starts, lengths, rows: RowWork, groups: int, cap: int, limit: float = float("inf"),
-                  cut: float | None = None, tokens: int | None = None):
+                  cut: float | None = None, tokens: int | None = None, short_first: bool = True):
     """Documents (their pieces, :func:`cut_by_work`), longest first, to the least loaded group with room for them
-    whole; an item no group has room for is cut, its first part to the group with the most room. Returns ``pieces``
+    whole; an item no group has room for is cut by room, the most room first, the shortest piece holding its first rows
+    (``short_first=False``: the first rows to the group with the most room; module docstring). Returns ``pieces``
     (``[start, stop, group, doc]`` rows, global positions); ``None`` as soon as a group's load (row work) exceeds
     ``limit`` (loads only grow: the caller's tolerance is already lost). ``cut``, ``tokens``: :func:`cut_by_work`.
 
@@ -111,7 +118,7 @@ def assign_groups(starts, lengths, rows: RowWork, groups: int, cap: int, limit: 
     size = hi - lo
     work = rows.prefix(doc, hi) - rows.prefix(doc, lo)
     if cut is not None:
-        return _assign_scan(doc, lo, size, work, starts, lengths, rows, groups, cap, limit)
+        return _assign_scan(doc, lo, size, work, starts, lengths, rows, groups, cap, limit, short_first)
     order = np.lexsort((np.arange(len(size)), -size)).tolist()
     work = work.tolist()
     doc_l, lo_l, size_l = doc.tolist(), lo.tolist(), size.tolist()
@@ -134,15 +141,30 @@ def assign_groups(starts, lengths, rows: RowWork, groups: int, cap: int, limit: 
             if free[g]:  # a full group leaves the heaps for good
                 heapq.heappush(waiting, (-free[g], g))
             continue
+        takes = []
         while off < length:  # cut: the most room first (a tie: the first such group)
             g = heapq.heappop(waiting)[1]
-            take = min(free[g], length - off)
-            if not _put(pieces, load, free, g, take, d, lo_l[i] + off, base + off, rows, length_l[d], limit):
-                return None
-            off += take
+            takes.append((g, min(free[g], length - off)))
+            off += takes[-1][1]
+        if not _cut(pieces, load, free, takes, short_first, d, lo_l[i], base, rows, length_l[d], limit):
+            return None
+        for g, _ in takes:
             if free[g]:
                 heapq.heappush(waiting, (-free[g], g))
     return np.asarray(pieces, dtype=np.int64)
+
+
+def _cut(pieces: list, load, free, takes: list, short_first: bool, d: int, x: int, at: int, rows: RowWork,
+         length: int, limit: float) -> bool:
+    """An item cut by room, ``takes`` its ``(group, tokens)`` in the order cut (the most room first): laid out from its
+    first row ``x`` (global position ``at``) in that order, or reversed (``short_first``: the last cut, the shortest,
+    holds the first rows); ``False`` when a group's load then passes ``limit``."""
+    off = 0
+    for g, take in (takes[::-1] if short_first else takes):
+        if not _put(pieces, load, free, g, take, d, x + off, at + off, rows, length, limit):
+            return False
+        off += take
+    return True
 
 
 def _put(pieces: list, load, free, g: int, take: int, d: int, x: int, at: int, rows: RowWork, length: int,
@@ -155,7 +177,8 @@ def _put(pieces: list, load, free, g: int, take: int, d: int, x: int, at: int, r
     return load[g] <= limit
 
 
-def _assign_scan(doc, lo, size, work, starts, lengths, rows: RowWork, groups: int, cap: int, limit: float):
+def _assign_scan(doc, lo, size, work, starts, lengths, rows: RowWork, groups: int, cap: int, limit: float,
+                 short_first: bool = True):
     """:func:`assign_groups` for documents cut by work: the pieces of cut documents first, heaviest first (they
     carry the balance), then every other document longest first (they fill the room); each to the least loaded group
     with room for it whole, else cut by room, the most room first. A scan over the groups per item."""
@@ -176,10 +199,12 @@ def _assign_scan(doc, lo, size, work, starts, lengths, rows: RowWork, groups: in
             free[g] -= length
             pieces.append((base, base + length, g, d))
             continue
+        takes, room = [], free.copy()
         while off < length:  # cut: the most room first (a tie: the first such group)
-            g = int(np.argmax(free))
-            take = min(int(free[g]), length - off)
-            if not _put(pieces, load, free, g, take, d, lo_l[i] + off, base + off, rows, length_l[d], limit):
-                return None
-            off += take
+            g = int(np.argmax(room))
+            takes.append((g, min(int(room[g]), length - off)))
+            room[g] -= takes[-1][1]
+            off += takes[-1][1]
+        if not _cut(pieces, load, free, takes, short_first, d, lo_l[i], base, rows, length_l[d], limit):
+            return None
     return np.asarray(pieces, dtype=np.int64)

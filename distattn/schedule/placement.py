@@ -9,13 +9,12 @@ a layout of kind ``"placed"`` (``distattn.schedule.layouts``) in which
 * the ranks form ``P / k`` *groups* of ``k`` neighbouring ranks; every document goes whole to one group when it
   fits (documents longer than a group's stream are cut across groups), the documents' work balanced over the
   groups by longest-processing-time first with a token capacity of ``k * n`` per group,
-* inside a group the group's tokens (its documents in position order) are cut into blocks of ``B`` tokens; the
-  whole blocks of every document, in full cycles of ``2k``, are dealt to the group's ``k`` ranks in a snake
-  (0, 1, .., k-1, k-1, .., 0): symmetric, so every (query rank, kv rank) pair of the group gets the same share of
-  that stretch of the document's work, and the plan's steps stay equal across ranks; the remaining blocks
-  (document ends, short documents) go heaviest first to the least loaded rank of the group with room, but for a
-  short piece (at most half a rank's blocks) of a document cut across groups, whose blocks go to one rank
-  together: its keys then travel to one rank of the next group (or come from one), not to all ``k`` of them.
+* inside a group the group's tokens (its documents in position order) are cut into blocks of ``B`` tokens and
+  dealt to the group's ``k`` ranks (``distattn.schedule.deal``): every document's whole blocks in a snake
+  (0, 1, .., k-1, k-1, .., 0), symmetric, so every (query rank, kv rank) pair of the group gets the same share of
+  its work and the plan's steps stay equal across ranks, or in *mirrored chunks* (zigzag sharding of each document,
+  every other one mirrored: the same balance, a quarter fewer keys borrowed); the remaining blocks (document ends,
+  short documents) heaviest first to the least loaded rank of the group with room.
 
 ``k`` is chosen by the plan it produces: for each divisor of ``P``, smallest first, the solver deals the blocks, builds
 the placed plan (``distattn.schedule.masked``) and times one training step of it on the per-pair timeline
@@ -27,7 +26,13 @@ step time, so on InfiniBand the solver gives up balance for bytes where that is 
 when a rank's own rows' work already passes the best time (a rank computes its own rows, so that bounds the makespan
 from below). The search starts at the smallest group whose dealt work balances within :data:`BALANCED` (so it is never
 worse than that rule), climbs down and up the divisors while the step improves, and always tries a node's size.
-With the group size chosen, the *windowed deal* of those groups (``distattn.schedule.windows``: each document over an
+With the group size chosen, the mirrored chunks and, with them or the snake, a cut document's shortest piece holding its
+first rows (``distattn.schedule.groups``: a short end of a document would see every key of its long piece, one step per
+rank that piece is dealt to) are timed on those groups and on twice them, and kept where faster: on the sweep's worst
+causal seeds of uniform:8192 the snake's kv fetches (a whole shard per pair) outlast the compute they feed (P = 16, seed
+161: 1.105x -> 1.079x of perfect balance on NVLink, the chunks), or a 64-token document end costs its rank 8 steps (P =
+64, seed 188: 1.121x -> 1.091x, the shortest piece first); ``tests/test_deal.py``. Then the *windowed deal* of the
+groups (``distattn.schedule.windows``: each document over an
 aligned window of the ranks its work needs, not over the whole group, so a pair shares fewer documents and a step moves
 fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES` and per rule for a block two documents
 share (it goes with its heaviest piece, so a document's last rows stay with its window, or with its longest; and a
@@ -106,10 +111,11 @@ Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement 
 all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`; the
-backward's twice) per group size tried (3-4 of them) and per windowed deal (5 shares x 3 block rules, on one or two
-group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut
-(3 cuts, capped or not, on up to 4 group sizes), and 3 timelines of the chosen layout at the shallower prefetch depths
-(on the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P =
+backward's twice) per group size tried (3-4 of them), per deal with a cut document's shortest piece first (in mirrored
+chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules, on one or two group sizes,
+often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts,
+capped or not, on up to 4 group sizes), and 3 timelines of the chosen layout at the shallower prefetch depths (on the
+pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P =
 64 on NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask,
 on 2 cores with a second sweep job beside each solve, the solver of 447c42d; today's times the same candidates 4 steps
 ahead and, under a window, twice the cuts: 1.9-4.2 s causal and 5.9-12.2 s windowed at most on the worst P = 64 seeds,
@@ -124,18 +130,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 
 import numpy as np
 
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
+from distattn.schedule.deal import deal
 from distattn.schedule.groups import RowWork, assign_groups
 from distattn.schedule.layouts import BACKWARDS, ORDERS, PREFETCHES, Layout
 from distattn.schedule.masked import masked_plan_of
 from distattn.schedule.pairs import pair_table
 from distattn.schedule.masks import MaskSpec
 from distattn.schedule.timeline import phase_timeline
-from distattn.schedule.windows import SHARES, window_owners
+from distattn.schedule.windows import SHARES
 from distattn.schedule.wire import Shapes
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "NEAR", "WIDER_MAX_RANKS",
@@ -194,12 +200,13 @@ def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = Non
 @functools.lru_cache(maxsize=64)
 def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, cluster: Cluster | None = None,
                   stride: int = 1, cut: float | None = None, share: float | None = None, by: str = "work",
-                  capped: bool = False) -> Layout:
+                  capped: bool = False, chunks: bool = False, short_first: bool = False) -> Layout:
     """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
     table of ``bench/placement_sim.py --groups``), and with it ``cut`` the documents cut by work
     (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work; ``capped``: and of at most
-    :data:`PIECES` of a group's tokens) and ``share``, ``by`` the windowed deal (``distattn.schedule.windows``); tests,
-    benches, diagnosis."""
+    :data:`PIECES` of a group's tokens), ``share``, ``by`` the windowed deal (``distattn.schedule.windows``) and
+    ``chunks``, ``short_first`` the mirrored chunks (``distattn.schedule.deal``) and a cut document's shortest piece
+    first (``distattn.schedule.groups``); tests, benches, diagnosis."""
     if p == 1:
         return Layout("contiguous", 1, note="one rank: nothing to place")
     if spec.dense:
@@ -223,16 +230,17 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     mean = whole.sum() / p
 
     def dealt(k: int, limit: float = float("inf"), share: float | None = None, by: str = "work",
-              cut: float | None = None, capped: bool = False) -> Layout | None:
+              cut: float | None = None, capped: bool = False, chunks: bool = False,
+              short_first: bool = False) -> Layout | None:
         """Groups of ``k``, or ``None`` as soon as a group's (then a dealt rank's) work passes ``limit`` per group: a
         document that fits a group (never cut), a group's documents, then a rank's blocks; loads only grow."""
         cut_work = None if cut is None else cut * mean
         if whole[(lengths <= k * n) & (whole <= (cut_work or np.inf))].max(initial=0) > limit:
             return None
         tokens = max(1, int(PIECES * k * n)) if capped and cut is not None else None
-        pieces = assign_groups(starts, lengths, rows, p // k, k * n, limit, cut_work, tokens)
-        segments = None if pieces is None else _deal(pieces, starts, rows, p, k, n, b, limit / k, share,
-                                                      mean, by)  # per rank
+        pieces = assign_groups(starts, lengths, rows, p // k, k * n, limit, cut_work, tokens, short_first)
+        segments = None if pieces is None else deal(pieces, starts, rows, p, k, n, b, limit / k, share, mean, by,
+                                                    NEAR if by == "near" else 0.0, chunks)  # per rank
         if segments is None:
             return None
         how = "" if share is None else f", documents over windows of their work (share {share}, a block with " \
@@ -241,11 +249,13 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if cut is not None and (whole > cut_work).any():  # a cut that cuts nothing deals the documents whole
             how += f", documents cut by work (pieces of at most {cut} of a rank's mean" + \
                    (f" and {tokens} tokens)" if tokens else ")")
+        how += ", documents in mirrored chunks" if chunks and share is None else ""
+        how += ", a cut document's shortest piece first" if short_first else ""
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
                                                                        f"tokens{how}")
 
     if group is not None:
-        return dealt(group, share=share, by=by, cut=cut, capped=capped)
+        return dealt(group, share=share, by=by, cut=cut, capped=capped, chunks=chunks, short_first=short_first)
     divisors = _divisors(p)
     times: dict[int, tuple[float, Layout | None]] = {}
 
@@ -299,6 +309,10 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     k = min((k for k in times if times[k][1] is not None), key=lambda k: (round(times[k][0], 15), k))  # tie: small k
     best_time, best = times[k]
     wider = (k, 2 * k) if p % (2 * k) == 0 and p <= WIDER_MAX_RANKS else (k,)
+    for kk, chunks in [(kk, chunks) for kk in wider for chunks in (True, False)]:  # a cut document's shortest
+        t, lay = fastest(dealt(kk, best_time / per_key * kk, chunks=chunks, short_first=True))  # piece first
+        if t < best_time * (1 - 1e-9):
+            best_time, best = t, lay
     for kk, share, by in [(kk, s, by) for kk in wider for s in SHARES for by in ("work", "tokens", "near")]:
         t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by))  # documents over windows of the groups
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
@@ -358,134 +372,3 @@ def _cluster_name(cluster: Cluster, ranks: int) -> str:
 
 def _divisors(p: int) -> list[int]:
     return [k for k in range(1, p + 1) if p % k == 0]
-
-
-def _fill_rest(owner: np.ndarray, work: np.ndarray, unit: np.ndarray, p: int, k: int, per_group: int,
-               limit: float = float("inf")) -> np.ndarray | None:
-    """Blocks without an owner (``-1``) to the ranks of their group: *items* heaviest first, each to the least loaded
-    rank of the group with room for it whole. An item is the run of blocks with one ``unit`` id (``>= 0``: a short
-    piece of a document cut across groups, kept on one rank) or a single block (``-1``); an item that no rank has
-    room for goes block by block. ``None`` as soon as a rank's work exceeds ``limit``."""
-    slots = per_group // k
-    load = np.bincount(owner[owner >= 0], weights=work[owner >= 0], minlength=p).tolist()
-    if max(load) > limit:
-        return None
-    used = np.bincount(owner[owner >= 0], minlength=p).tolist()
-    rest = np.flatnonzero(owner < 0)
-    if not len(rest):
-        return owner
-    ident = np.where(unit[rest] >= 0, unit[rest], -1 - rest)  # a block outside every unit is an item of its own
-    first = np.flatnonzero(np.append(True, ident[1:] != ident[:-1]))  # the rest blocks of a unit are consecutive
-    size = np.diff(np.append(first, len(rest)))
-    item_work = np.add.reduceat(work[rest], first)
-    heaps = [[(load[r], r) for r in range(g * k, (g + 1) * k) if used[r] < slots] for g in range(p // k)]
-    for h in heaps:
-        heapq.heapify(h)
-    work_l, rest_l = work.tolist(), rest.tolist()
-    order = np.lexsort((first, -item_work))[::-1]  # a stack: the heaviest item on top
-    pending = list(zip(first[order].tolist(), size[order].tolist()))
-    while pending:
-        at, count = pending.pop()
-        h = heaps[rest_l[at] // per_group]
-        aside = []
-        while h and slots - used[h[0][1]] < count:
-            aside.append(heapq.heappop(h))
-        if not h:  # no rank has room for the whole item: its blocks one by one, the heaviest first
-            for item in aside:
-                heapq.heappush(h, item)
-            pending += [(i, 1) for i in sorted(range(at, at + count), key=lambda i: (work_l[rest_l[i]], -rest_l[i]))]
-            continue
-        w, r = heapq.heappop(h)
-        for i in range(at, at + count):
-            owner[rest_l[i]] = r
-            w += work_l[rest_l[i]]
-        if w > limit:
-            return None
-        used[r] += count
-        if used[r] < slots:
-            heapq.heappush(h, (w, r))
-        for item in aside:
-            heapq.heappush(h, item)
-    return owner
-
-
-def _units(key: np.ndarray, idx: np.ndarray, unit_piece: np.ndarray, blocks: int) -> np.ndarray:
-    """Per block, the item it belongs to (``-1``: none): the block ranges of the unit pieces, merged where they
-    share a block (two pieces meeting inside one block go to one rank together)."""
-    unit = np.full(blocks, -1, dtype=np.int64)
-    touched = unit_piece[idx]
-    if not touched.any():
-        return unit
-    pieces, keys = idx[touched], key[touched]
-    first = np.flatnonzero(np.append(True, pieces[1:] != pieces[:-1]))  # a piece's blocks: consecutive entries
-    lo, hi = keys[first], np.maximum.reduceat(keys, first)
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], hi[order]
-    reach = np.maximum.accumulate(hi)
-    ident = np.cumsum(np.append(True, lo[1:] > reach[:-1])) - 1  # a range overlapping the last one joins its item
-    for a, b, i in zip(lo.tolist(), hi.tolist(), ident.tolist()):
-        unit[a:b + 1] = i
-    return unit
-
-
-def _deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf"),
-          share: float | None = None, mean: float = 0.0, by: str = "work"):
-    """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring:
-    snake cycles, then the rest by load); every rank gets ``n / b`` blocks. Returns every rank's segments
-    (:func:`_segments`); ``None`` as soon as a rank's work (its rows' visible keys) exceeds ``limit``."""
-    order = np.lexsort((pieces[:, 0], pieces[:, 2]))  # by group, then position
-    start, stop, group, doc = (pieces[order, c] for c in range(4))
-    length = stop - start
-    first = np.searchsorted(group, np.arange(p // k), side="left")
-    csum = np.cumsum(length) - length
-    offset = csum - csum[first[group]]  # offset of each piece in its group's stream
-    reps = (offset + length - 1) // b - offset // b + 1  # blocks a piece touches
-    idx = np.repeat(np.arange(len(start)), reps)
-    j = np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)  # 0 .. reps-1 within a piece
-    block = offset[idx] // b + j
-    lo = np.maximum(block * b, offset[idx]) - offset[idx] + start[idx]
-    hi = np.minimum((block + 1) * b, offset[idx] + length[idx]) - offset[idx] + start[idx]
-    d, d0 = doc[idx], starts[doc[idx]]
-    per_group = k * n // b
-    key = group[idx] * per_group + block  # every group has exactly k * n / b blocks
-    piece_work = rows.prefix(d, hi - d0) - rows.prefix(d, lo - d0)  # each piece's part of a block: its rows' work
-    work = np.bincount(key, weights=piece_work, minlength=p // k * per_group)
-    # a block wholly inside one piece, in a full cycle of 2k of the piece's whole blocks: the snake (symmetric, so
-    # every pair of the group gets the same share of that stretch of the document); the rest (document ends, short
-    # documents): heaviest first to the least loaded rank of the group with room
-    whole = (hi - lo == b)
-    first_whole = np.repeat((offset + b - 1) // b, reps)  # first block wholly inside the piece
-    n_whole = np.repeat((offset + length) // b, reps) - first_whole
-    t = block - first_whole
-    # a short piece (at most half a rank's blocks) of a document cut across groups is a *unit*: its blocks stay on one
-    # rank, so the piece's keys go to one rank of the other group (or come from one), not to every rank of it
-    unit_piece = (reps <= n // b // 2) & (np.bincount(doc)[doc] > 1)
-    cyc = whole & (t < n_whole // (2 * k) * (2 * k)) & ~unit_piece[idx]
-    rnd, pos = np.divmod(t, k)
-    owner = np.full(len(work), -1, dtype=np.int64)
-    owner[key[cyc]] = group[idx][cyc] * k + np.where(rnd[cyc] % 2 == 0, pos[cyc], k - 1 - pos[cyc])
-    if share is not None:  # the windowed deal instead (distattn.schedule.windows): a block with one of its pieces
-        most = np.lexsort((-(hi - lo if by == "tokens" else piece_work), key))
-        top = idx[most][np.flatnonzero(np.append(True, key[most][1:] != key[most][:-1]))]
-        owner = window_owners(top, group, work, k, n // b, share, mean, unit_piece, NEAR if by == "near" else 0.0)
-    owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group, limit)
-    if owner is None:
-        return None
-    return _segments(lo, hi, owner[key], p, n)
-
-
-def _segments(lo: np.ndarray, hi: np.ndarray, rank: np.ndarray, p: int, n: int):
-    """Every rank's segments in position order, neighbouring pieces merged, from the pieces ``[lo, hi)`` of blocks and
-    their ranks (:func:`_deal`)."""
-    order = np.lexsort((lo, rank))
-    lo, hi, rank = lo[order], hi[order], rank[order]
-    new = np.ones(len(lo), dtype=bool)
-    new[1:] = (rank[1:] != rank[:-1]) | (lo[1:] != hi[:-1])  # a segment starts unless it continues the last
-    seg_lo = lo[new]
-    seg_hi = np.maximum.reduceat(hi, np.flatnonzero(new))
-    seg_rank = rank[new]
-    held = np.bincount(seg_rank, weights=seg_hi - seg_lo, minlength=p)
-    assert (held == n).all(), "placement: a rank does not hold n tokens"
-    bounds = np.searchsorted(seg_rank, np.arange(p + 1)).tolist()
-    pairs = list(zip(seg_lo.tolist(), seg_hi.tolist()))
-    return tuple(tuple(pairs[bounds[r]:bounds[r + 1]]) for r in range(p))

@@ -1,7 +1,7 @@
 """The placement's windowed deal: inside a group, each document's blocks over an aligned window of the ranks its work
 needs, not over the whole group (issue 39, the worst seeds).
 
-The group deal (``distattn.schedule.placement._deal``) snakes every document of a group over all ``k`` ranks, so
+The group deal (``distattn.schedule.deal.deal``) snakes (or chunks) every document of a group over all ``k`` ranks, so
 every pair of the group shares every document and each of its ``k - 1`` steps moves a whole shard's keys: with short
 documents (little work per key) the per-pair timeline is bound by those bytes. Here, per group:
 
