@@ -243,7 +243,7 @@ def test_masked_plans_are_the_plans_built_before():
     most half a group's tokens; 1 windowed since it also times the documents dealt by causal work at its own group
     size; 54 placed ones since it also times, on the chosen groups and twice them, a cut document's shortest piece
     holding its first rows, its documents in mirrored chunks or not, distattn.schedule.deal: each of the 54 says one
-    of the two in its note)."""
+    of the two in its note; 3 more since it also times the windowed deal it keeps with that piece first)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

@@ -437,13 +437,13 @@ def test_the_solver_keeps_the_backward_in_the_plans_order_where_that_is_faster(d
              for b in ("forward", "reversed")}
     assert chosen.backward == "forward" and "the backward in the plan's order" in chosen.note
     assert steps["forward"]["makespan"] < steps["reversed"]["makespan"] * (1 - 5e-4), steps
-    assert steps["forward"]["ratio"] == pytest.approx({47: 1.1452, 172: 1.1313}[seed], abs=1e-4)
+    assert steps["forward"]["ratio"] == pytest.approx({47: 1.1452, 172: 1.1299}[seed], abs=1e-4)
 
 
 @pytest.mark.parametrize("docs,p,window,seed,depth,ratio", [("longtail:2048", 8, None, 145, 2, 1.0737),
                                                              ("uniform:8192", 8, 4096, 46, 1, 1.0791),
                                                              ("pile:4", 16, None, 30, 1, 1.0046),
-                                                             ("pile:4", 16, None, 35, 3, 1.1002),
+                                                             ("pile:4", 16, None, 35, 3, 1.1000),
                                                              ("pile:4", 16, None, 42, 4, 1.1456)])
 def test_the_solver_fetches_steps_ahead_where_it_pays(docs, p, window, seed, depth, ratio):
     """Every candidate is timed fetching 4 steps ahead (``Layout.prefetch``, the deepest); the chosen layout then
