@@ -1,6 +1,8 @@
 """The worst seed of a 200-seed sweep under today's solver, without re-running the sweep (issue 39).
 
     python bench/placement_worst.py --sweep bench/results/placement-sim/sweep-200.csv --world 256 --out <file>
+    python bench/placement_worst.py --sweep bench/results/placement-sim/sweep-200-p8-64.csv --world 16 64 \
+        --docs uniform:8192 --mask causal --max-seeds 200    (only those settings, every seed the bound needs)
 
 A full ``bench/placement_sweep.py`` at P = 256 takes hours on 2 cores. When today's solver only *adds* candidates to
 the solver the sweep ran (the same climb over group sizes, more windowed deals, the fastest kept), its step on the
@@ -99,15 +101,20 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-per-rank", type=int, default=4096)
     ap.add_argument("--max-seeds", type=int, default=20, help="re-solve at most this many seeds per setting")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--docs", nargs="+", help="only these distributions (e.g. uniform:8192)")
+    ap.add_argument("--mask", nargs="+", help="only these masks of the sweep ('causal', 'window 4096')")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rows = sweep_rows(args.sweep, set(args.world))
-    jobs = [(key, seeds, args.seq_per_rank, args.max_seeds) for key, seeds in sorted(rows.items())]
+    jobs = [(key, seeds, args.seq_per_rank, args.max_seeds) for key, seeds in sorted(rows.items())
+            if (not args.docs or key[0] in args.docs) and (not args.mask or key[2] in args.mask)]
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(one, jobs))
     cols = list(results[0])
+    only = "".join(f" --{k} " + " ".join(f"'{x}'" if " " in x else x for x in v)
+                   for k, v in (("docs", args.docs), ("mask", args.mask)) if v)
     lines = [f"`python bench/placement_worst.py --sweep {args.sweep} --world {' '.join(map(str, args.world))} "
-             f"--max-seeds {args.max_seeds}`: NVLink, {args.seq_per_rank} tokens per rank, LLaMA-3-8B attention "
+             f"--max-seeds {args.max_seeds}{only}`: NVLink, {args.seq_per_rank} tokens per rank, LLaMA-3-8B attention "
              f"shapes; the library's placement over perfect balance on the per-pair timeline. Modelled, not measured.",
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in results]

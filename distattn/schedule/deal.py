@@ -15,8 +15,10 @@ of ``B`` tokens and every rank of the group gets ``n / B`` of them. :func:`deal`
   every rank's blocks through the document, so any late block sees every rank's keys). That holds for one direction
   of each pair only (rank 0 would borrow every shard whole, rank ``k - 1`` half of each), so every other document is
   mirrored (rank ``i`` holding what rank ``k - 1 - i`` would), the documents longest first to the orientation with
-  fewer blocks so far, and a rank borrows and lends about three quarters of the keys the snake moves (uniform:8192,
-  P = 16, seed 161, groups of 8: 58 -> 44-50 µs per kv fetch against ~51 µs of compute per step on NVLink).
+  fewer blocks so far. Per document a rank then borrows three quarters of what the snake's pairs borrow; the rest
+  (document ends, short documents) still borrow whole (uniform:8192, P = 16, seed 161, groups of 8: the busiest rank
+  borrows 12% fewer rows, its kv fetches take 49-55 µs a step against 51-55 µs of compute on NVLink where the snake's
+  took 55-60 µs against ~51, and the forward falls from 1.127x to 1.031x of perfect balance).
 
 Either way the remaining blocks (document ends, short documents, the chunks' middle) go heaviest first to the least
 loaded rank of the group with room, but for a short piece (at most half a rank's blocks) of a document cut across
@@ -159,7 +161,7 @@ def deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: i
 
 def _segments(lo: np.ndarray, hi: np.ndarray, rank: np.ndarray, p: int, n: int):
     """Every rank's segments in position order, neighbouring pieces merged, from the pieces ``[lo, hi)`` of blocks and
-    their ranks (:func:`_deal`)."""
+    their ranks (:func:`deal`)."""
     order = np.lexsort((lo, rank))
     lo, hi, rank = lo[order], hi[order], rank[order]
     new = np.ones(len(lo), dtype=bool)

@@ -8,8 +8,8 @@ hold its heaviest rows, which see every key before them: the group holding it wo
 every rank the long piece is dealt to, one step each (uniform:8192, P = 64, seed 181: a 64-token end on one rank
 added 8 steps of a few microseconds each; seed 188: 1.121x -> 1.091x of perfect balance with the first rows there
 instead); holding the first rows it borrows nothing, and each of those ranks fetches its few keys in one step. The
-placement solver times both (``distattn.schedule.placement``). :class:`RowWork`
-gives the work (visible keys) of any rows of a document in closed form, causal or not, with or without a sliding window.
+placement solver times both (``distattn.schedule.placement``). :class:`RowWork` gives the work (visible keys) of any
+rows of a document in closed form, causal or not, with or without a sliding window.
 
 A document may also be *cut by its work* before the groups are dealt (``cut``): every document whose rows' work
 passes ``cut`` becomes consecutive pieces of about equal work, each then dealt like a document of its own. A long
@@ -103,10 +103,10 @@ def cut_by_work(lengths: np.ndarray, rows: RowWork, cut: float | None,
 
 
 def assign_groups(starts, lengths, rows: RowWork, groups: int, cap: int, limit: float = float("inf"),
-                  cut: float | None = None, tokens: int | None = None, short_first: bool = True):
+                  cut: float | None = None, tokens: int | None = None, short_first: bool = False):
     """Documents (their pieces, :func:`cut_by_work`), longest first, to the least loaded group with room for them
-    whole; an item no group has room for is cut by room, the most room first, the shortest piece holding its first rows
-    (``short_first=False``: the first rows to the group with the most room; module docstring). Returns ``pieces``
+    whole; an item no group has room for is cut by room, the most room first, its first rows to the group with the most
+    room (``short_first``: to the shortest piece, the last cut; module docstring). Returns ``pieces``
     (``[start, stop, group, doc]`` rows, global positions); ``None`` as soon as a group's load (row work) exceeds
     ``limit`` (loads only grow: the caller's tolerance is already lost). ``cut``, ``tokens``: :func:`cut_by_work`.
 
@@ -178,7 +178,7 @@ def _put(pieces: list, load, free, g: int, take: int, d: int, x: int, at: int, r
 
 
 def _assign_scan(doc, lo, size, work, starts, lengths, rows: RowWork, groups: int, cap: int, limit: float,
-                 short_first: bool = True):
+                 short_first: bool = False):
     """:func:`assign_groups` for documents cut by work: the pieces of cut documents first, heaviest first (they
     carry the balance), then every other document longest first (they fill the room); each to the least loaded group
     with room for it whole, else cut by room, the most room first. A scan over the groups per item."""
