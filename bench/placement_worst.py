@@ -82,11 +82,14 @@ def one(job) -> dict:
         if ratio > old + ROUNDING:
             worse.append(f"{seed}: {old:.3f} -> {ratio:.3f}")
         print(f"{docs} P={p} {mask} seed {seed}: {old:.3f} -> {ratio:.3f}", file=sys.stderr, flush=True)
+    if len(found) == len(seeds):
+        exact = True  # every seed of the sweep re-solved
     top = max(found)
     return {"docs": docs, "P": p, "mask": mask, "sweep worst": f"{seeds[0][0]:.3f} (seed {seeds[0][1]})",
             "today worst": f"{top[0]:.3f} (seed {top[1]}, group {top[2]})" + ("" if exact or mask != "causal" else
                                                                               " (cap reached)"),
-            "exact": "yes" if exact else f"no: the {len(found)} worst re-solved",
+            "exact": (f"yes: all {len(found)} re-solved" if len(found) == len(seeds) else "yes") if exact else
+                     f"no: the {len(found)} worst re-solved",
             "partials input, that seed": f"{top[3]:.3f}",
             "sweep median": f"{float(np.median([s[0] for s in seeds])):.3f}", "re-solved": len(found),
             "solve CPU s (max / median)": f"{max(f[5] for f in found):.1f} / "

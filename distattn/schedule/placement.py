@@ -94,7 +94,7 @@ the shallowest that no deeper depth beats by :data:`DEEPER` per extra set of buf
 the compute before its posting read, so it cannot start before that compute is done on both ends: a busy sender holds
 its peers back, and posting the round further ahead gives it more computes to travel behind. Timing only the winner
 deeper (the solver before) chose among candidates by their step at depth 1, where a deal whose order stalls on a busy
-sender loses to one that is faster only there (``bench/results/placement-sim/WORST-8-64.md``). The memory is
+sender loses to one that is faster only there (``bench/results/placement-sim/WORST-8-64-089630e.md``). The memory is
 counted: ``distattn.memory.executor`` replays the plan's slots, and the planner counts the deepest for ``"placed"``.
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
@@ -120,9 +120,10 @@ capped or not, on up to 4 group sizes), and 3 timelines of the chosen layout at 
 pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P =
 64 on NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask,
 on 2 cores with a second sweep job beside each solve, the solver of 447c42d; today's times the same candidates 4 steps
-ahead and, under a window, twice the cuts: 1.9-4.2 s causal and 5.9-12.2 s windowed at most on the worst P = 64 seeds,
-``WORST-8-64.md``; 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the backward's two orders,
-0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
+ahead, under a window twice the cuts, and the chunked and shortest-first deals: 1.5-3.8 s causal and 3.6-8.6 s
+windowed at most on the worst P = 64 seeds, ``WORST-8-64.md``, on an idle machine (1.9-4.2 / 5.9-12.2 s before those
+deals, CI beside); 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the backward's two
+orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
 ``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P = 256 (``WORST-256.md``; 30
 / 49 s before, with two other jobs beside each solve); before the windowed deal 3.4 s (NVLink) / 8.2 s (IB) at P = 4096
 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure Python + numpy.
