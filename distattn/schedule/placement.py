@@ -13,8 +13,8 @@ a layout of kind ``"placed"`` (``distattn.schedule.layouts``) in which
   dealt to the group's ``k`` ranks (``distattn.schedule.deal``): every document's whole blocks in a snake
   (0, 1, .., k-1, k-1, .., 0), symmetric, so every (query rank, kv rank) pair of the group gets the same share of
   its work and the plan's steps stay equal across ranks, or in *mirrored chunks* (zigzag sharding of each document,
-  every other one mirrored: the same balance, a quarter fewer keys borrowed); the remaining blocks (document ends,
-  short documents) heaviest first to the least loaded rank of the group with room.
+  every other one mirrored: the same balance, per document a quarter fewer keys borrowed); the remaining blocks
+  (document ends, short documents) heaviest first to the least loaded rank of the group with room.
 
 ``k`` is chosen by the plan it produces: for each divisor of ``P``, smallest first, the solver deals the blocks, builds
 the placed plan (``distattn.schedule.masked``) and times one training step of it on the per-pair timeline
