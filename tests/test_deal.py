@@ -78,7 +78,8 @@ def test_every_other_document_is_mirrored_so_every_rank_borrows_alike():
 @pytest.mark.parametrize("seed", range(8))
 def test_mirrored_chunks_hold_n_tokens_and_never_borrow_more_than_the_snake(seed):
     """Random streams (documents short and long, windows): every rank holds n tokens in the chunks as
-    in the snake, the ranks partition the stream, and the pairs of a causal stream borrow no more rows in all."""
+    in the snake, the ranks partition the stream, and the pairs of a causal stream borrow no more rows in all (2%
+    slack: the rest blocks go by load, differently)."""
     rng = random.Random(seed)
     k, groups, n = rng.choice([2, 3, 4]), rng.choice([1, 2]), rng.choice([64, 128, 256])
     p = k * groups
