@@ -132,8 +132,8 @@ def deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: i
     piece_work = rows.prefix(d, hi - d0) - rows.prefix(d, lo - d0)  # each piece's part of a block: its rows' work
     work = np.bincount(key, weights=piece_work, minlength=p // k * per_group)
     # a block wholly inside one piece, in a full cycle of 2k of the piece's whole blocks: the snake (symmetric, so
-    # every pair of the group gets the same share of that stretch of the document); the rest (document ends, short
-    # documents): heaviest first to the least loaded rank of the group with room
+    # every pair of the group gets the same share of that stretch of the document), or its chunk; the rest (document
+    # ends, short documents, the chunks' middle): heaviest first to the least loaded rank of the group with room
     whole = (hi - lo == b)
     first_whole = np.repeat((offset + b - 1) // b, reps)  # first block wholly inside the piece
     n_whole = np.repeat((offset + length) // b, reps) - first_whole
@@ -141,10 +141,10 @@ def deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: i
     # a short piece (at most half a rank's blocks) of a document cut across groups is a *unit*: its blocks stay on one
     # rank, so the piece's keys go to one rank of the other group (or come from one), not to every rank of it
     unit_piece = (reps <= n // b // 2) & (np.bincount(doc)[doc] > 1)
-    cyc = whole & (t < n_whole // (2 * k) * (2 * k)) & ~unit_piece[idx]
-    mirror = np.zeros(len(t), dtype=bool)
     if chunks:  # the chunk of each whole block instead: rank i holds chunks i and 2k - 1 - i
         cyc, t, mirror = _chunks(t, n_whole, whole & ~unit_piece[idx], idx, group, p, k)
+    else:
+        cyc, mirror = whole & (t < n_whole // (2 * k) * (2 * k)) & ~unit_piece[idx], np.zeros(len(t), dtype=bool)
     rnd, pos = np.divmod(t, k)
     pos = np.where(mirror, k - 1 - pos, pos)
     owner = np.full(len(work), -1, dtype=np.int64)
