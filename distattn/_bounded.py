@@ -30,6 +30,7 @@ DEFAULT_TIMEOUT_S = 300.0
 REBUILD_TIMEOUT_ENV = "DISTATTN_REBUILD_TIMEOUT"
 DEFAULT_REBUILD_TIMEOUT_S = 10.0
 WATCH_S = 0.25  # how often a watched wait reads the given-up mark (one store round trip each time)
+_LEFT: list[threading.Thread] = []  # wait threads a given-up watched wait left blocked in gloo (``left_waits``)
 
 
 class DistAttnError(RuntimeError):
@@ -144,10 +145,23 @@ def _watched(works, timeout: float, gave_up) -> None:
     thread.start()
     thread.join(WATCH_S)
     while thread.is_alive():
-        _check(gave_up)
+        try:
+            _check(gave_up)
+        except _PeerGaveUp:
+            _LEFT.append(thread)  # still blocked on the old group: its teardown waits for it (``left_waits``)
+            raise
         thread.join(WATCH_S)
     if box:
         raise box[0]
+
+
+def left_waits() -> list[threading.Thread]:
+    """The wait threads that given-up watched waits left blocked in gloo and that are still alive. Dropping the last
+    reference to a gloo group blocks until its pending work ends, i.e. until such a wait's bound when the peer it
+    waits for failed but kept its connections open: ``distattn.communicators.Communicator.free`` leaves the groups'
+    teardown to a thread that joins these first, so the failing call raises at once."""
+    _LEFT[:] = [t for t in _LEFT if t.is_alive()]
+    return list(_LEFT)
 
 
 def all_gather_text(group, text: str, device: torch.device, timeout: float, what: str) -> list[str]:
