@@ -173,11 +173,13 @@ def _backward_group(ex: Executor, dout, q, k, v, lse, delta, cfg: DistAttnConfig
             return [empty_like_shard(k), empty_like_shard(v)]
         return [empty_like_shard(q), empty_like_shard(q), stats_buffer(q), stats_buffer(q)]
 
-    def compute(task: Task, inbox):
+    def compute(task: Task, inbox, rows=None):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
-        kw = ex.mask(task)
-        if task.is_local:
-            kernels.backward_chunk_(dout, q, k, v, lse, delta, dq, dk, dv, **kw)
+        kw = ex.mask(task, rows)
+        if task.is_local:  # rows: the head before step 0 or the rest at the last step (Executor.head_rows)
+            a, b = rows if rows is not None else (0, q.shape[1])
+            kernels.backward_chunk_(dout[:, a:b], q[:, a:b], k, v, lse[:, :, a:b], delta[:, :, a:b], dq[:, a:b], dk,
+                                    dv, **kw)
             return None
         if task.is_helper:  # their queries against my kv: my dk, dv grow; their dq partial goes back
             q_i, dout_i, lse_i, delta_i = bufs

@@ -5,7 +5,8 @@ the library's communicators (``distattn.communicators.open_call``) and the agree
 inputs, the plan and the per-pair masks, a pool of receive buffers (a fetch slot's reused ``Plan.prefetch + 1`` steps
 later, a return slot's two), and ``run``, which walks the plan step by step (fetching ``Plan.prefetch`` steps ahead;
 fetch, compute, return partials, absorb; the backward walks the steps in reverse,
-``Plan.run_order``, so the local pair comes last and hides the previous step's return) and, on any failure, aborts the
+``Plan.run_order``, so the local pair comes last and hides the previous step's return, and computes the local pair's
+first rows before its first step, while the first fetches travel, ``Plan.head_task``) and, on any failure, aborts the
 library's communicators so that the peers fail at once.
 
 Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head dim.
@@ -21,7 +22,7 @@ import distattn.kernels as kernels
 from distattn.comm import DistAttnError, PeerExchange
 from distattn.communicators import describe, open_call
 from distattn.config import DistAttnConfig
-from distattn.schedule import Task, Transfer, head_groups, local_bounds
+from distattn.schedule import Task, Transfer, head_groups, head_rows, local_bounds
 
 __all__ = ["Executor", "WireCopies", "empty_like_shard", "stats_buffer", "guarded", "packed_bounds", "TRACE"]
 
@@ -120,9 +121,34 @@ class Executor:
         :meth:`key_rows`, received packed); ``None`` when the rank computes with its own (local and helper tasks)."""
         return self.key_rows(task.q_chunk, task.kv_chunk) if task.rank == task.q_chunk != task.kv_chunk else None
 
-    def mask(self, task: Task) -> dict:
+    def mask(self, task: Task, rows: tuple[int, int] | None = None) -> dict:
         """Kernel keywords for ``task``'s (query chunk, kv chunk) pair: the mask and the scale options (keys: the
-        rows :meth:`borrowed` says, packed)."""
+        rows :meth:`borrowed` says, packed); ``rows=(a, b)``: for the query rows ``[a, b)`` of the pair only (the
+        backward's head of a local pair and its rest, :meth:`head_rows`)."""
+        kw = self._mask(task)
+        if rows is None:
+            return kw
+        a, b = rows
+        if kw["bounds"] is None:
+            return dict(kw, q_start=kw["q_start"] + a)
+        return dict(kw, bounds=kernels.KeyBounds(kw["bounds"].lo[a:b], kw["bounds"].hi[a:b]))
+
+    def head_rows(self, share: float) -> int:
+        """The rows ``[0, h)`` of this rank's local pair that the backward computes before its first step
+        (``Plan.head_task``; the rows holding ``share``, ``Plan.head``, of the pair's visible keys,
+        ``distattn.schedule.head_rows``), the rest at the last step. Counted from the mask the plan read."""
+        r, n = self.rank, self.n
+        if self.plan.layout is not None:  # local key indices per query row
+            lo, hi = local_bounds(self.spec, self.plan.layout, n, r, r)
+        elif not self.spec.dense:  # global key positions per query row, of which the local chunk's count
+            lo, hi = self.spec.bounds(n * self.plan.world_size, self.start(r), self.start(r + 1))
+            lo, hi = np.maximum(lo, self.start(r)), np.minimum(hi, self.start(r + 1) - 1)
+        else:
+            lo = np.zeros(n, dtype=np.int64)
+            hi = np.arange(n, dtype=np.int64) if self.cfg.causal else np.full(n, n - 1, dtype=np.int64)
+        return head_rows(np.clip(np.asarray(hi) - np.asarray(lo) + 1, 0, None), share)
+
+    def _mask(self, task: Task) -> dict:
         ranges = self.borrowed(task)
         kw = dict(softmax_scale=self.cfg.scale, q_start=self.start(task.q_chunk), k_start=self.start(task.kv_chunk),
                   softcap=self.cfg.softcap, backend=self.backend)
@@ -220,8 +246,10 @@ class Executor:
     def _run(self, compute, fetch_payload, fetch_buffers, return_payload, return_buffers, absorb) -> None:
         """Interpret the plan: for each step, fetch, compute, send partials back, absorb received partials.
 
-        ``compute(task, inbox)`` returns the partial produced by a task (or ``None``); ``absorb(transfer,
-        buffers)`` adds a received partial into this rank's accumulators. Slots are ``(kind, phase, index)``.
+        ``compute(task, inbox)`` returns the partial produced by a task (or ``None``); the backward's local pair
+        is computed in two calls, ``compute(task, {}, rows=(0, h))`` before step 0 and ``rows=(h, n)`` at the last
+        step (:meth:`head_rows`); ``absorb(transfer, buffers)`` adds a received partial into this rank's
+        accumulators. Slots are ``(kind, phase, index)``.
         """
         phase = self.phase
         plan = self.plan.run_order(phase)  # the backward walks the steps in reverse (Plan.run_order)
@@ -235,6 +263,14 @@ class Executor:
             return self.post(("fetch", phase, t % slots), ops, fetch_payload, fetch_buffers)
 
         fetched = {t: fetch(t) for t in range(min(depth, steps))} if self.cfg.overlap else {}
+        head = plan.head_task(self.rank)  # the backward: the local pair's first rows now, its rest at the last step
+        split = self.head_rows(plan.head) if head is not None else 0
+        if head is not None:
+            self.step, self.comm.where = 0, f"{phase} {self.call}, the local pair's head before step 0 of {steps}"
+            if TRACE is not None:
+                TRACE.append((phase, ("head", steps - 1, head.q_chunk, head.kv_chunk)))
+            if split:
+                compute(head, {}, rows=(0, split))
         returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
         for t in range(steps):
             self.step, self.comm.where = t, f"{phase} {self.call}, step {t} of {steps}"
@@ -249,7 +285,8 @@ class Executor:
             task = plan.task(t, self.rank)
             if TRACE is not None and task is not None:
                 TRACE.append((phase, ("compute", t, task.q_chunk, task.kv_chunk)))
-            produced = compute(task, inbox) if task is not None else None
+            rest = {"rows": (split, self.n)} if head is not None and t == steps - 1 else {}
+            produced = compute(task, inbox, **rest) if task is not None else None
             if returned is not None:
                 self._absorb(returned, absorb)
             slot, ops = ("return", phase, t % 2), plan.rank_ops(t, self.rank, phase, "return")

@@ -87,6 +87,15 @@ def test_grid_against_reference(world):
     assert run_distributed(_grid_worker, world, cases, n, timeout=TIMEOUT_S) == [len(cases)] * world
 
 
+def test_one_and_two_tokens_per_rank_against_reference():
+    """The backward splits each rank's local pair into a head, computed before its first step, and the rest
+    (``Plan.head_task``, ``Executor.head_rows``): with one token per rank there is no row to split off (the head
+    computes nothing), with two each part holds one row."""
+    cases = [c for c in CASES if c[5] == torch.float32 and c[6] == "torch" and c[2] == 4]
+    for n in (1, 2):
+        assert run_distributed(_grid_worker, 3, cases, n, timeout=TIMEOUT_S) == [len(cases)] * 3
+
+
 def _bad_input_worker(rank, world):
     errors = []
     q = torch.zeros(1, 4, 6, 16)

@@ -151,17 +151,18 @@ def test_matched_orders_against_reference(world, order):
     assert results[0][0] > 0, "no rank idles between its pairs: pick a stream that leaves a hole"
 
 
-def _backward_worker(rank, world, n, order, backward):
+def _backward_worker(rank, world, n, order, backward, head):
     """:func:`_check` on placed plans whose backward runs the steps in ``backward``'s order (``Layout.backward``),
-    forced; the executor's computes (``distattn.executor.TRACE``) run the backward's pairs in that order."""
+    its local pair's head first or not (``head``, ``Layout.head``), forced; the executor's computes
+    (``distattn.executor.TRACE``) run the backward's pairs in that order, the head first where there is one."""
     from distattn import executor
     from distattn.schedule import make_plan
 
     seen = []
-    with placed_forced(order, backward=backward):
+    with placed_forced(order, backward=backward, head=head):
         for i, cu in enumerate(list(_streams(world, n))[:2]):
             plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(cu)), chunk=n)
-            assert (plan.layout.order, plan.layout.backward) == (order, backward), plan.layout
+            assert (plan.layout.order, plan.layout.backward, plan.layout.head) == (order, backward, head), plan.layout
             executor.TRACE = []
             try:
                 seen.append(_check(rank, world, CASES[0], cu, n, seed=40 + i))
@@ -170,16 +171,23 @@ def _backward_worker(rank, world, n, order, backward):
                 executor.TRACE = None
             fwd, bwd = ([e[2:] for p, e in trace if p == ph and e[0] == "compute"] for ph in ("forward", "backward"))
             assert fwd and bwd == (fwd if backward == "forward" else fwd[::-1]), (backward, fwd, bwd)
+            heads = [e for p, e in trace if p == "backward" and e[0] == "head"]  # one per call when there is a head
+            last = plan.run_order("backward").task(plan.num_steps() - 1, rank)
+            has = backward == "reversed" and head and last is not None and last.is_local
+            assert heads == ([("head", plan.num_steps() - 1, rank, rank)] if has else []), heads
+            kinds = [e[0] for p, e in trace if p == "backward"]
+            assert not has or kinds.index("head") < kinds.index("wait"), kinds  # before step 0's wait
     return seen
 
 
 @pytest.mark.parametrize("world,order", [(3, "rotation"), (4, "pairs-work")])
-@pytest.mark.parametrize("backward", ["forward", "reversed"])
-def test_either_backward_order_against_reference(world, order, backward):
-    """A placed layout's backward runs the plan's steps reversed (every plan's default, ``Plan.run_order``) or in the
-    plan's own order where the solver finds that faster (``Layout.backward``): exact against fp64 either way, the
-    byte counters equal to the plan's, and the executor computes the backward's pairs in that order."""
-    results = run_distributed(_backward_worker, world, 12, order, backward, timeout=TIMEOUT_S)
+@pytest.mark.parametrize("backward,head", [("forward", True), ("reversed", True), ("reversed", False)])
+def test_either_backward_order_against_reference(world, order, backward, head):
+    """A placed layout's backward runs the plan's steps reversed (every plan's default, ``Plan.run_order``), its local
+    pair's head first (``Plan.head_task``) or not (``Layout.head``), or in the plan's own order where the solver finds
+    that faster (``Layout.backward``): exact against fp64 every way, the byte counters equal to the plan's, and the
+    executor computes the backward's pairs in that order, the head before step 0's wait."""
+    results = run_distributed(_backward_worker, world, 12, order, backward, head, timeout=TIMEOUT_S)
     assert all(r == results[0] for r in results)  # one placement on every rank
 
 

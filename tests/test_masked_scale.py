@@ -72,7 +72,8 @@ def plan_digest(plan) -> str:
              plan.schedule, plan.causal, plan.num_steps(),
              None if plan.layout is None else [plan.layout.kind, plan.layout.group, plan.layout.placement]
              + ([] if plan.layout.backward == "reversed" else [plan.layout.backward])
-             + ([] if plan.layout.prefetch == 1 else [f"prefetch {plan.layout.prefetch}"])]
+             + ([] if plan.layout.prefetch == 1 else [f"prefetch {plan.layout.prefetch}"])
+             + ([] if plan.layout.head else ["no head"])]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
@@ -243,7 +244,9 @@ def test_masked_plans_are_the_plans_built_before():
     most half a group's tokens; 1 windowed since it also times the documents dealt by causal work at its own group
     size; 54 placed ones since it also times, on the chosen groups and twice them, a cut document's shortest piece
     holding its first rows, its documents in mirrored chunks or not, distattn.schedule.deal: each of the 54 says one
-    of the two in its note; 3 more since it also times the windowed deal it keeps with that piece first)."""
+    of the two in its note; 3 more since it also times the windowed deal it keeps with that piece first; 1 since the
+    backward computes its local pair's head first, ``Plan.head_task``, and the solver keeps none where that is faster,
+    ``Layout.head``, which the digest names: mask 51)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

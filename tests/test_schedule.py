@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import numpy as np
+
 import pytest
 
 from distattn import schedule as sched
@@ -210,6 +212,33 @@ def test_the_backward_runs_the_steps_in_reverse(plan):
     if plan.layout is not None and plan.layout.kind == "placed":  # a placed layout may keep the plan's order
         kept = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, backward="forward"))
         assert kept.run_order("backward") is kept and kept.run_order("forward") is kept
+
+
+@pytest.mark.parametrize("plan", list(_rank_ops_plans()), ids=lambda plan: f"P{plan.world_size}-{plan.schedule}")
+def test_the_backward_computes_its_local_pairs_head_first(plan):
+    """``Plan.head_task``: in the backward's reversed view every rank whose last step is its local pair computes that
+    pair's head before step 0 (``sched.HEAD`` of its work); the forward, and a backward in the plan's order, have
+    none (their local pair is first)."""
+    back, last = plan.run_order("backward"), plan.num_steps() - 1
+    assert back.head == sched.HEAD and plan.head == 0.0
+    for r in range(plan.world_size):
+        assert plan.head_task(r) is None
+        local = back.task(last, r)
+        assert back.head_task(r) == (local if local is not None and local.is_local else None)
+    assert any(back.head_task(r) is not None for r in range(plan.world_size))
+    if plan.layout is not None and plan.layout.kind == "placed":
+        kept = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, backward="forward"))
+        assert kept.run_order("backward").head == 0.0
+
+
+def test_head_rows_split_a_pairs_work_by_its_rows():
+    """``head_rows``: the fewest leading rows whose visible keys reach the share, within ``[1, rows - 1]``."""
+    causal = np.arange(1, 4097)  # a causal diagonal: row i sees i + 1 keys; a quarter of the work is half the rows
+    assert sched.head_rows(causal) == 2048 and sched.head_rows(causal, 0.5) == 2897  # ceil(sqrt(0.5) * 4096)
+    assert sched.head_rows(np.full(100, 7)) == 25
+    assert sched.head_rows([5]) == 0 and sched.head_rows([]) == 0  # one row: nothing to split
+    assert sched.head_rows([0, 0, 9]) == 2 and sched.head_rows([9, 0, 0]) == 1  # both parts keep a row
+    assert sched.head_rows([0, 0, 0, 0]) == 2  # no visible key: the middle
 
 
 def test_only_a_placed_layout_keeps_the_plans_order_in_the_backward():

@@ -96,13 +96,14 @@ def test_choose_zigzag_for_gqa():
     _assert_argmin(node)
     assert (node.best.schedule, node.best.ulysses) == ("zigzag", 1)
     # across 100 Gb/s IB (P=16) the ring is comm-bound; the winner runs zigzag at the ring level under a
-    # Ulysses all-to-all inside each node (U=4 and U=8 are within 0.2 ms of each other; U=4's ring of 4 gains more
-    # from zigzag's half-shard pairs with earlier ranks)
+    # Ulysses all-to-all inside each node (U=4 and U=8 are within 2% of each other, 0.25 ms of 23: U=4's ring of 4
+    # gains more from zigzag's half-shard pairs with earlier ranks, U=8's ring of 2 more from the backward's head,
+    # Plan.head_task, which hides its one exposed fetch over IB)
     across = choose(16, GQA, cluster=IB)
     _assert_argmin(across)
     assert across.best.schedule == "zigzag" and across.best.ulysses in (4, 8)
     u4, u8 = (next(c.total for c in across.candidates if c.label == f"2d U={u} x zigzag R={16 // u}") for u in (4, 8))
-    assert abs(u4 - u8) < 0.2e-3 and min(u4, u8) == across.best.total
+    assert abs(u4 - u8) < 0.02 * min(u4, u8) and min(u4, u8) == across.best.total
     flat = {c.label: c.total for c in across.candidates if c.runnable and c.ulysses == 1}
     assert flat["zigzag"] < flat["balanced"]  # helpers would move q (32 heads) and fp32 partials
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from distattn.schedule import (
+    HEAD,
     SCHEDULES,
     Layout,
     MaskSpec,
@@ -113,7 +114,8 @@ def _comm(transfers, link):
 
 def _reference_phase(plan, phase, shapes, link, flops, partials):
     """(compute, ring time): fetches of step t+1 and returns of step t-1 overlap step t's compute; the backward runs
-    the plan's steps last first (``Plan.run_order``)."""
+    the plan's steps last first (``Plan.run_order``), its first fetch beside the head of the local pairs (``HEAD`` of
+    its last step, ``Plan.head_task``), which that step no longer computes."""
     m = shapes.seq_per_rank
     pair_flops = 4 * shapes.batch * m * m * shapes.heads_q * shapes.head_dim * (
         BWD_FLOP_FACTOR if phase == "backward" else 1.0)
@@ -124,10 +126,13 @@ def _reference_phase(plan, phase, shapes, link, flops, partials):
     fetches = [of(tasks, "fetch") for tasks in steps] + [[]]
     returns = [[]] + [of(tasks, "return") for tasks in steps]
     compute = [max(_cost(plan, t) for t in tasks) * pair_flops / flops for tasks in steps]
-    total = _comm(fetches[0], link) + _comm(returns[len(steps)], link)
+    head = HEAD * compute[-1] if phase == "backward" and steps and plan.run_order(phase).head else 0.0
+    if steps:
+        compute[-1] -= head
+    total = max(_comm(fetches[0], link), head) + _comm(returns[len(steps)], link)
     for t in range(len(steps)):
         total += max(compute[t], _comm(fetches[t + 1] + returns[t], link))
-    return sum(compute), total
+    return sum(compute) + head, total
 
 
 # -- small P: the same numbers as the reference -------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 import distattn
 from dist_utils import placed_forced, run_distributed
-from distattn.schedule import MaskSpec, Shapes, make_plan, simulate
+from distattn.schedule import HEAD, MaskSpec, Shapes, make_plan, simulate
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.cluster import Cluster, Link
 from distattn.schedule.layouts import PREFETCHES
@@ -154,21 +154,24 @@ def test_two_ranks_by_hand():
 
 
 def test_the_backward_runs_the_steps_in_reverse_by_hand():
-    """Causal ring on 2 ranks, backward (``Plan.run_order``): rank 1 first fetches rank 0's k/v (nothing to hide it
-    behind), computes (1, 0), then its diagonal while the (1, 0) dk/dv partial goes back; in the plan's order the
-    diagonal came first (hiding the fetch) and the fp32 partial, twice the k/v's bytes, went back after everything.
-    On NVLink both transfers are shorter than the diagonal, so the reversed backward ends a fetch after the compute,
-    where the plan's order ended a return after it."""
+    """Causal ring on 2 ranks, backward (``Plan.run_order``): rank 1 computes the head of its diagonal
+    (``Plan.head_task``: ``HEAD`` of its work) while rank 0's k/v arrive, computes (1, 0), then the rest of its
+    diagonal while the (1, 0) dk/dv partial goes back; in the plan's order the diagonal came first (hiding the fetch)
+    and the fp32 partial, twice the k/v's bytes, went back after everything. On NVLink both transfers are shorter
+    than the diagonal's head and rest, so the reversed backward exposes nothing, where the plan's order ended a return
+    after the compute. Without the head the fetch was exposed (the timeline before it: ``kv + 1.5 pair``)."""
     cluster = Cluster.preset("nvlink")
     plan = make_plan(2, True, "ring")
     pair = 2.5 * 4 * 4096 ** 2 * 32 * 128 / cluster.flops  # one full pair, backward
     kv, dkv = (payload_bytes(kind, "backward", SHAPES) / cluster.intra.bandwidth + cluster.intra.latency
                for kind in ("kv", "dkv"))
-    assert kv < dkv < 0.5 * pair
+    head = HEAD * 0.5 * pair
+    assert kv < head and kv < dkv < 0.5 * pair - head
     bwd = phase_timeline(plan, "backward", SHAPES, cluster)
-    assert bwd.makespan == pytest.approx(kv + 1.5 * pair)
-    assert bwd.finish.tolist() == pytest.approx([kv + pair + dkv, kv + 1.5 * pair])
-    assert bwd.exposed.tolist() == pytest.approx([0.0, kv])
+    assert bwd.makespan == pytest.approx(1.5 * pair)
+    assert bwd.finish.tolist() == pytest.approx([head + pair + dkv, 1.5 * pair])
+    assert bwd.exposed.tolist() == pytest.approx([0.0, 0.0])
+    assert bwd.busy.tolist() == pytest.approx([0.5 * pair, 1.5 * pair])
     as_planned = dataclasses.replace(plan, runs="backward")  # marked as the backward's order: run as it is
     old = phase_timeline(as_planned, "backward", SHAPES, cluster)
     assert old.makespan == pytest.approx(1.5 * pair + dkv) and old.makespan > bwd.makespan

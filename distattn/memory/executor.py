@@ -254,6 +254,10 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
 
     for t in range(min(depth, steps)):
         fetch(t)
+    head = plan.head_task(rank)  # the backward's head of the local pair (Plan.head_task): its key bounds made now
+    if head is not None and sz.n >= 2:  # (one row per rank: no head rows, Executor.head_rows, nothing computed)
+        lv.where = f"{phase} {label}before step 0 of {steps}, rank {rank}: computing the local pair's head"
+        compute(head)
     stay: list[int] = []  # what the variable ``produced`` keeps of the last partial beyond what travels
     returned = None
     for t in range(steps):

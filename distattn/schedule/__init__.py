@@ -52,12 +52,14 @@ from distattn.schedule.masks import MaskSpec, pair_work
 from distattn.schedule.pairs import PlanTooLarge
 from distattn.schedule.placement import place
 from distattn.schedule.plan import (  # noqa: F401  (private names: tests rebuild uncached plans)
+    HEAD,
     PHASES,
     SCHEDULES,
     Plan,
     Task,
     Transfer,
     _make_plan_cached,
+    head_rows,
 )
 from distattn.schedule.sim import (
     PARTIALS,
@@ -71,7 +73,8 @@ from distattn.schedule.sim import (
     ulysses_heads,
 )
 
-__all__ = ["SCHEDULES", "PARTIALS", "PHASES", "Task", "Transfer", "Plan", "make_plan", "MaskSpec", "pair_work",
+__all__ = ["SCHEDULES", "PARTIALS", "PHASES", "HEAD", "head_rows", "Task", "Transfer", "Plan", "make_plan", "MaskSpec",
+           "pair_work",
            "PlanTooLarge", "Layout", "LAYOUTS", "layout_of", "local_bounds", "pieces_of", "place", "Shapes",
            "payload_bytes", "a2a_bytes", "ulysses_heads",
            "ring_plan", "SimReport", "simulate", "format_table", "head_groups", "work_bytes"]

@@ -194,7 +194,8 @@ def _phase(plan: Plan, phase: str, ring_shapes: Shapes, link: Link, flops: float
     """``(compute, ring time)`` of one phase, seconds. With a ``cluster``: the per-pair timeline
     (``distattn.schedule.timeline``: the executor's synchronisation, each message on its own link; compute is the
     busiest rank's). Without: the lockstep walk on ``link`` (the fetches of step t+1 and the returns of step t-1 travel
-    while step t computes; every step as long as its slowest rank)."""
+    while step t computes; every step as long as its slowest rank; the backward's first fetch beside the local pairs'
+    head, ``Plan.head``)."""
     plan = plan.run_order(phase)  # the order the phase runs its steps in (the backward: reversed)
     if cluster is not None and plan.num_tasks() <= TIMELINE_MAX_TASKS:
         tl = phase_timeline(plan, phase, ring_shapes, cluster, partials, stride)
@@ -206,10 +207,13 @@ def _phase(plan: Plan, phase: str, ring_shapes: Shapes, link: Link, flops: float
     n_steps = plan.num_steps()
     compute = (step_costs(plan) * pair_flops / flops).tolist()
     comm = _slot_comm(plan, phase, sizes, link)
-    total = comm[0] + comm[n_steps + 1]
+    head = plan.head * compute[-1] if n_steps else 0.0  # the local pairs' head (Plan.head_task): before step 0
+    if n_steps:
+        compute[-1] -= head
+    total = max(comm[0], head) + comm[n_steps + 1]
     for t in range(n_steps):
         total += max(compute[t], comm[t + 1])
-    return sum(compute), total
+    return sum(compute) + head, total
 
 
 def predict(world_size: int, shapes: Shapes, schedule: str, ulysses: int = 1, *, causal: bool = True,

@@ -40,12 +40,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "ORDERS", "BACKWARDS", "PREFETCHES", "Layout", "local_bounds", "pieces_of"]
+__all__ = ["LAYOUTS", "ORDERS", "BACKWARDS", "HEAD", "PREFETCHES", "Layout", "local_bounds", "pieces_of"]
 
 LAYOUTS = ("contiguous", "zigzag", "placed")
 ORDERS = ("rotation", "pairs-work", "pairs-keys", "ranks-work", "ranks-keys")
 BACKWARDS = ("reversed", "forward")
 """The order the backward runs a plan's steps in (``Layout.backward``, ``distattn.schedule.plan.Plan.run_order``)."""
+HEAD = 0.25
+"""The share of its local pair's work a rank computes *before* the backward's first step, while that step's fetch
+travels (the *head*, ``Plan.head_task``); the rest at the local pair's own step, the backward's last, where it hides
+the dk/dv return of the step before (``Plan.run_order``). Without it nothing hides the backward's first fetch (a whole
+k/v shard on a dense plan; 56 us of NVLink at 4096 tokens and 8 kv heads of 128). On the per-pair timeline, with the
+solver's plans of the time, shares of 0.15-0.4 did about alike on 46 packed seeds and a quarter lowered the worst
+ones (the Pile at P = 8, seed 160: 1.105x -> 1.017x of perfect balance; uniform:8192 at P = 16, seed 95: 1.085x ->
+1.061x); 0.5 and more leave too little of the pair to hide the last return. Rows, not keys, are split
+(``distattn.schedule.plan.head_rows``): the two parts write disjoint dq rows and both add into dk, dv."""
 PREFETCHES = (1, 2, 3, 4)
 """How many steps ahead the executor posts a step's fetch (``Layout.prefetch``; ``distattn.executor.Executor._run``)."""
 
@@ -80,6 +89,12 @@ class Layout:
     depth that no deeper one makes faster on the solver's per-pair timeline by
     :data:`~distattn.schedule.placement.DEEPER` per extra set of receive buffers (``distattn.memory.executor`` counts
     them)."""
+    head: bool = True
+    """Whether a rank computes :data:`HEAD` of its local pair's work before the backward's first step
+    (``Plan.head_task``): ``True``, every plan's, or, ``"placed"`` only, ``False`` (the local pair whole at the
+    backward's last step) where the solver's per-pair timeline finds that faster (a head delays the first step's
+    compute and leaves less of the local pair to hide the last return behind). A bool, not the share: a traced call
+    (``torch.compile(dynamic=True)``) builds layouts, and a float field there is symbolic."""
     note: str = field(default="", compare=False)
     """How the layout was chosen (the placement's groups and block size, or why it fell back to contiguous)."""
 
@@ -101,6 +116,9 @@ class Layout:
                 or (self.prefetch != 1 and self.kind != "placed")):
             raise ValueError(f"prefetch={self.prefetch!r}: a placed layout's prefetch depth is one of {PREFETCHES}; "
                              f"other layouts keep 1")
+        if type(self.head) is not bool or (not self.head and self.kind != "placed"):
+            raise ValueError(f"head={self.head!r}: a placed layout's head is True or False; other layouts keep "
+                             f"True")
         if self.kind == "placed" and len(self.placement) != self.world_size:
             raise ValueError(f"a placed layout holds the segments of every ring rank ({len(self.placement)} given "
                              f"for world_size={self.world_size}); solve it with distattn.schedule.placement.place("

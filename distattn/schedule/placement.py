@@ -81,11 +81,15 @@ set a heavy pair beside a light one; the matchings lowered the worst seeds most 
 worst of 200 seeds of the Pile on NVLink: 1.61x -> 1.29x of perfect balance at P = 16, 1.91x -> 1.56x at P = 64;
 ``bench/results/placement-sim/COMPARE-200-orders.md``). A deal's pair table is built once for its orders and not
 cached (only the chosen plan's is, when the library builds it). Each order's backward is timed twice, its steps
-reversed (every plan's backward, ``Plan.run_order``: the local pair last hides the dk/dv return before it) and in the
-plan's own order (``Layout.backward = "forward"``), the forward once; a tie keeps the reversed one. The reversal
-alone lowered nearly every seed but slowed 48 of 3600 (mostly windowed at P = 64, by up to 0.04); with the choice no
-causal seed is slower than before and three windowed ones are, by at most 0.011 (their documents-only fallback can
-change: ``bench/results/placement-sim/COMPARE-200-backward.md``).
+reversed (every plan's backward, ``Plan.run_order``: the local pair last hides the dk/dv return before it, its head
+computed first hides the first fetch, ``Plan.head_task``) and in the plan's own order (``Layout.backward =
+"forward"``), the forward once; a tie keeps the reversed one. The reversal alone lowered nearly every seed but slowed
+48 of 3600 (mostly windowed at P = 64, by up to 0.04); with the choice no causal seed is slower than before and three
+windowed ones are, by at most 0.011 (their documents-only fallback can change:
+``bench/results/placement-sim/COMPARE-200-backward.md``). The layout chosen (at its depth, below) is then timed once
+more each way, and reversed with the local pair whole at the last step (``Layout.head = False``: a head delays the first
+step's compute and leaves less of the pair to hide the last return behind), and keeps the fastest (the Pile at P = 16,
+window 4096: 3 of 200 seeds keep no head, 2 the plan's order; causal at P = 8 and 16 every seed keeps both).
 
 Every candidate is timed with the executor fetching 4 steps ahead (``Layout.prefetch``, the deepest of
 :data:`~distattn.schedule.layouts.PREFETCHES`: the executor posts each step's fetch ``depth`` steps before that step
@@ -282,7 +286,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         seen.add(digest)
         table, found = pair_table(spec, p, n, lay, cache=False), []  # one table, every order
         for order in ORDERS:
-            cand = dataclasses.replace(lay, order=order, prefetch=PREFETCHES[-1])  # timed at the deepest depth
+            cand = dataclasses.replace(lay, order=order, prefetch=PREFETCHES[-1], head=True)  # at the deepest depth
             plan = masked_plan_of(p, "placed", spec, n, cand, table)
             fwd = phase_timeline(plan, "forward", shapes, cluster, stride=stride).makespan
             for backward in BACKWARDS:  # the backward's steps reversed (every plan's; a tie keeps it) or as planned
@@ -356,9 +360,19 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     depth = next(d for d in PREFETCHES
                  if all(times[e] >= times[d] * (1 - DEEPER * (e - d)) for e in PREFETCHES if e > d))
     best_time, best = times[depth], dataclasses.replace(best, prefetch=depth)
+    # the backward's three ways on that layout: reversed with the local pair's head first, reversed with the pair whole
+    # at its last step, in the plan's order (the candidates were timed with the head); the first of the fastest
+    ways = [best] + [way for way in (dataclasses.replace(best, backward="reversed", head=h) for h in (True, False))
+                     if way != best]
+    ways += [] if best.backward == "forward" else [dataclasses.replace(best, backward="forward")]
+    bwd = [phase_timeline(dataclasses.replace(plan, layout=way), "backward", shapes, cluster, stride=stride).makespan
+           for way in ways]
+    i = min(range(len(ways)), key=lambda i: (round(bwd[i] / bwd[0], 9), i))  # the forward is the same every way
+    best_time, best = best_time - bwd[0] + bwd[i], ways[i]
     how = "" if best.order == "rotation" else f", steps as matchings ({best.order})"
     how += ", the backward in the plan's order" if best.backward == "forward" else ""
     how += f", fetches {best.prefetch} steps ahead" if best.prefetch > 1 else ""
+    how += ", the backward's local pair whole at its last step" if not best.head else ""
     return dataclasses.replace(best, note=f"{best.note}{how}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
 
@@ -367,7 +381,8 @@ def _dealt_note(note: str) -> str:
     """A solved layout's note without what the solve adds to its deal's (order, backward, depth, modelled step): those
     are said again for the layout they end up on."""
     note = note.split(";")[0]
-    for added in (", steps as matchings", ", the backward in the plan's order", ", fetches "):
+    for added in (", steps as matchings", ", the backward in the plan's order", ", fetches ",
+                  ", the backward's local pair whole"):
         note = note.split(added)[0]
     return note
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distattn.schedule.layouts import Layout
+from distattn.schedule.layouts import HEAD, Layout
 from distattn.schedule.pairs import PairTable, SpanView, WorkView
 
 SCHEDULES = ("ring", "balanced", "zigzag", "placed")
 PHASES = ("forward", "backward")
-__all__ = ["SCHEDULES", "PHASES", "Task", "Transfer", "RunTable", "Plan"]
+__all__ = ["SCHEDULES", "PHASES", "HEAD", "Task", "Transfer", "RunTable", "Plan", "head_rows"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,21 @@ class RunTable:
         """``(start, stop, dq, dkv)`` of the runs of ``step``, as Python ints."""
         lo, hi = self.offsets[step], self.offsets[step + 1]
         return list(zip(*(col[lo:hi].tolist() for col in (self.start, self.stop, self.dq, self.dkv))))
+
+
+def head_rows(counts, share: float = HEAD) -> int:
+    """The rows ``[0, h)`` of a local pair computed as its head (:data:`HEAD`): the fewest leading rows whose visible
+    keys (``counts``, per query row of the pair) reach ``share`` of the pair's, kept within ``[1, rows - 1]`` so that
+    both parts hold a row (``0`` for a pair of one row: no head; a pair with no visible key splits at its middle)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    rows = len(counts)
+    if rows < 2:
+        return 0
+    cum = np.cumsum(counts)
+    if cum[-1] <= 0:
+        return rows // 2
+    h = int(np.searchsorted(cum, share * cum[-1], side="left")) + 1  # the first row whose prefix reaches the share
+    return min(max(h, 1), rows - 1)
 
 
 def _sort_key(tr: Transfer):
@@ -199,6 +214,25 @@ class Plan:
         flipped = dataclasses.replace(self, run_table=table, runs="forward" if self.runs == "backward" else "backward")
         flipped.__dict__["_flipped"] = self  # frozen: cached_property writes the instance dict directly, as here
         return flipped
+
+    @property
+    def head(self) -> float:
+        """The share of a local pair's work computed before step 0 in this view of the plan (:meth:`run_order`): in
+        the backward's reversed view, whose last step holds the local pairs, :data:`HEAD` (but where the placement
+        solver found none faster, ``Layout.head``); 0 in the plan's own order (the forward's, and the backward's of a
+        layout that keeps it: there the local pair is first)."""
+        if self.runs != "backward":
+            return 0.0
+        return HEAD if self.layout is None or self.layout.head else 0.0
+
+    def head_task(self, rank: int) -> Task | None:
+        """The local pair ``rank`` starts computing before step 0 (its first rows, :func:`head_rows`; the rest at the
+        last step), or ``None``: no head in this view (:attr:`head`), or the rank's last step is not its local pair.
+        Read by the executor (``distattn.executor.Executor._run``), the per-pair timeline and ``rank_events``."""
+        if not self.head or not self.num_steps():
+            return None
+        task = self.task(self.num_steps() - 1, rank)
+        return task if task is not None and task.is_local else None
 
     def key_ranges(self, q_chunk: int, kv_chunk: int) -> tuple[tuple[int, int], ...] | None:
         """The local rows of ``kv_chunk``'s k/v that ``q_chunk``'s queries see, as ascending ranges inside

@@ -5,7 +5,7 @@ does. The executor (``distattn.executor.Executor._run``) synchronises per pair: 
 takes part in. Per rank and phase it runs, with its compute stream and two side streams for the exchange (fetch rounds
 on one, return rounds on the other: ``distattn.comm.PeerExchange``)::
 
-    post F(0) .. F(depth - 1)
+    post F(0) .. F(depth - 1);  compute the head (the backward: the first rows of the local pair)
     for t in steps:  post F(t + depth)  (prefetch);  wait F(t);  compute(t);  wait R(t - 1), absorb;  post R(t)
     wait R(last), absorb
 
@@ -14,7 +14,10 @@ depth faster) and ``depth + 1`` fetch slots of receive buffers alternating,
 
 with ``steps`` in the phase's order (``Plan.run_order``): the plan's steps in the forward, reversed in the backward
 (its local pair last, hiding the previous step's dk/dv return; its first fetch is the forward's last step's, one of
-the light ones). A step number in :func:`rank_events` and the executor's trace is its place in the phase's order.
+the light ones). In that reversed view a rank computes the *head* of its local pair first, the rows holding
+``Plan.head`` of its work (``Layout.head``: ``HEAD``, a quarter, or none where the placement solver finds that faster;
+``Plan.head_task``), while the first fetches travel, and the rest at the last step. A step number in
+:func:`rank_events` and the executor's trace is its place in the phase's order.
 
 ``F(t)`` is the round of step ``t``'s fetches (k/v to an owner task, q to a helper), ``R(t)`` of its returns (a helper's
 partial output / dq, an owner's dk/dv partial; none for owner tasks in the forward). This module replays that order
@@ -34,6 +37,7 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
 * the host posts in the order above and a wait blocks it until its round is done (NCCL: it polls, bounded), so a
   round is also never posted before the host is past the waits before it (``F(t + depth)``: those of step ``t - 1``;
   ``R(t)``: ``F(t)`` and ``R(t - 1)``);
+* the head computes from time 0, ``Plan.head`` of the local pair's work (taken off the last step's);
 * compute ``t`` starts when compute ``t - 1`` is done, ``F(t)`` has arrived and ``R(t - 2)`` was waited for (the host
   waits in that order), and lasts the task's work (in full ``m x m`` pairs) x ``4 b m^2 h d`` FLOPs (x2.5 backward) /
   the cluster's FLOP/s.
@@ -171,9 +175,11 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     np.add.at(cost, (rt.step, rt.start), rt.cost * pair_s)
     np.add.at(cost, (rt.step, rt.stop), -rt.cost * pair_s)
     cost = np.cumsum(cost, axis=1)[:, :p]
+    head = _head(plan, cost)
+    cost[-1:] -= head  # the head is computed first; the local pair's rest at its own step, the last
     side, zero = np.zeros(p), np.zeros(p)  # the fetch stream's free time per rank
     back_side = np.zeros(p) if return_stream else side  # the return stream's (the what-if: the same stream)
-    done = [zero, zero]  # compute end of steps t - 2, t - 1
+    done = [zero, head]  # compute end of steps t - 2, t - 1 (before step 0: the head)
     computed = []  # computed[t]: compute end of step t (an idle step keeps the one before)
     host = zero.copy()  # when the host gets past its latest wait (a wait blocks it until the round is done)
     ends = {}  # ("F" | "R", t): end per rank (-inf: no round)
@@ -196,7 +202,23 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
         host = np.maximum(host, ends.get(("R", t - 1), zero))  # wait R(t - 1)
         ends[("R", t)] = back.run(t, np.maximum(end, host), back_side)
     finish = np.maximum.reduce([done[1], ends.get(("R", n_steps - 1), zero), ends.get(("R", n_steps - 2), zero)])
-    return PhaseTimeline(phase, finish, cost.sum(axis=0), exposed)
+    return PhaseTimeline(phase, finish, cost.sum(axis=0) + head, exposed)
+
+
+def _head(plan: Plan, cost: np.ndarray) -> np.ndarray:
+    """Per rank, the seconds of the local pair computed before step 0 (``Plan.head_task``): ``plan.head`` of the last
+    step's cost where that step's task is the rank's local pair, else 0."""
+    p, head = plan.world_size, np.zeros(plan.world_size)
+    if not plan.head or not len(cost):
+        return head
+    rt, last = plan.run_table, len(cost) - 1
+    lo, hi = rt.offsets[last], rt.offsets[last + 1]
+    local = np.zeros(p + 1)
+    for k in range(lo, hi):
+        if rt.dq[k] == 0 and rt.dkv[k] == 0:
+            local[rt.start[k]] += 1
+            local[rt.stop[k]] -= 1
+    return np.where(np.cumsum(local)[:p] > 0, cost[last] * plan.head, 0.0)
 
 
 def _own(rounds: _Rounds, t: int) -> np.ndarray:
@@ -230,8 +252,10 @@ def step_timeline(plan: Plan, shapes: Shapes, cluster: Cluster = Cluster(), part
 
 def rank_events(plan: Plan, rank: int, phase: str) -> list[tuple]:
     """The executor's event order on ``rank`` for ``phase``, as the timeline runs it: ``("post", "fetch"|"return",
-    step, sends, recvs)`` with ``sends``/``recvs`` the sorted peers of the round, ``("wait", kind, step)`` and
-    ``("compute", step, q_chunk, kv_chunk)`` (no entry for an idle step)."""
+    step, sends, recvs)`` with ``sends``/``recvs`` the sorted peers of the round, ``("wait", kind, step)``,
+    ``("compute", step, q_chunk, kv_chunk)`` (no entry for an idle step) and, after the first posts,
+    ``("head", last step, rank, rank)``: the local pair's first rows (``Plan.head_task``; its rest is the last step's
+    compute)."""
     _check_phase(phase)
     plan = plan.run_order(phase)
     n_steps, out = plan.num_steps(), []
@@ -243,6 +267,9 @@ def rank_events(plan: Plan, rank: int, phase: str) -> list[tuple]:
     depth = plan.prefetch
     for t in range(min(depth, n_steps)):
         post("fetch", t)
+    head = plan.head_task(rank)
+    if head is not None:
+        out.append(("head", n_steps - 1, head.q_chunk, head.kv_chunk))
     for t in range(n_steps):
         if t + depth < n_steps:
             post("fetch", t + depth)
