@@ -61,3 +61,19 @@ def test_a_seed_slower_than_the_sweep_is_reported_and_windowed_masks_are_capped(
     assert row["re-solved"] == 3 and row["exact"].startswith("no")
     row = pw.one(((DOCS, P, f"window {N}"), pw.sweep_rows(path, {P})[(DOCS, P, f"window {N}")], N, 4))
     assert row["re-solved"] == 4 and row["exact"] == "yes: all 4 re-solved"  # every seed: the worst is exact
+
+
+def test_without_the_bound_every_seed_up_to_the_cap_is_re_solved(tmp_path):
+    """``--no-bound`` (the timeline changed since the sweep, so its figures bound nothing): a causal setting is
+    re-solved seed by seed up to the cap, not stopped at the first; with every seed re-solved the row is exact and
+    carries today's median."""
+    today = {s: pw.solve(DOCS, P, "causal", s, N)[0] for s in range(3)}
+    path = tmp_path / "s.csv"
+    _sweep(path, today)
+    seeds = pw.sweep_rows(path, {P})[(DOCS, P, "causal")]
+    row = pw.one(((DOCS, P, "causal"), seeds, N, 2, False))
+    assert row["re-solved"] == 2 and row["exact"] == "no: the 2 worst re-solved" and row["today median"] == "-"
+    row = pw.one(((DOCS, P, "causal"), seeds, N, 20, False))
+    assert row["re-solved"] == 3 and row["exact"] == "yes: all 3 re-solved"
+    assert row["today median"] == f"{sorted(today.values())[1]:.3f}"
+    assert pw.one(((DOCS, P, "causal"), seeds, N, 20))["re-solved"] == 1  # with the bound: the worst alone
