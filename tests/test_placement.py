@@ -424,7 +424,7 @@ def test_the_solver_runs_the_backward_the_fastest_of_its_three_ways(seed, backwa
     some deals the plan's own order is faster, or the local pair whole at the last step; the solver times the reversed
     backward with the head and the plan's order per candidate and order, then the three ways on the layout it chose,
     and keeps the fastest (``Layout.backward``, ``Layout.head``). The Pile at P = 16, window 4096 (of 200 seeds, the
-    plan's order won on 2, the pair whole on 3): seed 89, the plan's order (reversed: 1.578x of perfect balance), seed
+    plan's order won on 1, the pair whole on 4): seed 89, the plan's order (reversed: 1.578x of perfect balance), seed
     183, the pair whole (with the head 1.287x, the plan's order 1.243x). Before the head, seeds 47 and 172 of the
     causal Pile kept the plan's order; with it the reversed backward wins on every causal seed of P = 8 and 16."""
     import dataclasses

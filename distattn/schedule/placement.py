@@ -89,7 +89,7 @@ windowed ones are, by at most 0.011 (their documents-only fallback can change:
 ``bench/results/placement-sim/COMPARE-200-backward.md``). The layout chosen (at its depth, below) is then timed once
 more each way, and reversed with the local pair whole at the last step (``Layout.head = False``: a head delays the first
 step's compute and leaves less of the pair to hide the last return behind), and keeps the fastest (the Pile at P = 16,
-window 4096: 3 of 200 seeds keep no head, 2 the plan's order; causal at P = 8 and 16 every seed keeps both).
+window 4096: 4 of 200 seeds keep no head, 1 the plan's order, 195 both the reversal and the head).
 
 Every candidate is timed with the executor fetching 4 steps ahead (``Layout.prefetch``, the deepest of
 :data:`~distattn.schedule.layouts.PREFETCHES`: the executor posts each step's fetch ``depth`` steps before that step
