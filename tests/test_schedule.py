@@ -224,8 +224,11 @@ def test_the_backward_computes_its_local_pairs_head_first(plan):
     for r in range(plan.world_size):
         assert plan.head_task(r) is None
         local = back.task(last, r)
-        assert back.head_task(r) == (local if local is not None and local.is_local else None)
-    assert any(back.head_task(r) is not None for r in range(plan.world_size))
+        has = local is not None and local.is_local and plan.num_steps() > 1
+        assert back.head_task(r) == (local if has else None)
+    assert any(back.head_task(r) is not None for r in range(plan.world_size)) == (plan.num_steps() > 1)
+    one = make_plan(1, True, "ring").run_order("backward")  # one step: no fetch to hide
+    assert one.head == sched.HEAD and one.head_task(0) is None
     if plan.layout is not None and plan.layout.kind == "placed":
         kept = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, backward="forward"))
         assert kept.run_order("backward").head == 0.0

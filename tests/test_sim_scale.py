@@ -126,7 +126,7 @@ def _reference_phase(plan, phase, shapes, link, flops, partials):
     fetches = [of(tasks, "fetch") for tasks in steps] + [[]]
     returns = [[]] + [of(tasks, "return") for tasks in steps]
     compute = [max(_cost(plan, t) for t in tasks) * pair_flops / flops for tasks in steps]
-    head = HEAD * compute[-1] if phase == "backward" and steps and plan.run_order(phase).head else 0.0
+    head = HEAD * compute[-1] if phase == "backward" and len(steps) > 1 and plan.run_order(phase).head else 0.0
     if steps:
         compute[-1] -= head
     total = max(_comm(fetches[0], link), head) + _comm(returns[len(steps)], link)

@@ -207,8 +207,8 @@ def _phase(plan: Plan, phase: str, ring_shapes: Shapes, link: Link, flops: float
     n_steps = plan.num_steps()
     compute = (step_costs(plan) * pair_flops / flops).tolist()
     comm = _slot_comm(plan, phase, sizes, link)
-    head = plan.head * compute[-1] if n_steps else 0.0  # the local pairs' head (Plan.head_task): before step 0
-    if n_steps:
+    head = plan.head * compute[-1] if n_steps > 1 else 0.0  # the local pairs' head (Plan.head_task): before step 0
+    if head:
         compute[-1] -= head
     total = max(comm[0], head) + comm[n_steps + 1]
     for t in range(n_steps):

@@ -227,9 +227,10 @@ class Plan:
 
     def head_task(self, rank: int) -> Task | None:
         """The local pair ``rank`` starts computing before step 0 (its first rows, :func:`head_rows`; the rest at the
-        last step), or ``None``: no head in this view (:attr:`head`), or the rank's last step is not its local pair.
-        Read by the executor (``distattn.executor.Executor._run``), the per-pair timeline and ``rank_events``."""
-        if not self.head or not self.num_steps():
+        last step), or ``None``: no head in this view (:attr:`head`), a plan of one step (no fetch to hide: one rank),
+        or the rank's last step is not its local pair. Read by the executor (``distattn.executor.Executor._run``), its
+        memory replay, the per-pair timeline and ``rank_events``."""
+        if not self.head or self.num_steps() < 2:
             return None
         task = self.task(self.num_steps() - 1, rank)
         return task if task is not None and task.is_local else None

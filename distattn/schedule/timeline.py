@@ -209,7 +209,7 @@ def _head(plan: Plan, cost: np.ndarray) -> np.ndarray:
     """Per rank, the seconds of the local pair computed before step 0 (``Plan.head_task``): ``plan.head`` of the last
     step's cost where that step's task is the rank's local pair, else 0."""
     p, head = plan.world_size, np.zeros(plan.world_size)
-    if not plan.head or not len(cost):
+    if not plan.head or len(cost) < 2:  # one step: no fetch to hide, no head
         return head
     rt, last = plan.run_table, len(cost) - 1
     lo, hi = rt.offsets[last], rt.offsets[last + 1]
