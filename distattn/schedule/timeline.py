@@ -213,11 +213,10 @@ def _head(plan: Plan, cost: np.ndarray) -> np.ndarray:
         return head
     rt, last = plan.run_table, len(cost) - 1
     lo, hi = rt.offsets[last], rt.offsets[last + 1]
+    runs = lo + np.flatnonzero((rt.dq[lo:hi] == 0) & (rt.dkv[lo:hi] == 0))  # the local pairs' runs
     local = np.zeros(p + 1)
-    for k in range(lo, hi):
-        if rt.dq[k] == 0 and rt.dkv[k] == 0:
-            local[rt.start[k]] += 1
-            local[rt.stop[k]] -= 1
+    np.add.at(local, rt.start[runs], 1)
+    np.add.at(local, rt.stop[runs], -1)
     return np.where(np.cumsum(local)[:p] > 0, cost[last] * plan.head, 0.0)
 
 
