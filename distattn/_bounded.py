@@ -14,16 +14,18 @@ after the peer's connection closed was seen to wait out its whole bound (then to
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["DistAttnError", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "REBUILD_TIMEOUT_ENV", "DEFAULT_REBUILD_TIMEOUT_S",
-           "default_timeout", "rebuild_timeout", "bounded_wait", "all_gather_text", "reason"]
+           "default_timeout", "rebuild_timeout", "bounded_wait", "all_gather_text", "reason", "left_waits", "release"]
 
 TIMEOUT_ENV = "DISTATTN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -156,12 +158,32 @@ def _watched(works, timeout: float, gave_up) -> None:
 
 
 def left_waits() -> list[threading.Thread]:
-    """The wait threads that given-up watched waits left blocked in gloo and that are still alive. Dropping the last
-    reference to a gloo group blocks until its pending work ends, i.e. until such a wait's bound when the peer it
-    waits for failed but kept its connections open: ``distattn.communicators.Communicator.free`` leaves the groups'
-    teardown to a thread that joins these first, so the failing call raises at once."""
+    """The wait threads that given-up watched waits left blocked in gloo and that are still alive (:func:`release`)."""
     _LEFT[:] = [t for t in _LEFT if t.is_alive()]
     return list(_LEFT)
+
+
+def release(groups: list) -> None:
+    """Drop the last references to ``groups`` (destroyed process groups; the list is emptied), collecting them: a gloo
+    group's teardown closes its sockets, which is what wakes peers still waiting on this rank. That teardown blocks
+    until the group's pending work ends, i.e. until a given-up wait's bound when the peer it waits for failed but kept
+    its connections open (:func:`left_waits`): then a daemon thread joins those waits first and drops the groups
+    after, and the failing call (``distattn.communicators.Communicator.free``) raises at once."""
+    left, mine = left_waits(), list(groups)
+    groups.clear()
+    if left:
+        threading.Thread(target=_drop, args=(mine, left), name="distattn-free", daemon=True).start()
+    else:
+        _drop(mine)
+
+
+def _drop(groups: list, after: list[threading.Thread] = ()) -> None:
+    for thread in after:
+        thread.join()  # at the latest at their bound
+    alive = [weakref.ref(group) for group in groups]
+    groups.clear()
+    if any(ref() is not None for ref in alive):
+        gc.collect()
 
 
 def all_gather_text(group, text: str, device: torch.device, timeout: float, what: str) -> list[str]:

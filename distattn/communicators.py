@@ -38,14 +38,12 @@ all arrive at the same position, and a rank that finds a peer ahead leaves and f
 from __future__ import annotations
 
 import datetime
-import gc
-import threading
 import time
 import weakref
 
 import torch.distributed as dist
 
-from distattn._bounded import REBUILD_TIMEOUT_ENV, DistAttnError, left_waits, rebuild_timeout
+from distattn._bounded import REBUILD_TIMEOUT_ENV, DistAttnError, rebuild_timeout, release
 from distattn._compat import keeps_order, new_group_in_order
 
 __all__ = ["Communicator", "communicator", "open_call", "set_step", "current_step"]
@@ -240,28 +238,8 @@ class Communicator:
         for group in groups:
             _quietly(getattr(group, "abort", None))
             _quietly(dist.destroy_process_group, group)
-        left = left_waits()
-        if left:  # a given-up wait still blocks on one of them: the last reference's teardown would wait for it
-            threading.Thread(target=_drop_after, args=(left, groups), name="distattn-free", daemon=True).start()
-            return
-        _drop(groups)
-
-
-def _drop(groups: list) -> None:
-    """Drop the last references to ``groups`` (destroyed): a gloo group's teardown closes its sockets, which is what
-    wakes the peers."""
-    alive = [weakref.ref(group) for group in groups]
-    groups.clear()
-    if any(ref() is not None for ref in alive):
-        gc.collect()
-
-
-def _drop_after(threads: list[threading.Thread], groups: list) -> None:
-    """:func:`_drop` once ``threads`` (waits given up while still blocked on these groups, ``left_waits``) end: at
-    the latest at their bound, when the teardown on the caller's thread would have ended too."""
-    for thread in threads:
-        thread.join()
-    _drop(groups)
+        group = None  # noqa: F841  (release drops the last references)
+        release(groups)  # a gloo group's teardown closes its sockets, which wakes the peers
 
 
 class _Rendezvous:
