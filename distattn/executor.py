@@ -14,6 +14,8 @@ Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head d
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -136,17 +138,10 @@ class Executor:
     def head_rows(self, share: float) -> int:
         """The rows ``[0, h)`` of this rank's local pair that the backward computes before its first step
         (``Plan.head_task``; the rows holding ``share``, ``Plan.head``, of the pair's visible keys,
-        ``distattn.schedule.head_rows``), the rest at the last step. Counted from the mask the plan read."""
-        r, n = self.rank, self.n
-        if self.plan.layout is not None:  # local key indices per query row
-            lo, hi = local_bounds(self.spec, self.plan.layout, n, r, r)
-        elif not self.spec.dense:  # global key positions per query row, of which the local chunk's count
-            lo, hi = self.spec.bounds(n * self.plan.world_size, self.start(r), self.start(r + 1))
-            lo, hi = np.maximum(lo, self.start(r)), np.minimum(hi, self.start(r + 1) - 1)
-        else:
-            lo = np.zeros(n, dtype=np.int64)
-            hi = np.arange(n, dtype=np.int64) if self.cfg.causal else np.full(n, n - 1, dtype=np.int64)
-        return head_rows(np.clip(np.asarray(hi) - np.asarray(lo) + 1, 0, None), share)
+        ``distattn.schedule.head_rows``), the rest at the last step. Counted from the mask the plan read, once per
+        mask and rank (:func:`_head_split`): every layer's backward, and every head group's, reads it back."""
+        return _head_split(self.spec, self.plan.layout, self.n, self.plan.world_size, self.rank, self.cfg.causal,
+                           share)
 
     def _mask(self, task: Task) -> dict:
         ranges = self.borrowed(task)
@@ -307,6 +302,22 @@ class Executor:
             TRACE.append((slot[1], ("wait", "return", self.step if slot[2] == self.step % 2 else self.step - 1)))
         for tr, bufs in inbox.items():
             absorb(tr, bufs)
+
+
+@functools.lru_cache(maxsize=64)
+def _head_split(spec, layout, n: int, world: int, rank: int, causal: bool, share: float) -> int:
+    """``Executor.head_rows``: the visible local keys per query row of ``rank``'s local pair, split by
+    ``distattn.schedule.head_rows``."""
+    if layout is not None:  # local key indices per query row
+        lo, hi = local_bounds(spec, layout, n, rank, rank)
+    elif not spec.dense:  # global key positions per query row, of which the local chunk's count
+        start = rank * n
+        lo, hi = spec.bounds(n * world, start, start + n)
+        lo, hi = np.maximum(lo, start), np.minimum(hi, start + n - 1)
+    else:
+        lo = np.zeros(n, dtype=np.int64)
+        hi = np.arange(n, dtype=np.int64) if causal else np.full(n, n - 1, dtype=np.int64)
+    return head_rows(np.clip(np.asarray(hi) - np.asarray(lo) + 1, 0, None), share)
 
 
 def _trace(phase: str, kind: str, step: int, ops) -> None:
