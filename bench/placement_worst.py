@@ -57,9 +57,9 @@ def sweep_rows(path: Path, worlds) -> dict:
     return {k: sorted(v, key=lambda x: (-x[0], x[1])) for k, v in out.items()}
 
 
-def solve(docs: str, p: int, mask: str, seed: int, n: int) -> tuple[float, int, float, float]:
+def solve(docs: str, p: int, mask: str, seed: int, n: int) -> tuple[float, int, float, float, str]:
     """Today's library placement of one seed: (step over perfect balance, group, partials="input" what-if, CPU s of
-    the uncached solve)."""
+    the uncached solve, the layout's note)."""
     win = (-1, -1) if mask == "causal" else (int(mask.split()[1]), 0)
     spec = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
     cluster, shapes = Cluster.preset("nvlink"), Shapes(seq_per_rank=n, **SHAPES)
@@ -68,7 +68,7 @@ def solve(docs: str, p: int, mask: str, seed: int, n: int) -> tuple[float, int, 
     t = time.thread_time() - t
     plan = make_masked_plan.__wrapped__(p, "placed", spec, n, layout)
     return (step_timeline(plan, shapes, cluster)["ratio"], layout.group,
-            step_timeline(plan, shapes, cluster, partials="input")["ratio"], t)
+            step_timeline(plan, shapes, cluster, partials="input")["ratio"], t, layout.note)
 
 
 def one(job) -> dict:
@@ -81,11 +81,11 @@ def one(job) -> dict:
         if i >= cap:
             exact = False
             break
-        ratio, group, half, t = solve(docs, p, mask, seed, n)
+        ratio, group, half, t, note = solve(docs, p, mask, seed, n)
         found.append((ratio, seed, group, half, old, t))
         if ratio > old + ROUNDING:
             worse.append(f"{seed}: {old:.3f} -> {ratio:.3f}")
-        print(f"{docs} P={p} {mask} seed {seed}: {old:.3f} -> {ratio:.3f}", file=sys.stderr, flush=True)
+        print(f"{docs} P={p} {mask} seed {seed}: {old:.3f} -> {ratio:.3f} ({note})", file=sys.stderr, flush=True)
     if len(found) == len(seeds):
         exact = True  # every seed of the sweep re-solved
     top = max(found)

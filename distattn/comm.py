@@ -5,7 +5,9 @@
 transfers of step ``t + 1`` (``t + depth`` for a plan of prefetch depth ``depth``, ``Plan.prefetch``) before it computes
 step ``t``, so communication hides behind compute. ``depth + 1`` fetch slots alternate (double-buffered
 receives at depth 1): at most that many fetch rounds, and so sets of receive buffers, are alive at a time; the
-executor keeps one set per slot in a pool and reuses it ``depth + 1`` steps later.
+executor keeps one set per slot in a pool and reuses it ``depth + 1`` steps later. Return rounds likewise: the executor
+waits for step ``t``'s after computing step ``t + keep`` (``Plan.return_depth``: 1, up to 3 for a placed plan) over
+``keep + 1`` return slots; the posting order, and so how messages meet, is the same at every depth.
 
 What a fetch waits for: the side stream waits for an event recorded when the round is posted, i.e. after the
 compute of step ``t - 1`` was enqueued (the round of step ``t + depth`` is posted before step ``t`` computes). That
@@ -58,8 +60,8 @@ def backend_name(group) -> str:
 
 # -- message tags -----------------------------------------------------------------------------------------
 ROUNDS_PER_CALL = 4096
-"""Tags a call cycles through. At most 7 rounds of one call are in flight at once (two to five fetch slots, two return
-slots), so a round's tag repeats only 4096 rounds later, long after that round was waited for."""
+"""Tags a call cycles through. At most 9 rounds of one call are in flight at once (two to five fetch slots, two to four
+return slots), so a round's tag repeats only 4096 rounds later, long after that round was waited for."""
 _CALLS_PER_CYCLE = (2 ** 31) // ROUNDS_PER_CALL  # 524,288 calls, then tags start again from call 0's
 
 

@@ -3,17 +3,18 @@
 ``Executor`` is what ``distattn.attention``'s forward and backward interpreters stand on: the call's connection to
 the library's communicators (``distattn.communicators.open_call``) and the agreement before anything sized by the
 inputs, the plan and the per-pair masks, a pool of receive buffers (a fetch slot's reused ``Plan.prefetch + 1`` steps
-later, a return slot's two), and ``run``, which walks the plan step by step (fetching ``Plan.prefetch`` steps ahead;
-fetch, compute, return partials, absorb; the backward walks the steps in reverse,
-``Plan.run_order``, so the local pair comes last and hides the previous step's return, and computes the local pair's
-first rows before its first step, while the first fetches travel, ``Plan.head_task``) and, on any failure, aborts the
-library's communicators so that the peers fail at once.
+later, a return slot's ``Plan.return_depth + 1``), and ``run``, which walks the plan step by step (fetching
+``Plan.prefetch`` steps ahead; fetch, compute, return partials, absorb those of ``Plan.return_depth`` steps before;
+the backward walks the steps in reverse, ``Plan.run_order``, so the local pair comes last and hides the previous
+step's return, and computes the local pair's first rows before its first step, while the first fetches travel,
+``Plan.head_task``) and, on any failure, aborts the library's communicators so that the peers fail at once.
 
 Legend: ``b`` batch, ``n`` tokens per rank, ``h_q``/``h_kv`` heads, ``d`` head dim.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import numpy as np
@@ -192,11 +193,12 @@ class Executor:
         buffers}``.
 
         Receive buffers come from the executor's pool: one set per (slot, kind, order within the round), made at
-        the first use and reused ``prefetch + 1`` steps later (``Plan.prefetch``: double buffering at depth 1). Reuse
+        the first use and reused ``prefetch + 1`` steps later (``Plan.prefetch``: double buffering at depth 1; a
+        return slot ``Plan.return_depth + 1`` steps later). Reuse
         is safe: a slot is posted again only after the step that read it was enqueued, and the side stream waits for
         that point (``PeerExchange``). A k/v slice or dk/dv partial of fewer rows than the shard (:meth:`rows`) is
         received into the front of the whole-shard buffers, viewed with its own shape, so the pool never grows past
-        ``prefetch + 1`` fetch slots (and two return slots) of whole shards.
+        ``prefetch + 1`` fetch slots (and ``return_depth + 1`` return slots) of whole shards.
         """
         sends = [(tr.dst, payload(tr)) for tr in ops[0]]
         inbox = {}
@@ -266,7 +268,8 @@ class Executor:
                 TRACE.append((phase, ("head", steps - 1, head.q_chunk, head.kv_chunk)))
             if split:
                 compute(head, {}, rows=(0, split))
-        returned = None  # (slot, inbox) of the previous step's partials, absorbed after this step's compute
+        returned = collections.deque()  # (step, slot, inbox) of the return rounds posted, not yet absorbed
+        keep = plan.return_depth  # step t - keep's partials are absorbed after step t's compute (Plan.return_depth)
         for t in range(steps):
             self.step, self.comm.where = t, f"{phase} {self.call}, step {t} of {steps}"
             if not self.cfg.overlap:
@@ -282,24 +285,24 @@ class Executor:
                 TRACE.append((phase, ("compute", t, task.q_chunk, task.kv_chunk)))
             rest = {"rows": (split, self.n)} if head is not None and t == steps - 1 else {}
             produced = compute(task, inbox, **rest) if task is not None else None
-            if returned is not None:
-                self._absorb(returned, absorb)
-            slot, ops = ("return", phase, t % 2), plan.rank_ops(t, self.rank, phase, "return")
+            while len(returned) >= keep:
+                self._absorb(returned.popleft(), absorb)
+            slot, ops = ("return", phase, t % (keep + 1)), plan.rank_ops(t, self.rank, phase, "return")
             if TRACE is not None:
                 _trace(phase, "return", t, ops)
-            returned = (slot, self.post(slot, ops, lambda tr, parts=produced: return_payload(parts), return_buffers))
+            returned.append((t, slot, self.post(slot, ops, lambda tr, parts=produced: return_payload(parts),
+                                                return_buffers)))
             if not self.cfg.overlap:
-                self._absorb(returned, absorb)
-                returned = None
-        if returned is not None:
-            self._absorb(returned, absorb)
+                self._absorb(returned.popleft(), absorb)
+        while returned:
+            self._absorb(returned.popleft(), absorb)
         self.comm.close()
 
     def _absorb(self, returned, absorb) -> None:
-        slot, inbox = returned
+        t, slot, inbox = returned
         self.comm.wait(slot)
         if TRACE is not None:
-            TRACE.append((slot[1], ("wait", "return", self.step if slot[2] == self.step % 2 else self.step - 1)))
+            TRACE.append((slot[1], ("wait", "return", t)))
         for tr, bufs in inbox.items():
             absorb(tr, bufs)
 

@@ -158,11 +158,12 @@ def refused(fn) -> str:
 @contextlib.contextmanager
 def placed_forced(order: str | None = None, group: int | None = None, cut: float | None = None,
                   backward: str | None = None, prefetch: int | None = None, chunks: bool = False,
-                  short_first: bool = False, head: float | None = None):
+                  short_first: bool = False, head: float | None = None, return_depth: int | None = None):
     """Inside a rank: every placement the solver returns (``distattn.schedule.placement``, through which the shards and
     the plan both go) runs its steps in ``order`` (``Layout.order``), its backward in ``backward``
-    (``Layout.backward``; ``head``: its local pair's head first or not, ``Layout.head``) and fetches
-    ``prefetch`` steps ahead (``Layout.prefetch``), whatever the solver chose; with
+    (``Layout.backward``; ``head``: its local pair's head first or not, ``Layout.head``), fetches
+    ``prefetch`` steps ahead (``Layout.prefetch``) and absorbs its partials ``return_depth`` steps after their round
+    (``Layout.return_depth``), whatever the solver chose; with
     ``group``, groups of that size instead of the solver's choice, their documents cut by work when ``cut`` is given
     (``distattn.schedule.groups``), dealt in mirrored chunks with ``chunks`` (``distattn.schedule.deal``), a cut
     document's shortest piece first with ``short_first``."""
@@ -177,7 +178,8 @@ def placed_forced(order: str | None = None, group: int | None = None, cut: float
         if lay.kind != "placed":
             return lay
         return dataclasses.replace(lay, order=order or lay.order, backward=backward or lay.backward,
-                                   prefetch=prefetch or lay.prefetch, head=lay.head if head is None else head)
+                                   prefetch=prefetch or lay.prefetch, head=lay.head if head is None else head,
+                                   return_depth=return_depth or lay.return_depth)
 
     pl._place_cached = forced
     try:

@@ -191,18 +191,19 @@ def test_either_backward_order_against_reference(world, order, backward, head):
     assert all(r == results[0] for r in results)  # one placement on every rank
 
 
-def _deeper_worker(rank, world, n, order, depth):
+def _deeper_worker(rank, world, n, order, depth, keep=1):
     """:func:`_check` on placed plans fetching ``depth`` steps ahead (``Layout.prefetch``: ``depth + 1`` fetch slots
-    whose receive buffers the executor reuses that many steps later), forced; the executor posts each fetch ``depth``
-    steps ahead."""
+    whose receive buffers the executor reuses that many steps later) and absorbing their partials ``keep`` steps after
+    their round (``Layout.return_depth``: ``keep + 1`` return slots), forced; the executor posts each fetch ``depth``
+    steps ahead and waits for step ``t``'s returns after step ``t + keep``'s compute."""
     from distattn import executor
     from distattn.schedule import make_plan
 
     seen, steps = [], []
-    with placed_forced(order, prefetch=depth):
+    with placed_forced(order, prefetch=depth, return_depth=keep):
         for i, cu in enumerate(list(_streams(world, n))[::2]):  # the second: one document over all ranks
             plan = make_plan(world, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(cu)), chunk=n)
-            assert (plan.layout.order, plan.prefetch) == (order, depth), plan.layout
+            assert (plan.layout.order, plan.prefetch, plan.return_depth) == (order, depth, keep), plan.layout
             steps.append(plan.num_steps())
             executor.TRACE = []
             try:
@@ -214,15 +215,23 @@ def _deeper_worker(rank, world, n, order, depth):
             events = [e[:3] for ph, e in trace if ph == "forward"][:8]  # the first call's forward
             if plan.num_steps() > depth:  # step depth's fetch is posted before step 0's is waited for
                 assert events.index(("post", "fetch", depth)) < events.index(("wait", "fetch", 0)), events
-    assert max(steps) >= depth + 2, steps  # a fetch slot is reused
+            backward = [e for ph, e in trace if ph == "backward"]
+            backward = backward[:backward.index(("wait", "return", plan.num_steps() - 1)) + 1]  # the first call's
+            for t in range(plan.num_steps() - keep):  # step t's returns: absorbed after step t + keep's compute
+                assert backward.index(("wait", "return", t)) > backward.index(("wait", "fetch", t + keep)), backward
+                assert backward.index(("wait", "return", t)) < backward.index(("wait", "fetch", t + keep + 1)) \
+                    if t + keep + 1 < plan.num_steps() else True, backward
+    assert max(steps) >= max(depth, keep) + 2, steps  # a fetch slot and a return slot are reused
     return seen
 
 
-@pytest.mark.parametrize("world,order,depth", [(4, "rotation", 2), (5, "pairs-work", 3), (6, "rotation", 4)])
-def test_fetching_steps_ahead_against_reference(world, order, depth):
+@pytest.mark.parametrize("world,order,depth,keep", [(4, "rotation", 2, 2), (5, "pairs-work", 3, 3),
+                                                     (6, "rotation", 4, 1), (5, "rotation", 1, 3)])
+def test_fetching_steps_ahead_against_reference(world, order, depth, keep):
     """A placed layout whose fetches the executor posts ``depth`` steps ahead (``Layout.prefetch``, as deep as the
-    solver finds it faster): exact against fp64 with the byte counters equal to the plan's."""
-    results = run_distributed(_deeper_worker, world, 12, order, depth, timeout=TIMEOUT_S)
+    solver finds it faster) and whose partials it absorbs ``keep`` steps after their round (``Layout.return_depth``):
+    exact against fp64 with the byte counters equal to the plan's."""
+    results = run_distributed(_deeper_worker, world, 12, order, depth, keep, timeout=TIMEOUT_S)
     assert all(r == results[0] for r in results)  # one placement on every rank
 
 

@@ -94,20 +94,23 @@ def test_executor_buffers_equal_the_replay_on_packed_rows():
                     f"P={PACKED_WORLD} rank {rank} {case} {phase}: measured {measured} B, replay {model} B ({moment})")
 
 
-def _measure_deeper(rank, world, cases, depth):
-    """:func:`_measure` with every placement fetching ``depth`` steps ahead (``Layout.prefetch``)."""
+def _measure_deeper(rank, world, cases, depth, keep=1):
+    """:func:`_measure` with every placement fetching ``depth`` steps ahead (``Layout.prefetch``) and absorbing its
+    partials ``keep`` steps after their round (``Layout.return_depth``)."""
     from tests.dist_utils import placed_forced
 
-    with placed_forced(prefetch=depth):
+    with placed_forced(prefetch=depth, return_depth=keep):
         return _measure(rank, world, cases)
 
 
-@pytest.mark.parametrize("depth,world,cu", [(2, 4, [0, 500, 512]), (3, 5, [0, 620, 640])])
-def test_executor_buffers_equal_the_replay_fetching_steps_ahead(depth, world, cu):
+@pytest.mark.parametrize("depth,keep,world,cu", [(2, 1, 4, [0, 500, 512]), (3, 3, 5, [0, 620, 640]),
+                                                 (1, 2, 4, [0, 500, 512])])
+def test_executor_buffers_equal_the_replay_fetching_steps_ahead(depth, keep, world, cu):
     """A placed plan fetching ``depth`` steps ahead (``Layout.prefetch``, as deep as the placement solver finds it
-    faster) holds ``depth + 1`` fetch slots of receive buffers: the replay counts them as the executor allocates them,
-    and its peak lies above the same plan's at depth 1 on some rank (a third slot is live beside the other two). A long
-    document over the ranks: a step per rank, every fetch slot used and one reused."""
+    faster) holds ``depth + 1`` fetch slots of receive buffers, and absorbing its partials ``keep`` steps after their
+    round (``Layout.return_depth``) ``keep + 1`` return slots and ``keep`` steps' sent partials: the replay counts them
+    as the executor allocates them, and its peak lies above the same plan's at depth 1 on some rank (a third slot is
+    live beside the other two). A long document over the ranks: a step per rank, every slot used and one reused."""
     import dataclasses
 
     from distattn.memory.executor import executor_peak
@@ -116,45 +119,56 @@ def test_executor_buffers_equal_the_replay_fetching_steps_ahead(depth, world, cu
 
     PACKED_CU, PACKED_N, PACKED_WORLD = cu, 128, world
     cases = [("placed", PACKED_N, partials, False, PACKED_CU) for partials in ("fp32", "input")]
-    results = run_distributed(_measure_deeper, PACKED_WORLD, cases, depth, timeout=300)
+    results = run_distributed(_measure_deeper, PACKED_WORLD, cases, depth, keep, timeout=300)
     for rank, per_case in enumerate(results):
         for case, res in per_case:
             for phase, (measured, model, moment) in res.items():
                 assert abs(measured - model) <= min(ABS_SLACK, REL_TOL * model), (
                     f"P={PACKED_WORLD} rank {rank} {case} {phase}: measured {measured} B, replay {model} B ({moment})")
-    with placed_forced(prefetch=depth):
+    with placed_forced(prefetch=depth, return_depth=keep):
         deep = make_plan(PACKED_WORLD, True, "placed", mask=MaskSpec(causal=True, cu_seqlens=tuple(PACKED_CU)),
                          chunk=PACKED_N)
-    assert deep.prefetch == depth and deep.num_steps() >= depth + 2
-    shallow = dataclasses.replace(deep, layout=dataclasses.replace(deep.layout, prefetch=1))
+    assert (deep.prefetch, deep.return_depth) == (depth, keep) and deep.num_steps() >= max(depth, keep) + 2
+    shallow = dataclasses.replace(deep, layout=dataclasses.replace(deep.layout, prefetch=1, return_depth=1))
     peaks = [[executor_peak(plan, batch=B, n=PACKED_N, heads=HQ, kv_heads=HKV, head_dim=D, phase=phase,
                             rank=r).total for plan in (shallow, deep)] for r in range(PACKED_WORLD)
              for phase in ("forward", "backward")]
     assert all(a <= b for a, b in peaks) and any(a < b for a, b in peaks), peaks
 
 
-def test_the_planner_counts_the_deepest_prefetch_of_a_placed_plan():
+def test_the_planner_counts_the_deepest_prefetch_and_returns_of_a_placed_plan():
     """``attention_buffers("placed", ...)`` (what ``--memory auto`` weighs for packed documents) adds the deepest
     prefetch the solver may choose: 3 more fetch rounds in flight, each with whole-shard k/v receive buffers and k/v
-    send copies; a placed plan forced to that depth (a long document over 6 ranks: 6 steps, so every slot is reused)
-    holds no more on any rank, in either phase."""
+    send copies, and in the backward the deepest return depth: 2 more return rounds held, each with whole-shard dk/dv
+    receive buffers and the dk/dv partial it sends (fp32, or the input's dtype); a placed plan forced to both depths
+    (a long document over 6 ranks: 6 steps, so every slot is reused) holds no more on any rank, in either phase."""
     import dataclasses
 
     from distattn.memory.executor import attention_buffers, executor_peak
     from distattn.schedule import MaskSpec
-    from distattn.schedule.layouts import PREFETCHES
+    from distattn.schedule.layouts import PREFETCHES, RETURN_DEPTHS
     from distattn.schedule.masked import make_masked_plan
     from distattn.schedule.placement import place
 
     world, n, mask = 6, 128, MaskSpec(causal=True, cu_seqlens=(0, 700, 768))
     lay = place(mask, world, n)
-    plan = make_masked_plan(world, "placed", mask, n, dataclasses.replace(lay, prefetch=PREFETCHES[-1]))
+    deepest = dataclasses.replace(lay, prefetch=PREFETCHES[-1], return_depth=RETURN_DEPTHS[-1])
+    plan = make_masked_plan(world, "placed", mask, n, deepest)
     assert plan.num_steps() >= PREFETCHES[-1] + 2
     shape = dict(batch=B, heads=HQ, kv_heads=HKV, head_dim=D, dtype=torch.bfloat16)
-    for phase in ("forward", "backward"):
-        bound = attention_buffers("placed", world, n, phase=phase, groups=1, copied=(), outputs=False, **shape)
+    for phase, partials in [(ph, pa) for ph in ("forward", "backward") for pa in ("fp32", "input")]:
+        bound = attention_buffers("placed", world, n, phase=phase, partials=partials, groups=1, copied=(),
+                                  outputs=False, **shape)
         assert bound.parts["deeper prefetch (placed)"] == (PREFETCHES[-1] - 1) * 4 * B * n * HKV * D * 2
-        base = attention_buffers("balanced", world, n, phase=phase, groups=1, copied=(), outputs=False, **shape)
-        assert bound.total == base.total + bound.parts["deeper prefetch (placed)"]
-        peak = executor_peak(plan, n=n, phase=phase, groups=1, copied=(), **shape)
-        assert peak.total <= bound.total, (phase, peak, bound)
+        returns = bound.parts.get("deeper returns (placed)", 0)
+        assert returns == (0 if phase == "forward" else
+                           (RETURN_DEPTHS[-1] - 1) * 4 * B * n * HKV * D * (4 if partials == "fp32" else 2))
+        base = attention_buffers("balanced", world, n, phase=phase, partials=partials, groups=1, copied=(),
+                                 outputs=False, **shape)
+        assert bound.total == base.total + bound.parts["deeper prefetch (placed)"] + returns
+        peak = executor_peak(plan, n=n, phase=phase, partials=partials, groups=1, copied=(), **shape)
+        assert peak.total <= bound.total, (phase, partials, peak, bound)
+        shallow = executor_peak(make_masked_plan(world, "placed", mask, n, dataclasses.replace(deepest,
+                                return_depth=1)), n=n, phase=phase, partials=partials, groups=1, copied=(), **shape)
+        if phase == "backward":  # the deeper returns hold more: the replay counts them
+            assert peak.total > shallow.total, (partials, peak, shallow)

@@ -73,7 +73,8 @@ def plan_digest(plan) -> str:
              None if plan.layout is None else [plan.layout.kind, plan.layout.group, plan.layout.placement]
              + ([] if plan.layout.backward == "reversed" else [plan.layout.backward])
              + ([] if plan.layout.prefetch == 1 else [f"prefetch {plan.layout.prefetch}"])
-             + ([] if plan.layout.head else ["no head"])]
+             + ([] if plan.layout.head else ["no head"])
+             + ([] if plan.layout.return_depth == 1 else [f"returns {plan.layout.return_depth}"])]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
@@ -246,7 +247,10 @@ def test_masked_plans_are_the_plans_built_before():
     holding its first rows, its documents in mirrored chunks or not, distattn.schedule.deal: each of the 54 says one
     of the two in its note; 3 more since it also times the windowed deal it keeps with that piece first; 1 since the
     backward computes its local pair's head first, ``Plan.head_task``, and the solver keeps none where that is faster,
-    ``Layout.head``, which the digest names: mask 51)."""
+    ``Layout.head``, which the digest names: mask 51; 8 since it times every candidate absorbing its partials 3 steps
+    after their round and picks that depth after the prefetch's, ``Layout.return_depth``, which the digest names where
+    it is not 1 (6 of the 8; the other two chose another deal: masks 112 and 141), and under a window also cuts
+    documents on every group size its climb timed)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

@@ -33,7 +33,8 @@ def test_the_windowed_call_is_placed_for_its_window_and_its_step_is_faster(monke
     reverse (``Plan.run_order``): 2.06 ms (1.14x) against 2.59 ms (1.43x) placed for causal work; since the causal
     placement deals its documents in mirrored chunks (``distattn.schedule.deal``): 2.05 ms (1.13x) against 2.36 ms
     (1.30x); since the backward computes its local pair's head before its first step (``Plan.head_task``): 2.01 ms
-    (1.11x) against 2.33 ms (1.29x)."""
+    (1.11x) against 2.33 ms (1.29x); since the solver also times absorbing the partials up to 3 steps after their
+    round (``Layout.return_depth``): documents cut by work over single ranks, 1.95 ms (1.08x), against 2.33 ms."""
     monkeypatch.setenv("DISTATTN_LINK", "nvlink")
     p, n = 16, 4096
     cu = document_lengths("longtail:2048", p * n, seed=19)
@@ -41,16 +42,16 @@ def test_the_windowed_call_is_placed_for_its_window_and_its_step_is_faster(monke
     windowed = make_plan(p, True, "placed", mask=mask, chunk=n)
     as_causal = make_plan(p, True, "placed", mask=mask, chunk=n, placement_window=(-1, -1))
     assert windowed.layout != as_causal.layout
-    assert (as_causal.layout.group, windowed.layout.group) == (16, 8)
+    assert (as_causal.layout.group, windowed.layout.group) == (16, 1)
     # the layout the shards are made with (sharding.placement -> layout_of) is the plan's
     assert layout_of("placed", p, mask=placement_mask(cu, (4096, 0)), n=n) == windowed.layout
     assert layout_of("placed", p, mask=MaskSpec(causal=True, cu_seqlens=cu), n=n) == as_causal.layout
     cluster = cluster_from_env()
     t_win = step_timeline(windowed, SHAPES, cluster)
     t_causal = step_timeline(as_causal, SHAPES, cluster)
-    assert t_win["makespan"] == pytest.approx(2.006e-3, rel=0.01)
+    assert t_win["makespan"] == pytest.approx(1.954e-3, rel=0.01)
     assert t_causal["makespan"] == pytest.approx(2.331e-3, rel=0.01)
-    assert t_win["ratio"] < 1.2 < 1.25 < t_causal["ratio"]
+    assert t_win["ratio"] < 1.1 < 1.25 < t_causal["ratio"]
 
 
 def test_the_placement_mask_keeps_the_documents_and_the_left_window_only():

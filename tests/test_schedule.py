@@ -267,6 +267,20 @@ def test_only_a_placed_layout_fetches_more_than_a_step_ahead():
     assert make_plan(4, True, "zigzag").prefetch == 1 and make_plan(4, True, "ring").prefetch == 1
 
 
+def test_only_a_placed_layout_absorbs_its_partials_later():
+    """``Layout.return_depth`` (``Plan.return_depth``): 1 for every plan, up to 3 only for a placed layout."""
+    from distattn.schedule.layouts import RETURN_DEPTHS, Layout
+
+    assert RETURN_DEPTHS == (1, 2, 3)
+    for bad in (0, 4, True, 2.0):
+        with pytest.raises(ValueError, match=f"return_depth={bad!r}"):
+            Layout("placed", 1, placement=(((0, 4),),), return_depth=bad)
+    with pytest.raises(ValueError, match="return_depth=2"):
+        Layout("zigzag", 4, return_depth=2)
+    assert Layout("placed", 1, placement=(((0, 4),),), return_depth=3).return_depth == 3
+    assert make_plan(4, True, "zigzag").return_depth == 1 and make_plan(4, True, "ring").return_depth == 1
+
+
 def test_rank_ops_reject_bad_arguments():
     plan = make_plan(6)
     with pytest.raises(ValueError, match="which='both'"):

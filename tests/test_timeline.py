@@ -84,34 +84,40 @@ def test_the_executor_runs_a_matched_orders_event_order():
                                timeout=TIMEOUT_S))
 
 
-def _trace_deeper_worker(rank, world, n, cases, depth):
-    """:func:`_trace_worker` with every placement fetching ``depth`` steps ahead (``Layout.prefetch``)."""
-    with placed_forced(prefetch=depth):
+def _trace_deeper_worker(rank, world, n, cases, depth, keep=1):
+    """:func:`_trace_worker` with every placement fetching ``depth`` steps ahead (``Layout.prefetch``) and absorbing
+    its partials ``keep`` steps after their round (``Layout.return_depth``)."""
+    with placed_forced(prefetch=depth, return_depth=keep):
         return _trace_worker(rank, world, n, cases)
 
 
-@pytest.mark.parametrize("world,depth", [(4, 2), (5, 3)])
-def test_the_executor_runs_a_deeper_prefetchs_event_order(world, depth):
-    """A placed plan fetching ``depth`` steps ahead (``Plan.prefetch``, ``depth + 1`` fetch slots): the executor posts
-    the first ``depth`` steps' fetches, then step ``t + depth``'s before step ``t`` computes; its posts, waits and
-    computes are the timeline's replay (``rank_events`` reads the plan's depth), which differs from the same plan's at
-    depth 1."""
+@pytest.mark.parametrize("world,depth,keep", [(4, 2, 1), (5, 3, 3), (4, 1, 2)])
+def test_the_executor_runs_a_deeper_prefetchs_event_order(world, depth, keep):
+    """A placed plan fetching ``depth`` steps ahead (``Plan.prefetch``, ``depth + 1`` fetch slots) and absorbing its
+    partials ``keep`` steps after their round (``Plan.return_depth``, ``keep + 1`` return slots): the executor posts
+    the first ``depth`` steps' fetches, then step ``t + depth``'s before step ``t`` computes, and waits for step ``t``'s
+    returns after step ``t + keep``'s compute; its posts, waits and computes are the timeline's replay
+    (``rank_events`` reads the plan's depths), which differs from the same plan's at depth 1."""
     from distattn.schedule.masked import make_masked_plan
 
     n = 16
     cu = [0, 3, world * n - 2, world * n]  # a long document: a step per rank
-    assert all(run_distributed(_trace_deeper_worker, world, n, [("placed", True, (-1, -1), cu)], depth,
+    assert all(run_distributed(_trace_deeper_worker, world, n, [("placed", True, (-1, -1), cu)], depth, keep,
                                timeout=TIMEOUT_S))
     mask = MaskSpec(causal=True, cu_seqlens=tuple(cu))
-    with placed_forced(prefetch=depth):
+    with placed_forced(prefetch=depth, return_depth=keep):
         deep = make_plan(world, True, "placed", mask=mask, chunk=n)
-    shallow = make_masked_plan(world, "placed", mask, n, dataclasses.replace(deep.layout, prefetch=1))
-    assert deep.prefetch == depth and shallow.prefetch == 1 and deep.num_steps() >= depth + 2  # a slot is reused
+    shallow = make_masked_plan(world, "placed", mask, n, dataclasses.replace(deep.layout, prefetch=1, return_depth=1))
+    assert (deep.prefetch, deep.return_depth) == (depth, keep) and shallow.prefetch == shallow.return_depth == 1
+    assert deep.num_steps() >= max(depth, keep) + 2  # a slot is reused
     for phase in ("forward", "backward"):
         deep_events = [rank_events(deep, r, phase) for r in range(world)]
         assert deep_events != [rank_events(shallow, r, phase) for r in range(world)]
         for events in deep_events:  # the first depth fetches are posted before anything waits
             assert [e[:3] for e in events[:depth]] == [("post", "fetch", t) for t in range(depth)], events[:depth]
+            waits = [e for e in events if e[:2] in (("wait", "fetch"), ("wait", "return"))]
+            for t in range(deep.num_steps() - keep):  # step t's returns: waited for after step t + keep's fetch
+                assert waits.index(("wait", "return", t)) == waits.index(("wait", "fetch", t + keep)) + 1, waits
 
 
 def test_the_timeline_runs_the_plans_prefetch_depth():

@@ -5,15 +5,16 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
 * forward: the carried state's fp32 ``out`` (its ``lse`` is the output's); backward: ``delta`` (fp32
   ``(b, h_q, n)``) and the fp32 accumulators ``dq, dk, dv`` of the whole shard (cast to the input dtype once, at
   the end: the outputs);
-* the receive pool (``distattn.executor.Executor.post``): one set of whole-shard buffers per ``(slot, kind, order
-  in the round)`` the plan ever uses, made at first use and kept to the end of the call; the fetch slots alternate
-  over ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, up to ``t % 5`` where the placement solver deepened
-  it; the return slots ``t % 2``), so a rank that fetches k/v at one step and queries at another of the same slot
-  holds both kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default) is received into a
-  buffer of the query shard's size;
+* the receive pool (``distattn.executor.Executor.post``): one set of whole-shard buffers per ``(slot, kind, order in
+  the round)`` the plan ever uses, made at first use and kept to the end of the call; the fetch slots alternate over
+  ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, up to ``t % 5`` where the placement solver deepened it; the
+  return slots over ``return_depth + 1``, ``Plan.return_depth``), so a rank that fetches k/v at one step and queries at
+  another of the same slot holds both kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default)
+  is received into a buffer of the query shard's size;
 * the partials a task computes (a helper's fp32 state or ``dq``; an owner's fp32 ``dk, dv`` of the borrowed slice,
-  ``partials="input"``: plus their cast copies), alive until their send round is waited for, one step later, and
-  the next step's partial is made before that wait;
+  ``partials="input"``: plus their cast copies), alive until their send round is waited for, ``Plan.return_depth``
+  steps later (one, but where the placement solver deepened it), and the next step's partial is made before that
+  wait;
 * the per-row key bounds of a task's pair when the plan has a layout (zigzag, placed) or a mask beyond causal
   (int32 ``(lo, hi)`` per query row, cached for the call);
 * send copies: messages need contiguous memory, so a non-contiguous ``q``/``k``/``v``/``dout`` (HF's transposed
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from distattn.schedule import MaskSpec, Plan, head_groups, make_plan
-from distattn.schedule.layouts import PREFETCHES
+from distattn.schedule.layouts import PREFETCHES, RETURN_DEPTHS
 
 __all__ = ["ExecutorPeak", "executor_peak", "attention_buffers", "ATTENTION_SCHEDULES"]
 
@@ -259,7 +260,8 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
         lv.where = f"{phase} {label}before step 0 of {steps}, rank {rank}: computing the local pair's head"
         compute(head)
     stay: list[int] = []  # what the variable ``produced`` keeps of the last partial beyond what travels
-    returned = None
+    returned: list[tuple] = []  # (step, slot) of the return rounds posted, not yet absorbed
+    keep = plan.return_depth
     for t in range(steps):
         where = f"{phase} {label}step {t} of {steps}, rank {rank}"
         lv.where = f"{where}: the next step's fetch posted"
@@ -272,14 +274,15 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
         held, travels = compute(task) if task is not None else ([], [])
         lv.free(*stay)  # ``produced`` is rebound: the previous partial lives on only in its send round
         stay = [h for h in held if h not in travels]
-        if returned is not None:
-            lv.where = f"{where}: absorbing step {t - 1}'s partials"
-            wait(returned)
-        returned = ("return", t % 2)
+        while len(returned) >= keep:
+            old, slot = returned.pop(0)
+            lv.where = f"{where}: absorbing step {old}'s partials"
+            wait(slot)
+        returned.append((t, ("return", t % (keep + 1))))
         lv.where = f"{where}: this step's partials posted"
-        post(returned, plan.rank_ops(t, rank, phase, "return"), travels, return_buffers)
-    if returned is not None:
-        wait(returned)
+        post(returned[-1][1], plan.rank_ops(t, rank, phase, "return"), travels, return_buffers)
+    for _, slot in returned:
+        wait(slot)
     lv.free(*stay)  # ``produced`` dies with the plan walk
 
 
@@ -353,7 +356,11 @@ def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int,
     ``"placed"`` (packed documents; its dense stand-in is the balanced plan) also counts the deepest prefetch the
     placement solver may choose (``Layout.prefetch`` up to ``PREFETCHES[-1]``): per fetch round more in flight, one
     more set of whole-shard k/v receive buffers and the k/v send copies of that round (part ``"deeper prefetch
-    (placed)"``), so a plan the solver deepens never holds more than the planner counted for them.
+    (placed)"``), and, in the backward, the deepest return depth (``Layout.return_depth`` up to
+    ``RETURN_DEPTHS[-1]``): per return round held beyond the first, one more set of whole-shard dk/dv receive buffers
+    and the dk/dv partial that round sends, in the partials' dtype (``"deeper returns (placed)"``; a placed plan has
+    owner tasks only: its forward returns nothing), so a plan the solver deepens never holds more than the planner
+    counted for them.
     """
     if groups is None:  # the executor decides at the real length
         groups = head_groups(batch, n, heads, kv_heads, head_dim, dtype.itemsize,
@@ -366,4 +373,8 @@ def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int,
     if schedule == "placed":  # k and v received, k and v sent, per round in flight beyond the first
         parts["deeper prefetch (placed)"] = ((PREFETCHES[-1] - 1) * 4 * batch * n * (kv_heads // groups) * head_dim
                                              * dtype.itemsize)
+        if phase == "backward":  # dk and dv received, dk and dv sent, per return round held beyond the first
+            part = 4 if partials == "fp32" else dtype.itemsize
+            parts["deeper returns (placed)"] = ((RETURN_DEPTHS[-1] - 1) * 4 * batch * n * (kv_heads // groups)
+                                                * head_dim * part)
     return ExecutorPeak(sum(parts.values()), parts, ref.moment, ref.rank)

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "ORDERS", "BACKWARDS", "HEAD", "PREFETCHES", "Layout", "local_bounds", "pieces_of"]
+__all__ = ["LAYOUTS", "ORDERS", "BACKWARDS", "HEAD", "PREFETCHES", "RETURN_DEPTHS", "Layout", "local_bounds",
+           "pieces_of"]
 
 LAYOUTS = ("contiguous", "zigzag", "placed")
 ORDERS = ("rotation", "pairs-work", "pairs-keys", "ranks-work", "ranks-keys")
@@ -57,6 +58,13 @@ ones (the Pile at P = 8, seed 160: 1.105x -> 1.017x of perfect balance; uniform:
 (``distattn.schedule.plan.head_rows``): the two parts write disjoint dq rows and both add into dk, dv."""
 PREFETCHES = (1, 2, 3, 4)
 """How many steps ahead the executor posts a step's fetch (``Layout.prefetch``; ``distattn.executor.Executor._run``)."""
+RETURN_DEPTHS = (1, 2, 3)
+"""How many steps after posting a step's return round the executor waits for it and absorbs the partials it received
+(``Layout.return_depth``; ``distattn.executor.Executor._run``): 1, every plan's, or up to 3 for a placed layout. A round
+needs both of its ends, so a rank that waits for its returns one step later cannot run more than about two steps ahead
+of the peers whose partials it takes or sends; under the packed documents' uneven pairs that chain holds ranks back
+where no rank is overloaded (the Pile at P = 16, seed 55, on the per-pair timeline: 1.154x of perfect balance with 1,
+1.065x with 3). Each step deeper holds one more set of return receive buffers and one more step's sent partials."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,11 @@ class Layout:
     depth that no deeper one makes faster on the solver's per-pair timeline by
     :data:`~distattn.schedule.placement.DEEPER` per extra set of receive buffers (``distattn.memory.executor`` counts
     them)."""
+    return_depth: int = 1
+    """How many steps after posting a step's return round the executor absorbs it (:data:`RETURN_DEPTHS`; the receive
+    buffers of ``return_depth + 1`` return rounds alternate): 1, every plan's, or, ``"placed"`` only, up to 3: the
+    shallowest depth that no deeper one makes faster on the solver's per-pair timeline by
+    :data:`~distattn.schedule.placement.DEEPER` per extra set of buffers (``distattn.memory.executor`` counts them)."""
     head: bool = True
     """Whether a rank computes :data:`HEAD` of its local pair's work before the backward's first step
     (``Plan.head_task``): ``True``, every plan's, or, ``"placed"`` only, ``False`` (the local pair whole at the
@@ -116,6 +129,10 @@ class Layout:
                 or (self.prefetch != 1 and self.kind != "placed")):
             raise ValueError(f"prefetch={self.prefetch!r}: a placed layout's prefetch depth is one of {PREFETCHES}; "
                              f"other layouts keep 1")
+        if (type(self.return_depth) is not int or self.return_depth not in RETURN_DEPTHS
+                or (self.return_depth != 1 and self.kind != "placed")):
+            raise ValueError(f"return_depth={self.return_depth!r}: a placed layout's return depth is one of "
+                             f"{RETURN_DEPTHS}; other layouts keep 1")
         if type(self.head) is not bool or (not self.head and self.kind != "placed"):
             raise ValueError(f"head={self.head!r}: a placed layout's head is True or False; other layouts keep "
                              f"True")

@@ -61,16 +61,17 @@ Under a left window the solver also times *documents cut by their work* (``dista
 windowed work passes :data:`CUTS` of a rank's mean is cut into consecutive pieces of about equal work before the groups
 are dealt, so a long document no longer fills whole groups by their token room (its heavy rows alone on a few ranks) but
 spreads in pieces that short documents fill around; under a window a piece borrows at most the window's keys from the
-pieces before it. Timed on groups of 1, 2, the chosen size and half of it at each cut, kept where faster (the Pile at
-P = 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work; 2.40x -> 1.46x of perfect balance on
-NVLink; causal work is never cut this way: the last piece would borrow the whole document's keys). Half the chosen size
-helps where the climb chose groups whose windowed deal is communication bound (longtail at P = 16: the
-worst of 200 windowed seeds 1.282x -> 1.244x, seed 157 1.280x -> 1.136x;
-``bench/results/placement-sim/COMPARE-200-cut-halves.md``). Each cut is timed twice: its pieces as cut, and each piece
-longer than :data:`PIECES` of a group's tokens cut again every that many rows. A document's first rows see few keys,
-so its first piece of equal work is long and light: alone it fills a group's token room and leaves the group short of
-work (the Pile at P = 16, seed 37: a rank at 0.53x of the mean work beside one at 1.32x); two halves fill a group
-exactly and share it with heavier pieces (1.325x -> 1.235x of perfect balance).
+pieces before it. Timed on groups of 1, 2, the chosen size, half of it and every size the climb timed, at each cut, kept
+where faster (the Pile at P = 64, seed 22, window 4096: one document of 65,353 tokens holds 58% of the work;
+2.40x -> 1.46x of perfect balance on NVLink; causal work is never cut this way: the last piece would borrow the whole
+document's keys). Half the chosen size helps where the climb chose groups whose windowed deal is communication bound
+(longtail at P = 16: the worst of 200 windowed seeds 1.282x -> 1.244x, seed 157 1.280x -> 1.136x;
+``bench/results/placement-sim/COMPARE-200-cut-halves.md``; the other sizes the climb timed: longtail at P = 16, seed
+111, 1.136x -> 1.054x on the node's 8 ranks where the climb chose 2). Each cut is timed twice: its pieces as cut, and
+each piece longer than :data:`PIECES` of a group's tokens cut again every that many rows. A document's first rows see
+few keys, so its first piece of equal work is long and light: alone it fills a group's token room and leaves the group
+short of work (the Pile at P = 16, seed 37: a rank at 0.53x of the mean work beside one at 1.32x); two halves fill a
+group exactly and share it with heavier pieces (1.325x -> 1.235x of perfect balance).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
@@ -93,13 +94,19 @@ window 4096: 4 of 200 seeds keep no head, 1 the plan's order, 195 both the rever
 
 Every candidate is timed with the executor fetching 4 steps ahead (``Layout.prefetch``, the deepest of
 :data:`~distattn.schedule.layouts.PREFETCHES`: the executor posts each step's fetch ``depth`` steps before that step
-computes, over ``depth + 1`` sets of receive buffers); the layout chosen is then timed at depths 1, 2 and 3 and takes
-the shallowest that no deeper depth beats by :data:`DEEPER` per extra set of buffers. A fetch round reuses the buffers
-the compute before its posting read, so it cannot start before that compute is done on both ends: a busy sender holds
-its peers back, and posting the round further ahead gives it more computes to travel behind. Timing only the winner
-deeper (the solver before) chose among candidates by their step at depth 1, where a deal whose order stalls on a busy
-sender loses to one that is faster only there (``bench/results/placement-sim/WORST-8-64-089630e.md``). The memory is
-counted: ``distattn.memory.executor`` replays the plan's slots, and the planner counts the deepest for ``"placed"``.
+computes, over ``depth + 1`` sets of receive buffers) and absorbing its partials 3 steps after their round
+(``Layout.return_depth``, the deepest of :data:`~distattn.schedule.layouts.RETURN_DEPTHS`, over ``return_depth + 1``
+sets of return buffers); the layout chosen is then timed at prefetch depths 1, 2 and 3 and takes the shallowest that no
+deeper depth beats by :data:`DEEPER` per extra set of buffers, then likewise at return depths 1 and 2. A fetch round
+reuses the buffers the compute before its posting read, so it cannot start before that compute is done on both ends: a
+busy sender holds its peers back, and posting the round further ahead gives it more computes to travel behind. Timing
+only the winner deeper (the solver before) chose among candidates by their step at depth 1, where a deal whose order
+stalls on a busy sender loses to one that is faster only there (``bench/results/placement-sim/WORST-8-64-089630e.md``).
+A return round needs both ends too: a rank absorbing its partials one step after their round cannot run more than two
+steps ahead of the ranks it sends partials to or takes them from, and over a packed batch's uneven pairs that chain
+holds back ranks no one overloads (the Pile at P = 16, seed 55: 1.154x of perfect balance absorbing a step later, 1.065x
+three steps later; longtail windowed at P = 16, seed 33: 1.226x -> 1.104x, re-solved). The memory is counted:
+``distattn.memory.executor`` replays the plan's slots, and the planner counts the deepest for ``"placed"``.
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
 a block fills whole 64-key tiles and a shard's segments add few partly masked tiles; 64 rather than 128 because
@@ -143,7 +150,7 @@ import numpy as np
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
 from distattn.schedule.deal import deal
 from distattn.schedule.groups import RowWork, assign_groups
-from distattn.schedule.layouts import BACKWARDS, ORDERS, PREFETCHES, Layout
+from distattn.schedule.layouts import BACKWARDS, ORDERS, PREFETCHES, RETURN_DEPTHS, Layout
 from distattn.schedule.masked import masked_plan_of
 from distattn.schedule.pairs import pair_table
 from distattn.schedule.masks import MaskSpec
@@ -286,7 +293,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         seen.add(digest)
         table, found = pair_table(spec, p, n, lay, cache=False), []  # one table, every order
         for order in ORDERS:
-            cand = dataclasses.replace(lay, order=order, prefetch=PREFETCHES[-1], head=True)  # at the deepest depth
+            cand = dataclasses.replace(lay, order=order, prefetch=PREFETCHES[-1], return_depth=RETURN_DEPTHS[-1],
+                                       head=True)  # at the deepest depths
             plan = masked_plan_of(p, "placed", spec, n, cand, table)
             fwd = phase_timeline(plan, "forward", shapes, cluster, stride=stride).makespan
             for backward in BACKWARDS:  # the backward's steps reversed (every plan's; a tie keeps it) or as planned
@@ -330,8 +338,9 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if t < best_time * (1 - 1e-9):
             best_time, best = t, lay
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
-        for kk, cut, capped in [(kk, c, cap) for kk in sorted({1, 2, k // 2, k} & set(divisors)) for c in CUTS
-                                for cap in (False, True)]:
+        # and every group size the climb timed
+        for kk, cut, capped in [(kk, c, cap) for kk in sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
+                                for c in CUTS for cap in (False, True)]:
             t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped))
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, lay
@@ -351,15 +360,17 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                                                                    f"documents without the window: faster)")
     table = kept["table"] if kept.get("digest") == hash(best.placement) else pair_table(spec, p, n, best, cache=False)
     plan = masked_plan_of(p, "placed", spec, n, best, table)
-    times = {PREFETCHES[-1]: best_time}  # the candidates were timed at the deepest depth
-    for depth in PREFETCHES[:-1]:
-        shallower = dataclasses.replace(plan, layout=dataclasses.replace(best, prefetch=depth))
-        times[depth] = sum(phase_timeline(shallower, phase, shapes, cluster, stride=stride).makespan
-                           for phase in ("forward", "backward"))
-    # the shallowest depth no deeper one beats by DEEPER per extra set of receive buffers
-    depth = next(d for d in PREFETCHES
-                 if all(times[e] >= times[d] * (1 - DEEPER * (e - d)) for e in PREFETCHES if e > d))
-    best_time, best = times[depth], dataclasses.replace(best, prefetch=depth)
+    # the candidates were timed at the deepest depths: the prefetch depth, then the return depth, each the shallowest
+    # that no deeper one beats by DEEPER per extra set of receive buffers
+    for field, depths in (("prefetch", PREFETCHES), ("return_depth", RETURN_DEPTHS)):
+        times = {depths[-1]: best_time}
+        for depth in depths[:-1]:
+            shallower = dataclasses.replace(plan, layout=dataclasses.replace(best, **{field: depth}))
+            times[depth] = sum(phase_timeline(shallower, phase, shapes, cluster, stride=stride).makespan
+                               for phase in ("forward", "backward"))
+        depth = next(d for d in depths if all(times[e] >= times[d] * (1 - DEEPER * (e - d)) for e in depths if e > d))
+        best_time, best = times[depth], dataclasses.replace(best, **{field: depth})
+        plan = dataclasses.replace(plan, layout=best)
     # the backward's three ways on that layout: reversed with the local pair's head first, reversed with the pair whole
     # at its last step, in the plan's order (the candidates were timed with the head); the first of the fastest
     ways = [best] + [way for way in (dataclasses.replace(best, backward="reversed", head=h) for h in (True, False))
@@ -372,6 +383,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     how = "" if best.order == "rotation" else f", steps as matchings ({best.order})"
     how += ", the backward in the plan's order" if best.backward == "forward" else ""
     how += f", fetches {best.prefetch} steps ahead" if best.prefetch > 1 else ""
+    how += f", partials absorbed {best.return_depth} steps after their round" if best.return_depth > 1 else ""
     how += ", the backward's local pair whole at its last step" if not best.head else ""
     return dataclasses.replace(best, note=f"{best.note}{how}; modelled step {best_time * 1e3:.3f} ms per layer on "
                                           f"{_cluster_name(cluster, p * stride)}")
@@ -381,7 +393,7 @@ def _dealt_note(note: str) -> str:
     """A solved layout's note without what the solve adds to its deal's (order, backward, depth, modelled step): those
     are said again for the layout they end up on."""
     note = note.split(";")[0]
-    for added in (", steps as matchings", ", the backward in the plan's order", ", fetches ",
+    for added in (", steps as matchings", ", the backward in the plan's order", ", fetches ", ", partials absorbed",
                   ", the backward's local pair whole"):
         note = note.split(added)[0]
     return note

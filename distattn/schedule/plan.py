@@ -206,6 +206,13 @@ class Plan:
         (the executor, its memory replay, the per-pair timeline and ``rank_events``)."""
         return 1 if self.layout is None else self.layout.prefetch
 
+    @property
+    def return_depth(self) -> int:
+        """How many steps after posting a step's return round the executor waits for it and absorbs its partials
+        (``Layout.return_depth``: 1 but for placed layouts the solver deepened); ``return_depth + 1`` return rounds'
+        receive buffers alternate. Read by every walker of a phase, as :attr:`prefetch`."""
+        return 1 if self.layout is None else self.layout.return_depth
+
     @functools.cached_property
     def _flipped(self) -> "Plan":
         """The plan with its steps reversed, as the other phase runs it (its own ``_flipped``: this plan)."""

@@ -6,11 +6,12 @@ takes part in. Per rank and phase it runs, with its compute stream and two side 
 on one, return rounds on the other: ``distattn.comm.PeerExchange``)::
 
     post F(0) .. F(depth - 1);  compute the head (the backward: the first rows of the local pair)
-    for t in steps:  post F(t + depth)  (prefetch);  wait F(t);  compute(t);  wait R(t - 1), absorb;  post R(t)
-    wait R(last), absorb
+    for t in steps:  post F(t + depth)  (prefetch);  wait F(t);  compute(t);  wait R(t - keep), absorb;  post R(t)
+    wait R(last - keep + 1) .. R(last), absorb
 
 with ``depth`` the plan's prefetch depth (``Plan.prefetch``: 1, or up to 4 where the placement solver found a deeper
-depth faster) and ``depth + 1`` fetch slots of receive buffers alternating,
+depth faster) and ``depth + 1`` fetch slots of receive buffers alternating, ``keep`` its return depth
+(``Plan.return_depth``: 1, or up to 3 likewise) and ``keep + 1`` return slots,
 
 with ``steps`` in the phase's order (``Plan.run_order``): the plan's steps in the forward, reversed in the backward
 (its local pair last, hiding the previous step's dk/dv return; its first fetch is the forward's last step's, one of
@@ -36,11 +37,11 @@ partial output / dq, an owner's dk/dv partial; none for owner tasks in the forwa
   model leaves out contention between them, as it leaves out contention beyond a rank's own link);
 * the host posts in the order above and a wait blocks it until its round is done (NCCL: it polls, bounded), so a
   round is also never posted before the host is past the waits before it (``F(t + depth)``: those of step ``t - 1``;
-  ``R(t)``: ``F(t)`` and ``R(t - 1)``);
+  ``R(t)``: ``F(t)`` and ``R(t - keep)``);
 * the head computes from time 0, ``Plan.head`` of the local pair's work (taken off the last step's);
-* compute ``t`` starts when compute ``t - 1`` is done, ``F(t)`` has arrived and ``R(t - 2)`` was waited for (the host
-  waits in that order), and lasts the task's work (in full ``m x m`` pairs) x ``4 b m^2 h d`` FLOPs (x2.5 backward) /
-  the cluster's FLOP/s.
+* compute ``t`` starts when compute ``t - 1`` is done, ``F(t)`` has arrived and ``R(t - 1 - keep)`` was waited for
+  (the host waits in that order), and lasts the task's work (in full ``m x m`` pairs) x ``4 b m^2 h d`` FLOPs (x2.5
+  backward) / the cluster's FLOP/s.
 
 Per rank it reports the makespan, the compute time, the idle time and its part spent waiting inside the rank's own
 transfers (*exposed communication*; the rest of the idle is waiting for late peers, i.e. imbalance). ``prefetch``
@@ -160,6 +161,7 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     prefetch = plan.prefetch if prefetch is None else prefetch
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch={prefetch!r}: the executor posts at least the next step's fetch (an int >= 1)")
+    keep = plan.return_depth
     slots = prefetch + 1 if slots == "executor" else slots
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < prefetch + 1):
         raise ValueError(f"slots={slots!r}: receive slots of the fetch rounds are an int >= prefetch + 1 = "
@@ -191,17 +193,17 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
         last = None if slots is None else t + prefetch - slots  # the compute that last read F(t + prefetch)'s slot
         gate = computed[last] if last is not None and last >= 0 else zero  # buffer reuse
         ends[("F", t + prefetch)] = fetch.run(t + prefetch, np.maximum(gate, host), side)
-        f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 2), np.full(p, -np.inf))
+        f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 1 - keep), np.full(p, -np.inf))
         host = np.maximum(host, f_end)  # wait F(t)
         start = np.maximum.reduce([done[1], f_end, r_old, host])
         waited = np.clip(start - done[1], 0.0, None)  # the compute stream's gap before step t
-        exposed += np.where(cost[t] > 0, np.minimum(waited, _own(fetch, t) + _own(back, t - 2)), 0.0)
+        exposed += np.where(cost[t] > 0, np.minimum(waited, _own(fetch, t) + _own(back, t - 1 - keep)), 0.0)
         end = np.where(cost[t] > 0, start + cost[t], done[1])
         done = [done[1], end]
         computed.append(end)
-        host = np.maximum(host, ends.get(("R", t - 1), zero))  # wait R(t - 1)
+        host = np.maximum(host, ends.get(("R", t - keep), zero))  # wait R(t - keep)
         ends[("R", t)] = back.run(t, np.maximum(end, host), back_side)
-    finish = np.maximum.reduce([done[1], ends.get(("R", n_steps - 1), zero), ends.get(("R", n_steps - 2), zero)])
+    finish = np.maximum.reduce([done[1]] + [ends.get(("R", n_steps - 1 - i), zero) for i in range(keep + 1)])
     return PhaseTimeline(phase, finish, cost.sum(axis=0) + head, exposed)
 
 
@@ -263,7 +265,7 @@ def rank_events(plan: Plan, rank: int, phase: str) -> list[tuple]:
         sends, recvs = plan.rank_ops(t, rank, phase, which)
         out.append(("post", which, t, tuple(sorted(tr.dst for tr in sends)), tuple(sorted(tr.src for tr in recvs))))
 
-    depth = plan.prefetch
+    depth, keep = plan.prefetch, plan.return_depth
     for t in range(min(depth, n_steps)):
         post("fetch", t)
     head = plan.head_task(rank)
@@ -276,9 +278,8 @@ def rank_events(plan: Plan, rank: int, phase: str) -> list[tuple]:
         task = plan.task(t, rank)
         if task is not None:
             out.append(("compute", t, task.q_chunk, task.kv_chunk))
-        if t:
-            out.append(("wait", "return", t - 1))
+        if t >= keep:
+            out.append(("wait", "return", t - keep))
         post("return", t)
-    if n_steps:
-        out.append(("wait", "return", n_steps - 1))
+    out += [("wait", "return", t) for t in range(max(0, n_steps - keep), n_steps)]
     return out
