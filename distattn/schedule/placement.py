@@ -127,17 +127,19 @@ Cost: a deal, its pair table and one plan and timeline per order (:data:`~distat
 backward's twice) per group size tried (3-4 of them), per deal with a cut document's shortest piece first (in mirrored
 chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules, on one or two group sizes,
 often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts,
-capped or not, on up to 4 group sizes), and 3 timelines of the chosen layout at the shallower prefetch depths (on the
-pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P =
-64 on NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask,
-on 2 cores with a second sweep job beside each solve, the solver of 447c42d; today's times the same candidates 4 steps
-ahead, under a window twice the cuts, and the chunked and shortest-first deals: 1.5-3.8 s causal and 3.6-8.6 s
-windowed at most on the worst P = 64 seeds, ``WORST-8-64.md``, on an idle machine (1.9-4.2 / 5.9-12.2 s before those
-deals, CI beside); 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the backward's two
-orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
-``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst seeds at P = 256 (``WORST-256.md``; 30
-/ 49 s before, with two other jobs beside each solve); before the windowed deal 3.4 s (NVLink) / 8.2 s (IB) at P = 4096
-(``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). Pure Python + numpy.
+capped or not, on up to all the climb's group sizes), and 5 timelines of the chosen layout at the shallower depths (on
+the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64
+on NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on
+2 cores with a second sweep job beside each solve, the solver of 447c42d; today's times the same candidates 4 steps
+ahead and absorbing 3 steps later, under a window more cuts, and the chunked and shortest-first deals: at most 1.6 s
+causal and 3.6 s windowed over the 200 uniform seeds at P = 64 and 7.4 s on the worst longtail and Pile seeds,
+``WORST-8-64.md``, a test suite beside (1.5-3.8 / 3.6-8.6 s on the worst seeds before the return depth, an idle machine;
+1.9-4.2 / 5.9-12.2 s before the chunked deals, CI beside); 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 /
+0.7-2.0 s before the backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the
+backward's orders (median of 10 seeds, ``COMPARE-200-cuts.md``), and up to 33 s (causal) / 43 s (windowed) on the worst
+seeds at P = 256 (``WORST-256.md``; 30 / 49 s before, with two other jobs beside each solve); before the windowed deal
+3.4 s (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and
+memory). Pure Python + numpy.
 """
 
 from __future__ import annotations
