@@ -254,31 +254,20 @@ def test_only_a_placed_layout_keeps_the_plans_order_in_the_backward():
     assert Layout("placed", 1, placement=(((0, 4),),), backward="forward").backward == "forward"
 
 
-def test_only_a_placed_layout_fetches_more_than_a_step_ahead():
-    """``Layout.prefetch`` (``Plan.prefetch``): 1 for every plan, up to 4 only for a placed layout (the solver's)."""
-    from distattn.schedule.layouts import Layout
+@pytest.mark.parametrize("field,deepest", [("prefetch", 4), ("return_depth", 3)])
+def test_only_a_placed_layout_fetches_ahead_or_absorbs_later(field, deepest):
+    """``Layout.prefetch`` (``Plan.prefetch``) and ``Layout.return_depth`` (``Plan.return_depth``): 1 for every plan, up
+    to 4 and 3 only for a placed layout (the solver's)."""
+    from distattn.schedule.layouts import PREFETCHES, RETURN_DEPTHS, Layout
 
-    for bad in (0, 5, True, 2.0):
-        with pytest.raises(ValueError, match=f"prefetch={bad!r}"):
-            Layout("placed", 1, placement=(((0, 4),),), prefetch=bad)
-    with pytest.raises(ValueError, match="prefetch=2"):
-        Layout("zigzag", 4, prefetch=2)
-    assert Layout("placed", 1, placement=(((0, 4),),), prefetch=4).prefetch == 4
-    assert make_plan(4, True, "zigzag").prefetch == 1 and make_plan(4, True, "ring").prefetch == 1
-
-
-def test_only_a_placed_layout_absorbs_its_partials_later():
-    """``Layout.return_depth`` (``Plan.return_depth``): 1 for every plan, up to 3 only for a placed layout."""
-    from distattn.schedule.layouts import RETURN_DEPTHS, Layout
-
-    assert RETURN_DEPTHS == (1, 2, 3)
-    for bad in (0, 4, True, 2.0):
-        with pytest.raises(ValueError, match=f"return_depth={bad!r}"):
-            Layout("placed", 1, placement=(((0, 4),),), return_depth=bad)
-    with pytest.raises(ValueError, match="return_depth=2"):
-        Layout("zigzag", 4, return_depth=2)
-    assert Layout("placed", 1, placement=(((0, 4),),), return_depth=3).return_depth == 3
-    assert make_plan(4, True, "zigzag").return_depth == 1 and make_plan(4, True, "ring").return_depth == 1
+    assert {"prefetch": PREFETCHES, "return_depth": RETURN_DEPTHS}[field] == tuple(range(1, deepest + 1))
+    for bad in (0, deepest + 1, True, 2.0):
+        with pytest.raises(ValueError, match=f"{field}={bad!r}"):
+            Layout("placed", 1, placement=(((0, 4),),), **{field: bad})
+    with pytest.raises(ValueError, match=f"{field}=2"):
+        Layout("zigzag", 4, **{field: 2})
+    assert getattr(Layout("placed", 1, placement=(((0, 4),),), **{field: deepest}), field) == deepest
+    assert all(getattr(make_plan(4, True, kind), field) == 1 for kind in ("zigzag", "ring"))
 
 
 def test_rank_ops_reject_bad_arguments():
