@@ -66,12 +66,12 @@ where faster (the Pile at P = 64, seed 22, window 4096: one document of 65,353 t
 2.40x -> 1.46x of perfect balance on NVLink; causal work is never cut this way: the last piece would borrow the whole
 document's keys). Half the chosen size helps where the climb chose groups whose windowed deal is communication bound
 (longtail at P = 16: the worst of 200 windowed seeds 1.282x -> 1.244x, seed 157 1.280x -> 1.136x;
-``bench/results/placement-sim/COMPARE-200-cut-halves.md``; the other sizes the climb timed: longtail at P = 16, seed
-111, 1.136x -> 1.054x on the node's 8 ranks where the climb chose 2). Each cut is timed twice: its pieces as cut, and
-each piece longer than :data:`PIECES` of a group's tokens cut again every that many rows. A document's first rows see
-few keys, so its first piece of equal work is long and light: alone it fills a group's token room and leaves the group
-short of work (the Pile at P = 16, seed 37: a rank at 0.53x of the mean work beside one at 1.32x); two halves fill a
-group exactly and share it with heavier pieces (1.325x -> 1.235x of perfect balance).
+``bench/results/placement-sim/COMPARE-200-cut-halves.md``; the other sizes the climb timed: longtail at P = 16,
+seed 111, 1.136x -> 1.054x on the node's 8 ranks where the climb chose 2, before the return depth below). Each cut is
+timed twice: its pieces as cut, and each piece longer than :data:`PIECES` of a group's tokens cut again every that many
+rows. A document's first rows see few keys, so its first piece of equal work is long and light: alone it fills a group's
+token room and leaves the group short of work (the Pile at P = 16, seed 37: a rank at 0.53x of the mean work beside one
+at 1.32x); two halves fill a group exactly and share it with heavier pieces (1.325x -> 1.235x of perfect balance).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
