@@ -137,9 +137,9 @@ causal and 3.6 s windowed over the 200 uniform seeds at P = 64 and 7.4 s on the 
 1.9-4.2 / 5.9-12.2 s before the chunked deals, CI beside); 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 /
 0.7-2.0 s before the backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the
 backward's orders (median of 10 seeds, ``COMPARE-200-cuts.md``), and up to 42 s (causal) / 40 s (windowed) on the worst
-seeds at P = 256 with the return depth (``WORST-256.md``; 33 / 43 s with the solver of 447c42d, 30 / 49 s before it); before the windowed deal
-3.4 s (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and
-memory). Pure Python + numpy.
+seeds at P = 256 with the return depth (``WORST-256.md``; 33 / 43 s with the solver of 447c42d, 30 / 49 s before it);
+before the windowed deal 3.4 s (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans
+there in time and memory). Pure Python + numpy.
 """
 
 from __future__ import annotations
