@@ -219,8 +219,8 @@ def _deeper_worker(rank, world, n, order, depth, keep=1):
             backward = backward[:backward.index(("wait", "return", plan.num_steps() - 1)) + 1]  # the first call's
             for t in range(plan.num_steps() - keep):  # step t's returns: absorbed after step t + keep's compute
                 assert backward.index(("wait", "return", t)) > backward.index(("wait", "fetch", t + keep)), backward
-                assert backward.index(("wait", "return", t)) < backward.index(("wait", "fetch", t + keep + 1)) \
-                    if t + keep + 1 < plan.num_steps() else True, backward
+                if t + keep + 1 < plan.num_steps():  # and before the next step's fetch is waited for
+                    assert backward.index(("wait", "return", t)) < backward.index(("wait", "fetch", t + keep + 1))
     assert max(steps) >= max(depth, keep) + 2, steps  # a fetch slot and a return slot are reused
     return seen
 
