@@ -144,8 +144,9 @@ def report_error(message: str, code: int = EXIT_BAD_ARGS) -> None:
     first seen), and stops every other worker with SIGTERM as soon as one exits. So rank 0 writes its file now,
     and every other rank writes its own (with the real time, hence never before rank 0's) only as it leaves, with
     exit status ``code`` in both ways out: when torchrun stops it (a SIGTERM handler) or when it exits on its
-    own (``exit_now``; before the process group exists, after waiting ``_DEFER_S`` for rank 0 to go first).
-    Every rank that reports the error thus exits with ``code``, and no report shows a time in the future.
+    own (``exit_now``; before the process group exists, after waiting ``_DEFER_S`` for rank 0 to go first, and
+    then without returning). Every rank that reports the error thus exits with ``code``, and no report shows a
+    time in the future.
     """
     global _pending_line
     line = f"train.py: error: {message}"
@@ -157,8 +158,10 @@ def report_error(message: str, code: int = EXIT_BAD_ARGS) -> None:
     signal.signal(signal.SIGTERM, lambda *_: exit_now(code))
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         time.sleep(_DEFER_S)
-        _write_error_file(line)  # rank 0 did not fail first: this rank's own fault (the caller exits ``code``)
-        _pending_line = None
+        # Rank 0 did not fail first: this rank's own fault. Leave at once, not through the caller's sys.exit: the
+        # interpreter's teardown takes seconds on a loaded machine and resets this handler to the default early in
+        # it, so torchrun's SIGTERM landing then would show this rank as killed (exit -15; seen in CI).
+        exit_now(code)
 
 
 def exit_now(code: int) -> None:

@@ -110,6 +110,43 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
             f"(it holds no finished checkpoint); starting from step 0") in err
 
 
+_LAGGING_RANK = """
+import atexit, sys, train_config
+train_config._DEFER_S = float(sys.argv[1])
+atexit.register(lambda: print("teardown", flush=True))
+print("ready", flush=True)
+train_config.report_error("boom")
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("way_out", ["after the wait", "stopped while waiting"])
+def test_a_failing_rank_other_than_0_leaves_with_status_2_both_ways(way_out, tmp_path):
+    """Rank 1 reports a fault before the process group exists: it leaves with status 2 and its reason in its error
+    file whether torchrun stops it (SIGTERM during the wait for rank 0) or the wait ends. After the wait it leaves at
+    once, without the interpreter's teardown (no atexit output): that teardown resets the SIGTERM handler and takes
+    seconds on a loaded machine, and a SIGTERM landing in it showed the rank as killed (exit -15, seen in CI)."""
+    error_file = tmp_path / "error.json"
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+               TORCHELASTIC_ERROR_FILE=str(error_file), PYTHONPATH=str(ROOT / "launch"))
+    wait_s = "0.1" if way_out == "after the wait" else "60"
+    proc = subprocess.Popen([sys.executable, "-c", _LAGGING_RANK, wait_s], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        if way_out == "stopped while waiting":
+            time.sleep(0.5)  # inside the wait: the handler is set before it starts
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, (proc.returncode, out, err)
+    assert "returned" not in out and "teardown" not in out, out
+    assert "train.py: error: boom" in error_file.read_text()
+    assert "train.py: error:" not in err  # rank 0 alone prints the line
+
+
 def _prepare_error(monkeypatch, argv, env=None) -> str:
     """The ``UsageError`` that rank 0 of a 2-rank job would print for ``argv`` (``train.prepare``, in-process:
     it runs before any process group exists, so it needs no torchrun)."""
