@@ -19,7 +19,15 @@ under a window of 4,096 holds 58% of a batch's work in a quarter of its tokens (
 22: its busiest rank at 2.40x of the mean). Cut into pieces of a fraction of a rank's mean work, the document's rows
 spread over the ranks and short documents fill the rest; under a window each piece borrows at most the window's keys
 from the pieces before it, so the pieces cost few bytes (causal, the last piece would borrow the whole document's
-keys: the solver cuts only under a window, ``distattn.schedule.placement``). Deterministic; pure Python + numpy.
+keys: the solver cuts only under a window, ``distattn.schedule.placement``).
+
+Every group holds exactly its tokens, so longest-first leaves groups of unequal work where the densest pieces do not
+fall evenly: a group that holds one long document's heavy rows may only fill its room with other documents' tokens,
+whatever their work. :func:`even_groups` then evens the groups' work by exchanges of equal numbers of tokens between
+the heaviest group and the lightest, the heavier giving its densest pieces and taking the lighter's lightest, one
+piece of each side cut where the sizes meet (longtail at P = 16, seed 7, window 4096, groups of one rank, pieces of
+half a rank's work capped at 2048 tokens: the busiest rank's work from 1.28x of the mean to 1.005x). The solver times
+it as a candidate (``distattn.schedule.placement``). Deterministic; pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import heapq
 
 import numpy as np
 
-__all__ = ["RowWork", "assign_groups", "cut_by_work"]
+__all__ = ["RowWork", "assign_groups", "cut_by_work", "even_groups", "group_loads"]
 
 _INF = 1 << 62
 
@@ -208,3 +216,127 @@ def _assign_scan(doc, lo, size, work, starts, lengths, rows: RowWork, groups: in
         if not _cut(pieces, load, free, takes, short_first, d, lo_l[i], base, rows, length_l[d], limit):
             return None
     return np.asarray(pieces, dtype=np.int64)
+
+
+EVEN_STEP = 16
+"""Tokens between the exchange sizes :func:`even_groups` tries inside an item (item boundaries are always tried)."""
+
+
+def even_groups(pieces: np.ndarray, starts, rows: RowWork, groups: int, tol: float,
+                order: str = "dense") -> np.ndarray:
+    """``pieces`` (:func:`assign_groups`) with the groups' work evened (module docstring): up to ``2 * groups`` times,
+    while the heaviest group passes the mean by more than ``tol``, it and the lightest exchange the same number of
+    tokens, the first ``s`` of each one's exchange order (the heavier one's densest pieces first, the lighter one's
+    lightest; pieces of documents cut already last, and with ``order="short"`` also pieces longer than a quarter of the
+    two groups' tokens), ``s`` the size (every :data:`EVEN_STEP` tokens and every piece boundary) that brings the two
+    loads nearest their mean. At most one piece of each side is cut by an exchange, its short side holding the
+    document's first rows. Every group keeps its tokens; the heaviest load never grows. Neighbouring pieces of a
+    document in one group are joined."""
+    pieces = np.asarray(pieces, dtype=np.int64).copy()
+    start_l = np.asarray(starts, dtype=np.int64)
+    for _ in range(2 * groups):
+        work = _piece_work(pieces, start_l, rows)
+        load = np.bincount(pieces[:, 2], weights=work, minlength=groups)
+        h, lo = int(np.argmax(load)), int(np.argmin(load))
+        if load[h] <= load.mean() * (1 + tol):
+            break
+        new = _exchange(pieces, work, h, lo, start_l, rows, (load[h] + load[lo]) / 2, order)
+        if new is None:
+            break
+        pieces = new
+    return _merged(pieces)
+
+
+def group_loads(pieces: np.ndarray, starts, rows: RowWork, groups: int) -> np.ndarray:
+    """Every group's work (its pieces' rows' visible keys)."""
+    return np.bincount(pieces[:, 2], weights=_piece_work(pieces, np.asarray(starts, dtype=np.int64), rows),
+                       minlength=groups)
+
+
+def _piece_work(pieces, starts, rows: RowWork):
+    """Each piece's work (its rows' visible keys)."""
+    d0 = starts[pieces[:, 3]]
+    return rows.prefix(pieces[:, 3], pieces[:, 1] - d0) - rows.prefix(pieces[:, 3], pieces[:, 0] - d0)
+
+
+def _moved(items, work, s, starts, rows: RowWork):
+    """Work of the first ``s`` tokens (array) of ``items`` (pieces in exchange order); inside the item cut, its first
+    rows when fewer than half of it move, else its last rows (the short side of a cut holds the document's first
+    rows)."""
+    size = items[:, 1] - items[:, 0]
+    end = np.cumsum(size)
+    begin = end - size
+    before = np.append(0.0, np.cumsum(work))
+    i = np.minimum(np.searchsorted(end, s, side="right"), len(items) - 1)
+    x = np.clip(s - begin[i], 0, size[i])
+    doc = items[i, 3]
+    d0 = starts[doc]
+    a, b = items[i, 0] - d0, items[i, 1] - d0
+    first = rows.prefix(doc, a + x) - rows.prefix(doc, a)
+    last = rows.prefix(doc, b) - rows.prefix(doc, b - x)
+    return before[i] + np.where(2 * x <= size[i], first, last)
+
+
+def _exchange(pieces, work, h: int, lo: int, starts, rows: RowWork, target: float, order: str):
+    """``pieces`` with groups ``h`` (the heavier) and ``lo`` exchanging the first ``s`` tokens of each one's exchange
+    order (:func:`even_groups`), ``s`` the size that brings ``h``'s load nearest ``target``; ``None`` when no
+    exchange lowers the larger of the two loads."""
+    cut = np.bincount(pieces[:, 3])[pieces[:, 3]] > 1
+    size = pieces[:, 1] - pieces[:, 0]
+    density = work / np.maximum(size, 1)
+    hi_i = np.flatnonzero(pieces[:, 2] == h)
+    lo_i = np.flatnonzero(pieces[:, 2] == lo)
+    big = size > (size[hi_i].sum() + size[lo_i].sum()) // 8 if order == "short" else np.zeros(len(size), bool)
+    hi_i = hi_i[np.lexsort((hi_i, -density[hi_i], big[hi_i], cut[hi_i]))]
+    lo_i = lo_i[np.lexsort((lo_i, density[lo_i], big[lo_i], cut[lo_i]))]
+    total = min(size[hi_i].sum(), size[lo_i].sum())
+    s = np.unique(np.concatenate([np.arange(0, total + 1, EVEN_STEP), np.cumsum(size[hi_i]), np.cumsum(size[lo_i]),
+                                  [total]]))
+    s = s[s <= total]
+    load_h = work[hi_i].sum()
+    out_h = _moved(pieces[hi_i], work[hi_i], s, starts, rows)
+    out_l = _moved(pieces[lo_i], work[lo_i], s, starts, rows)
+    w = load_h - out_h + out_l  # h's load after the exchange
+    best = int(np.argmin(np.abs(w - target)))  # a tie: the fewest tokens moved
+    if max(w[best], 2 * target - w[best]) >= load_h * (1 - 1e-9):
+        return None
+    keep = np.ones(len(pieces), dtype=bool)
+    keep[hi_i] = keep[lo_i] = False
+    out = [pieces[keep]]
+    for items, dest in ((pieces[hi_i], lo), (pieces[lo_i], h)):
+        out.append(_split(items, int(s[best]), dest))
+    return np.concatenate(out)
+
+
+def _split(items, s: int, dest: int):
+    """``items`` with their first ``s`` tokens (the cut item: its first rows when fewer than half of it move, else
+    its last rows) given to group ``dest``."""
+    items = items.copy()
+    size = items[:, 1] - items[:, 0]
+    end = np.cumsum(size)
+    full = end <= s
+    items[full, 2] = dest
+    i = int(np.searchsorted(end, s, side="right"))
+    if i >= len(items) or full.all():
+        return items
+    x = s - (end[i] - size[i])
+    if x <= 0:
+        return items
+    a, b, g, d = items[i].tolist()
+    if 2 * x <= b - a:
+        parts = [(a, a + x, dest, d), (a + x, b, g, d)]
+    else:
+        parts = [(a, b - x, g, d), (b - x, b, dest, d)]
+    return np.concatenate([np.delete(items, i, axis=0), np.asarray(parts, dtype=np.int64)])
+
+
+def _merged(pieces):
+    """Neighbouring pieces of one document in one group joined."""
+    order = np.lexsort((pieces[:, 0], pieces[:, 2]))
+    pieces = pieces[order]
+    new = np.ones(len(pieces), dtype=bool)
+    new[1:] = (pieces[1:, 2] != pieces[:-1, 2]) | (pieces[1:, 3] != pieces[:-1, 3]) | (pieces[1:, 0] != pieces[:-1, 1])
+    first = np.flatnonzero(new)
+    out = pieces[first].copy()
+    out[:, 1] = np.maximum.reduceat(pieces[:, 1], first)
+    return out

@@ -71,7 +71,12 @@ seed 111, 1.136x -> 1.054x on the node's 8 ranks where the climb chose 2, before
 timed twice: its pieces as cut, and each piece longer than :data:`PIECES` of a group's tokens cut again every that many
 rows. A document's first rows see few keys, so its first piece of equal work is long and light: alone it fills a group's
 token room and leaves the group short of work (the Pile at P = 16, seed 37: a rank at 0.53x of the mean work beside one
-at 1.32x); two halves fill a group exactly and share it with heavier pieces (1.325x -> 1.235x of perfect balance).
+at 1.32x); two halves fill a group exactly and share it with heavier pieces (1.325x -> 1.235x of perfect balance). The
+capped cut is timed once more with the groups' work evened (:data:`EVENED`, ``distattn.schedule.groups.even_groups``:
+the heaviest group and the lightest exchange equal numbers of tokens, densest pieces for lightest, until every group is
+within :data:`EVEN` of the mean), in each of its two exchange orders: the groups hold equal tokens, and longest-first
+leaves them of unequal work where the heavy pieces do not fall evenly (longtail at P = 16, seed 7: 1.133x -> 1.091x of
+perfect balance on groups of one rank where the climb chose 8; the Pile, seed 37: 1.163x -> 1.085x).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
@@ -151,7 +156,7 @@ import numpy as np
 
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
 from distattn.schedule.deal import deal
-from distattn.schedule.groups import RowWork, assign_groups
+from distattn.schedule.groups import RowWork, assign_groups, even_groups, group_loads
 from distattn.schedule.layouts import BACKWARDS, ORDERS, PREFETCHES, RETURN_DEPTHS, Layout
 from distattn.schedule.masked import masked_plan_of
 from distattn.schedule.pairs import pair_table
@@ -160,8 +165,8 @@ from distattn.schedule.timeline import phase_timeline
 from distattn.schedule.windows import SHARES
 from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "NEAR", "WIDER_MAX_RANKS",
-           "DEEPER", "place", "block_size"]
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED", "NEAR",
+           "WIDER_MAX_RANKS", "DEEPER", "place", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -189,6 +194,11 @@ DEEPER = 0.002
 :data:`~distattn.schedule.layouts.PREFETCHES`: one more set of receive buffers each, and a fetch posted that much
 earlier), takes the shallowest depth that no deeper one makes shorter on the per-pair timeline by at least this share
 per extra set of buffers (a gain, not a rounding difference, pays for the memory)."""
+EVEN = 0.005
+"""Cut documents are also timed with the groups' work evened to within this share of their mean
+(``distattn.schedule.groups.even_groups``)."""
+EVENED = ((True, "dense"), (True, "short"))
+"""The evened cuts timed: capped pieces, each exchange order of ``distattn.schedule.groups.even_groups``."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
@@ -216,13 +226,15 @@ def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = Non
 @functools.lru_cache(maxsize=64)
 def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, cluster: Cluster | None = None,
                   stride: int = 1, cut: float | None = None, share: float | None = None, by: str = "work",
-                  capped: bool = False, chunks: bool = False, short_first: bool = False) -> Layout:
+                  capped: bool = False, chunks: bool = False, short_first: bool = False,
+                  even: str | None = None) -> Layout:
     """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
     table of ``bench/placement_sim.py --groups``), and with it ``cut`` the documents cut by work
     (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work; ``capped``: and of at most
     :data:`PIECES` of a group's tokens), ``share``, ``by`` the windowed deal (``distattn.schedule.windows``) and
     ``chunks``, ``short_first`` the mirrored chunks (``distattn.schedule.deal``) and a cut document's shortest piece
-    first (``distattn.schedule.groups``); tests, benches, diagnosis."""
+    first (``distattn.schedule.groups``), ``even`` the groups' work evened in that exchange order
+    (``distattn.schedule.groups.even_groups``); tests, benches, diagnosis."""
     if p == 1:
         return Layout("contiguous", 1, note="one rank: nothing to place")
     if spec.dense:
@@ -247,14 +259,19 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
 
     def dealt(k: int, limit: float = float("inf"), share: float | None = None, by: str = "work",
               cut: float | None = None, capped: bool = False, chunks: bool = False,
-              short_first: bool = False) -> Layout | None:
+              short_first: bool = False, even: str | None = None) -> Layout | None:
         """Groups of ``k``, or ``None`` as soon as a group's (then a dealt rank's) work passes ``limit`` per group: a
         document that fits a group (never cut), a group's documents, then a rank's blocks; loads only grow."""
         cut_work = None if cut is None else cut * mean
         if whole[(lengths <= k * n) & (whole <= (cut_work or np.inf))].max(initial=0) > limit:
             return None
         tokens = max(1, int(PIECES * k * n)) if capped and cut is not None else None
-        pieces = assign_groups(starts, lengths, rows, p // k, k * n, limit, cut_work, tokens, short_first)
+        pieces = assign_groups(starts, lengths, rows, p // k, k * n, np.inf if even else limit, cut_work, tokens,
+                               short_first)
+        if even and pieces is not None:  # the groups' work evened by exchanges of tokens between groups
+            pieces = even_groups(pieces, starts, rows, p // k, EVEN, even)
+            if group_loads(pieces, starts, rows, p // k).max() > limit:
+                return None
         segments = None if pieces is None else deal(pieces, starts, rows, p, k, n, b, limit / k, share, mean, by,
                                                     NEAR if by == "near" else 0.0, chunks)  # per rank
         if segments is None:
@@ -267,11 +284,13 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                    (f" and {tokens} tokens)" if tokens else ")")
         how += ", documents in mirrored chunks" if chunks and share is None else ""
         how += ", a cut document's shortest piece first" if short_first else ""
+        how += f", the groups' work evened ({even})" if even else ""
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
                                                                        f"tokens{how}")
 
     if group is not None:
-        return dealt(group, share=share, by=by, cut=cut, capped=capped, chunks=chunks, short_first=short_first)
+        return dealt(group, share=share, by=by, cut=cut, capped=capped, chunks=chunks, short_first=short_first,
+                     even=even)
     divisors = _divisors(p)
     times: dict[int, tuple[float, Layout | None]] = {}
 
@@ -341,9 +360,9 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             best_time, best = t, lay
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
         # and every group size the climb timed
-        for kk, cut, capped in [(kk, c, cap) for kk in sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
-                                for c in CUTS for cap in (False, True)]:
-            t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped))
+        for kk, cut, capped, even in [(kk, c, *how) for kk in sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
+                                      for c in CUTS for how in ((False, None), (True, None), *EVENED)]:
+            t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped, even=even))
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, lay
     if spec.window != (-1, -1):  # never worse than the documents-only placement, timed on the same windowed plan
