@@ -74,9 +74,10 @@ token room and leaves the group short of work (the Pile at P = 16, seed 37: a ra
 at 1.32x); two halves fill a group exactly and share it with heavier pieces (1.325x -> 1.235x of perfect balance). The
 capped cut is timed once more with the groups' work evened (:data:`EVENED`, ``distattn.schedule.groups.even_groups``:
 the heaviest group and the lightest exchange equal numbers of tokens, densest pieces for lightest, until every group is
-within :data:`EVEN` of the mean), in each of its two exchange orders: the groups hold equal tokens, and longest-first
-leaves them of unequal work where the heavy pieces do not fall evenly (longtail at P = 16, seed 7: 1.133x -> 1.091x of
-perfect balance on groups of one rank where the climb chose 8; the Pile, seed 37: 1.163x -> 1.085x).
+within :data:`EVEN` of the mean), in each of its two exchange orders, up to :data:`EVEN_MAX_RANKS` ranks: the groups
+hold equal tokens, and longest-first leaves them of unequal work where the heavy pieces do not fall evenly (longtail at
+P = 16, seed 7: 1.133x -> 1.091x of perfect balance on groups of one rank where the climb chose 8; the Pile, seed 37:
+1.163x -> 1.085x).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
@@ -132,19 +133,21 @@ Cost: a deal, its pair table and one plan and timeline per order (:data:`~distat
 backward's twice) per group size tried (3-4 of them), per deal with a cut document's shortest piece first (in mirrored
 chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules, on one or two group sizes,
 often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts,
-capped or not, on up to all the climb's group sizes), and 5 timelines of the chosen layout at the shallower depths (on
-the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64
-on NVLink, 1.0-2.1 s on InfiniBand (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on
-2 cores with a second sweep job beside each solve, the solver of 447c42d; today's times the same candidates 4 steps
-ahead and absorbing 3 steps later, under a window more cuts, and the chunked and shortest-first deals: at most 1.6 s
-causal and 3.6 s windowed over the 200 uniform seeds at P = 64 and 7.4 s on the worst longtail and Pile seeds,
-``WORST-8-64.md``, a test suite beside (1.5-3.8 / 3.6-8.6 s on the worst seeds before the return depth, an idle machine;
-1.9-4.2 / 5.9-12.2 s before the chunked deals, CI beside); 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 /
-0.7-2.0 s before the backward's two orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the
-backward's orders (median of 10 seeds, ``COMPARE-200-cuts.md``), and up to 42 s (causal) / 40 s (windowed) on the worst
-seeds at P = 256 with the return depth (``WORST-256.md``; 33 / 43 s with the solver of 447c42d, 30 / 49 s before it);
-before the windowed deal 3.4 s (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans
-there in time and memory). Pure Python + numpy.
+capped or not, and up to 32 ranks the capped ones evened two ways, on up to all the climb's group sizes), and 5
+timelines of the chosen layout at the shallower depths (on the pair table its timing built, kept); at 4096 tokens per
+rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 s on InfiniBand
+(``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2 cores with a second sweep job
+beside each solve, the solver of 447c42d; today's times the same candidates 4 steps ahead and absorbing 3 steps later,
+under a window more cuts, and the chunked and shortest-first deals: at most 1.6 s causal and 3.6 s windowed over the 200
+uniform seeds at P = 64 and 7.4 s on the worst longtail and Pile seeds, ``WORST-8-64.md``, a test suite beside
+(1.5-3.8 / 3.6-8.6 s on the worst seeds before the return depth, an idle machine; 1.9-4.2 / 5.9-12.2 s before the
+chunked deals, CI beside); 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the backward's two
+orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
+``COMPARE-200-cuts.md``), and up to 42 s (causal) / 40 s (windowed) on the worst seeds at P = 256 with the return depth
+(``WORST-256.md``; 33 / 43 s with the solver of 447c42d, 30 / 49 s before it); before the windowed deal 3.4 s
+(NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). At
+P = 8 and 16 the evened cuts add up to 1.8x (the worst windowed solve at P = 16: 1.0 s -> 1.8 s, a second job beside;
+``EVEN-8-64.md``). Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -165,8 +168,8 @@ from distattn.schedule.timeline import phase_timeline
 from distattn.schedule.windows import SHARES
 from distattn.schedule.wire import Shapes
 
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED", "NEAR",
-           "WIDER_MAX_RANKS", "DEEPER", "place", "block_size"]
+__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED",
+           "EVEN_MAX_RANKS", "NEAR", "WIDER_MAX_RANKS", "DEEPER", "place", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -199,6 +202,10 @@ EVEN = 0.005
 (``distattn.schedule.groups.even_groups``)."""
 EVENED = ((True, "dense"), (True, "short"))
 """The evened cuts timed: capped pieces, each exchange order of ``distattn.schedule.groups.even_groups``."""
+EVEN_MAX_RANKS = 32
+"""The evened cuts are timed up to this many ranks: at P = 8 and 16 the solver kept them on 608 of the 1200 windowed
+solves of ``bench/results/placement-sim/EVEN-8-64.md``, at P = 64 on 1 of 216 (for 1.7x the solve time: uniform, at
+most 6.1 s against 3.6 s) and at P = 256 on 1 of 13 (up to 72 s against 38 s), none of them a worst seed."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
@@ -361,7 +368,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
         # and every group size the climb timed
         for kk, cut, capped, even in [(kk, c, *how) for kk in sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
-                                      for c in CUTS for how in ((False, None), (True, None), *EVENED)]:
+                                      for c in CUTS for how in ((False, None), (True, None),
+                                                                *(EVENED if p <= EVEN_MAX_RANKS else ()))]:
             t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped, even=even))
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, lay
