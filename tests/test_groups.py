@@ -137,19 +137,29 @@ def test_the_solver_times_the_cut_under_a_window_only():
     from 2.40x to 1.46x of perfect balance), and is never tried for causal work (the last piece would borrow the
     whole document's keys)."""
     from distattn.schedule.cluster import Cluster
+    from distattn.schedule.placement import _place_cached
+
+    _, _, cu = _pile_22()
+    lay, ratio = _solved_windowed(cu, 64)
+    assert "cut by work" in lay.note and ratio < 1.5, lay.note
+    causal = _place_cached.__wrapped__(MaskSpec(causal=True, cu_seqlens=tuple(cu)), 64, 4096, None,
+                                       Cluster.preset("nvlink"))
+    assert "cut by work" not in causal.note
+
+
+def _solved_windowed(cu, p):
+    """The library's placement of the stream ``cu`` at ``p`` ranks x 4096 tokens, window 4096, on NVLink, and its
+    step on the per-pair timeline over perfect balance."""
+    from distattn.schedule.cluster import Cluster
     from distattn.schedule.masked import make_masked_plan
     from distattn.schedule.placement import ASSUMED_SHAPES, _place_cached
     from distattn.schedule.timeline import step_timeline
 
-    _, _, cu = _pile_22()
     nvlink = Cluster.preset("nvlink")
     spec = MaskSpec(causal=True, window=(4096, 0), cu_seqlens=tuple(cu))
-    lay = _place_cached.__wrapped__(spec, 64, 4096, None, nvlink)
-    assert "cut by work" in lay.note, lay.note
-    plan = make_masked_plan.__wrapped__(64, "placed", spec, 4096, lay)
-    assert step_timeline(plan, dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=4096), nvlink)["ratio"] < 1.5
-    causal = _place_cached.__wrapped__(dataclasses.replace(spec, window=(-1, -1)), 64, 4096, None, nvlink)
-    assert "cut by work" not in causal.note
+    lay = _place_cached.__wrapped__(spec, p, 4096, None, nvlink)
+    plan = make_masked_plan.__wrapped__(p, "placed", spec, 4096, lay)
+    return lay, step_timeline(plan, dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=4096), nvlink)["ratio"]
 
 
 def _row_loads(pieces, spec, cu, lengths, groups):
@@ -214,18 +224,8 @@ def test_evening_brings_the_worst_windowed_batches_within_half_a_percent(docs, s
 def test_the_solver_keeps_evened_groups_where_faster(docs, seed):
     """The library's placement of those batches on NVLink times the evened cut and keeps it: 1.133x -> 1.091x and
     1.163x -> 1.085x of perfect balance on the per-pair timeline, within the issue's 1.10x."""
-    from distattn.schedule.cluster import Cluster
-    from distattn.schedule.masked import make_masked_plan
-    from distattn.schedule.placement import ASSUMED_SHAPES, _place_cached
-    from distattn.schedule.timeline import step_timeline
-
-    cu = document_lengths(docs, 16 * 4096, seed=seed)
-    nvlink = Cluster.preset("nvlink")
-    spec = MaskSpec(causal=True, window=(4096, 0), cu_seqlens=tuple(cu))
-    lay = _place_cached.__wrapped__(spec, 16, 4096, None, nvlink)
-    assert "the groups' work evened" in lay.note, lay.note
-    plan = make_masked_plan.__wrapped__(16, "placed", spec, 4096, lay)
-    assert step_timeline(plan, dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=4096), nvlink)["ratio"] < 1.10
+    lay, ratio = _solved_windowed(document_lengths(docs, 16 * 4096, seed=seed), 16)
+    assert "the groups' work evened" in lay.note and ratio < 1.10, (lay.note, ratio)
 
 
 def test_the_solver_evens_the_groups_up_to_even_max_ranks(monkeypatch):
