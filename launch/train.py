@@ -140,7 +140,7 @@ def _stopped_while_preparing(signum, frame) -> None:
     once; ``start`` restores the default once the process group is up.
     """
     sys.stderr.flush()
-    os._exit(2)  # train_config.EXIT_BAD_ARGS (imported below, after torch: this must be in place first)
+    os._exit(2)  # train_errors.EXIT_BAD_ARGS (imported below, after torch: this must be in place first)
 
 
 if "RANK" in os.environ:  # launched by torchrun: set before the slow imports, where a lagging rank spends its time
@@ -151,6 +151,7 @@ import torch.distributed as dist  # noqa: E402
 
 import train_config  # noqa: E402
 import train_data  # noqa: E402
+import train_errors  # noqa: E402
 import train_eval  # noqa: E402
 import train_export  # noqa: E402
 import train_lock  # noqa: E402
@@ -161,7 +162,8 @@ import train_offload  # noqa: E402
 import train_report  # noqa: E402
 import train_resume  # noqa: E402
 import train_tune  # noqa: E402
-from train_config import EXIT_BAD_ARGS, Env, JobFailed, RunConfig, UsageError  # noqa: E402
+from train_config import Env, JobFailed, RunConfig, UsageError  # noqa: E402
+from train_errors import EXIT_BAD_ARGS  # noqa: E402
 from train_report import packing_stats  # noqa: E402,F401 - re-exported for the tests
 
 assert EXIT_BAD_ARGS == 2, "_stopped_while_preparing exits with it"
@@ -461,7 +463,7 @@ def fail(message: str, code: int) -> int:
     Every rank reaches this together: errors after the process group exists are agreed on by all ranks
     (train_ckpt), so none is left waiting in a collective.
     """
-    train_config.report_error(message, code)
+    train_errors.report_error(message, code)
     return finish(code)
 
 
@@ -493,8 +495,14 @@ def finish(code: int) -> int:
     except Exception:  # noqa: BLE001  (a peer already gone: exit all the same)
         pass
     train_lock.release()  # rank 0: every rank is done with --ckpt-dir; the next job sees no holder
-    train_config.exit_now(code)  # a failing rank != 0 writes its reason for torchrun's report now, after rank 0
+    train_errors.exit_now(code)  # a failing rank != 0 writes its reason for torchrun's report now, after rank 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except SystemExit as exc:  # argparse: --help (0), or a bad flag (2, its line already reported)
+        status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    # Leave without the interpreter's teardown, as a job whose process group is up already does (``finish``): a rank
+    # still tearing down when torchrun stops it (another rank left) would show up as killed by SIGTERM.
+    train_errors.exit_now(status)

@@ -9,15 +9,14 @@ the same one-line reason (printed by rank 0) before any collective could hang. H
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from train_errors import EXIT_BAD_ARGS, report_error
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "kjv.txt.gz"
 DEFAULT_CKPT_DIR = "runs/train"
@@ -49,9 +48,6 @@ PRESETS: dict[str, dict] = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, rope_theta=500000.0),
 }
-
-EXIT_BAD_ARGS = 2
-
 
 class UsageError(Exception):
     """A bad argument or environment; the message is the one line rank 0 prints (exit status 2)."""
@@ -121,68 +117,6 @@ class RunConfig:
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over the whole job."""
         return self.args.batch_size * self.args.seq_len * self.dp_size
-
-
-# How long a non-zero rank waits before exiting on an error found before the process group exists: it bounds how
-# far rank 0 may lag its peers (a loaded machine starting many ranks at once: seconds) and still be the first to
-# exit, so that torchrun names rank 0 as root cause. torchrun stops the waiting ranks (SIGTERM) as soon as rank 0
-# exits, so the wait delays only a fault that rank 0 does not share.
-_DEFER_S = 10.0
-_pending_line: str | None = None
-"""A non-zero rank's reason line, written to its error file only when it leaves (:func:`exit_now`)."""
-
-
-def report_error(message: str, code: int = EXIT_BAD_ARGS) -> None:
-    """``train.py: error: <message>``: one line on rank 0's stderr, and the reason in torchrun's report.
-
-    A worker that exits non-zero always makes torchrun print its failure report (~40 lines; nothing a worker
-    can switch off). torchrun gives each worker an error file (``TORCHELASTIC_ERROR_FILE``, which its
-    ``@record`` decorator fills with a traceback); a message written there replaces the report's
-    "traceback: To enable traceback see: <docs link>" lines, so the report ends with the reason too.
-
-    torchrun names as root cause the failure with the earliest error-file timestamp (whole seconds, ties: the
-    first seen), and stops every other worker with SIGTERM as soon as one exits. So rank 0 writes its file now,
-    and every other rank writes its own (with the real time, hence never before rank 0's) only as it leaves, with
-    exit status ``code`` in both ways out: when torchrun stops it (a SIGTERM handler) or when it exits on its
-    own (``exit_now``; before the process group exists, after waiting ``_DEFER_S`` for rank 0 to go first, and
-    then without returning). Every rank that reports the error thus exits with ``code``, and no report shows a
-    time in the future.
-    """
-    global _pending_line
-    line = f"train.py: error: {message}"
-    if Env.from_environ().rank == 0:
-        print(line, file=sys.stderr, flush=True)
-        _write_error_file(line)
-        return
-    _pending_line = line
-    signal.signal(signal.SIGTERM, lambda *_: exit_now(code))
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        time.sleep(_DEFER_S)
-        # Rank 0 did not fail first: this rank's own fault. Leave at once, not through the caller's sys.exit: the
-        # interpreter's teardown takes seconds on a loaded machine and resets this handler to the default early in
-        # it, so torchrun's SIGTERM landing then would show this rank as killed (exit -15; seen in CI).
-        exit_now(code)
-
-
-def exit_now(code: int) -> None:
-    """Leave at once with ``code``, after writing a pending reason line (:func:`report_error`) to the error file."""
-    global _pending_line
-    if _pending_line is not None:
-        _write_error_file(_pending_line)
-        _pending_line = None
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _write_error_file(line: str) -> None:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
-        except OSError:
-            pass  # the report keeps torchrun's default text; rank 0 printed the line anyway
 
 
 class _Parser(argparse.ArgumentParser):

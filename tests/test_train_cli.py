@@ -111,11 +111,11 @@ def test_preflight_errors_are_one_line_and_exit_2(tmp_path):
 
 
 _LAGGING_RANK = """
-import atexit, sys, train_config
-train_config._DEFER_S = float(sys.argv[1])
+import atexit, sys, train_errors
+train_errors._DEFER_S = float(sys.argv[1])
 atexit.register(lambda: print("teardown", flush=True))
 print("ready", flush=True)
-train_config.report_error("boom")
+train_errors.report_error("boom")
 print("returned", flush=True)
 """
 
@@ -145,6 +145,23 @@ def test_a_failing_rank_other_than_0_leaves_with_status_2_both_ways(way_out, tmp
     assert "returned" not in out and "teardown" not in out, out
     assert "train.py: error: boom" in error_file.read_text()
     assert "train.py: error:" not in err  # rank 0 alone prints the line
+
+
+def test_rank_0_leaves_a_bad_flag_at_once_without_teardown(tmp_path):
+    """train.py's entry leaves through ``exit_now`` on every path, argparse's too: rank 0 prints its one line, writes
+    it to its error file and exits 2 without the interpreter's teardown (no atexit output). In CI rank 0 was still
+    tearing down when rank 1 left after its wait, and torchrun reported rank 0 as killed by SIGTERM."""
+    error_file = tmp_path / "error.json"
+    run = ("import atexit, runpy, sys; atexit.register(lambda: print('teardown', flush=True)); "
+           f"sys.argv = ['train.py', '--bogus']; runpy.run_path({str(TRAIN)!r}, run_name='__main__')")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+               TORCHELASTIC_ERROR_FILE=str(error_file), PYTHONPATH=str(ROOT / "launch"))
+    proc = subprocess.run([sys.executable, "-c", run], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "teardown" not in proc.stdout, proc.stdout
+    assert [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")] == [
+        "train.py: error: unrecognized arguments: --bogus (see --help)"], proc.stderr[-2000:]
+    assert "unrecognized arguments: --bogus" in error_file.read_text()
 
 
 def _prepare_error(monkeypatch, argv, env=None) -> str:
