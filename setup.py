@@ -5,6 +5,12 @@ The top-level folder ``kernels/`` installs as ``distattn.kernels``.
 
 from setuptools import setup
 
+# transformers 5.25 requires Hugging Face's `kernels` distribution and imports it as soon as a model loads; run from
+# a checkout (the repository root on sys.path: `python -m pytest`, the bench scripts), this repository's top-level
+# `kernels/` folder (installed as `distattn.kernels`) shadows it and that import fails. Capped below 5.25 until the
+# folder is renamed.
+TRANSFORMERS = "transformers>=5.17,<5.25"
+
 setup(
     name="distattn",
     version="0.1.0",
@@ -23,14 +29,14 @@ setup(
         # Everything the test suite imports beyond install_requires (CI installs exactly this into a new venv).
         # matplotlib: tests/test_plots.py renders every plot (the bench scripts still write their tables without it).
         # pytest-xdist: the README's test command runs two workers (`-n 2`).
-        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "transformers>=5.17,<6", "accelerate>=1.12,<2",
+        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", TRANSFORMERS, "accelerate>=1.12,<2",
                  "safetensors", "numpy", "matplotlib>=3.5", "datasets>=2.19", "pyarrow>=15"],
         # accelerate: transformers' Trainer needs it (SequenceParallelTrainer); 1.12 and 1.15 tested, 1.1
         # (transformers' own floor) fails inside Trainer on 5.23. safetensors: train.py's --model weights and
         # --export-hf folders.
-        "hf": ["transformers>=5.17,<6", "accelerate>=1.12,<2", "safetensors"],
+        "hf": [TRANSFORMERS, "accelerate>=1.12,<2", "safetensors"],
         "data": ["datasets>=2.19", "pyarrow>=15"],  # launch/train.py --data: Parquet and datasets folders
-        "bench": ["matplotlib>=3.5", "transformers>=5.17,<6"],  # plots; bench/checkpoint.py builds HF models
+        "bench": ["matplotlib>=3.5", TRANSFORMERS],  # plots; bench/checkpoint.py builds HF models
         "flash": ["flash-attn>=2.6"],
         # distattn.integrations.torchtitan (tests/test_torchtitan.py; tested with 0.3.0, Python >= 3.11). Not in
         # "test": it pins datasets<4.8 and pulls wandb, tensorboard and grpcio; without it those tests skip.
