@@ -131,7 +131,7 @@ def shard(model, cfg: RunConfig, device: torch.device, log, group=None) -> tuple
     """Shard or replicate the parameters over all ranks; returns the model and ``"fsdp2"``/``"ddp"``/``"none"``.
 
     Rank 0's model holds the weights; the others' are on ``meta`` and receive them here. ``group``: the
-    sequence-parallel group (``train.sequence_group``), over which the gradient reduction sums.
+    sequence-parallel group (``train_groups.sequence_group``), over which the gradient reduction sums.
     """
     if cfg.args.offload_optimizer:  # CPUOffloadPolicy is FSDP2's
         why = _fsdp_unsupported(device) if cfg.env.world_size > 1 else None
