@@ -75,7 +75,7 @@ COVERAGE: dict[str, list[str]] = {
     "distattn/memory/measure.py:warm_cuda_libraries": [_M + "test_allocator_delta_equals_saved_bytes_of_a_forward"],
     "distattn/memory/model.py:_device_dtypes": [_T + "test_planner_predicts_the_measured_peak"],
     # -- launch: the training job on CUDA ---------------------------------------------------------------------
-    "launch/train.py:init_distributed": [_T + "test_train_one_gpu", _T + "test_train_two_gloo_ranks_share_the_gpu"],
+    "launch/train_groups.py:init_distributed": [_T + "test_train_one_gpu", _T + "test_train_two_gloo_ranks_share_the_gpu"],
     "launch/train.py:train": [_T + "test_train_one_gpu"],
     "launch/train_config.py:RunConfig.cuda_index": [_T + "test_train_two_gloo_ranks_share_the_gpu"],
     "launch/train_config.py:RunConfig.ranks_per_gpu": [_T + "test_train_two_gloo_ranks_share_the_gpu"],

@@ -26,7 +26,7 @@ def _summary(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-# CUDA-only: launch/train.py init_distributed (cuda device, set_device), train_config's CUDA runtime choices
+# CUDA-only: launch/train_groups.py init_distributed (cuda device, set_device), train_config's CUDA runtime choices
 # (bf16, triton, nccl), train_model's DDP device_ids, train_log.peak_memory_bytes (max_memory_allocated).
 def test_train_one_gpu(tmp_path):
     log = tmp_path / "steps.jsonl"
