@@ -53,7 +53,7 @@ def report_error(message: str, code: int = EXIT_BAD_ARGS) -> None:
     """
     global _pending_line
     line = f"train.py: error: {message}"
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # train_config.Env's reading; that module imports this one
         print(line, file=sys.stderr, flush=True)
         _write_error_file(line)
         return

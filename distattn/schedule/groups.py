@@ -274,7 +274,13 @@ def _moved(items, work, s, starts, rows: RowWork):
     a, b = items[i, 0] - d0, items[i, 1] - d0
     first = rows.prefix(doc, a + x) - rows.prefix(doc, a)
     last = rows.prefix(doc, b) - rows.prefix(doc, b - x)
-    return before[i] + np.where(2 * x <= size[i], first, last)
+    return before[i] + np.where(_moves_first_rows(x, size[i]), first, last)
+
+
+def _moves_first_rows(x, size):
+    """Whether ``x`` of a piece's ``size`` tokens moving are its first rows (else its last): the short side of a cut
+    holds the document's first rows. One rule for :func:`_moved` (the work) and :func:`_split` (the pieces)."""
+    return 2 * x <= size
 
 
 def _exchange(pieces, work, h: int, lo: int, starts, rows: RowWork, target: float, order: str):
@@ -323,7 +329,7 @@ def _split(items, s: int, dest: int):
     if x <= 0:
         return items
     a, b, g, d = items[i].tolist()
-    if 2 * x <= b - a:
+    if _moves_first_rows(x, b - a):
         parts = [(a, a + x, dest, d), (a + x, b, g, d)]
     else:
         parts = [(a, b - x, g, d), (b - x, b, dest, d)]
