@@ -95,15 +95,27 @@ def test_groups_of_cut_documents_hold_every_token_once_and_their_loads(seed):
     rows = RowWork(spec, lengths)
     whole = rows.prefix(np.arange(len(lengths)), lengths)
     pieces = assign_groups(starts, lengths, rows, groups, cap, cut=whole.sum() / groups / rng.choice([1, 2, 4]))
-    held = np.zeros(total, dtype=np.int64)
-    load = np.zeros(groups, dtype=np.int64)
-    for a, b, g, d in pieces.tolist():
+    _assert_full_partition(pieces, cu, groups, cap)
+    assert _row_loads(pieces, spec, cu, lengths, groups).sum() == whole.sum()
+
+
+def _assert_full_partition(pieces, cu, groups, cap):
+    """``pieces`` (``[start, stop, group, doc]`` rows) partition the stream ``cu``, each inside its document, and every
+    group holds exactly ``cap`` tokens."""
+    held = np.zeros(cu[-1], dtype=np.int64)
+    for a, b, _, d in pieces.tolist():
         assert cu[d] <= a < b <= cu[d + 1]  # inside its document
         held[a:b] += 1
-        load[g] += int(_row_work(spec, int(lengths[d]))[a - cu[d]:b - cu[d]].sum())
     assert (held == 1).all()  # a partition of the stream
     assert np.bincount(pieces[:, 2], weights=pieces[:, 1] - pieces[:, 0], minlength=groups).tolist() == [cap] * groups
-    assert load.sum() == whole.sum()
+
+
+def _row_loads(pieces, spec, cu, lengths, groups):
+    """Every group's work, row by row (not through ``RowWork``)."""
+    load = np.zeros(groups, dtype=np.int64)
+    for a, b, g, d in pieces.tolist():
+        load[g] += int(_row_work(spec, int(lengths[d]))[a - cu[d]:b - cu[d]].sum())
+    return load
 
 
 def _pile_22():
@@ -122,11 +134,7 @@ def test_the_cut_spreads_a_long_windowed_document():
     mean = rows.prefix(np.arange(len(lengths)), lengths).sum() / 64
 
     def busiest(cut):
-        pieces = assign_groups(starts, lengths, rows, 64, 4096, cut=cut)
-        load = np.zeros(64)
-        for a, b, g, d in pieces.tolist():
-            load[g] += rows.prefix_one(int(lengths[d]), b - cu[d]) - rows.prefix_one(int(lengths[d]), a - cu[d])
-        return load.max() / mean
+        return group_loads(assign_groups(starts, lengths, rows, 64, 4096, cut=cut), starts, rows, 64).max() / mean
 
     assert busiest(None) > 2.3
     assert busiest(0.5 * mean) < 1.15
@@ -162,14 +170,6 @@ def _solved_windowed(cu, p):
     return lay, step_timeline(plan, dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=4096), nvlink)["ratio"]
 
 
-def _row_loads(pieces, spec, cu, lengths, groups):
-    """Every group's work, row by row (not through ``RowWork``)."""
-    load = np.zeros(groups, dtype=np.int64)
-    for a, b, g, d in pieces.tolist():
-        load[g] += int(_row_work(spec, int(lengths[d]))[a - cu[d]:b - cu[d]].sum())
-    return load
-
-
 @pytest.mark.parametrize("order", ["dense", "short"])
 @pytest.mark.parametrize("seed", range(12))
 def test_evened_groups_hold_every_token_once_and_never_load_the_busiest_more(seed, order):
@@ -187,12 +187,7 @@ def test_evened_groups_hold_every_token_once_and_never_load_the_busiest_more(see
     pieces = assign_groups(starts, lengths, rows, groups, cap,
                            cut=rng.choice([None, rows.prefix(np.arange(len(lengths)), lengths).sum() / groups]))
     even = even_groups(pieces, starts, rows, groups, 0.005, order)
-    held = np.zeros(total, dtype=np.int64)
-    for a, b, g, d in even.tolist():
-        assert cu[d] <= a < b <= cu[d + 1]
-        held[a:b] += 1
-    assert (held == 1).all()
-    assert np.bincount(even[:, 2], weights=even[:, 1] - even[:, 0], minlength=groups).tolist() == [cap] * groups
+    _assert_full_partition(even, cu, groups, cap)
     ordered = even[np.lexsort((even[:, 0], even[:, 2]))]
     assert not ((ordered[1:, 2] == ordered[:-1, 2]) & (ordered[1:, 3] == ordered[:-1, 3])
                 & (ordered[1:, 0] == ordered[:-1, 1])).any()  # joined
