@@ -6,7 +6,7 @@ transfers of step ``t + 1`` (``t + depth`` for a plan of prefetch depth ``depth`
 step ``t``, so communication hides behind compute. ``depth + 1`` fetch slots alternate (double-buffered
 receives at depth 1): at most that many fetch rounds, and so sets of receive buffers, are alive at a time; the
 executor keeps one set per slot in a pool and reuses it ``depth + 1`` steps later. Return rounds likewise: the executor
-waits for step ``t``'s after computing step ``t + keep`` (``Plan.return_depth``: 1, up to 3 for a placed plan) over
+waits for step ``t``'s after computing step ``t + keep`` (``Plan.return_depth``: 1, up to 4 for a placed plan) over
 ``keep + 1`` return slots; the posting order, and so how messages meet, is the same at every depth.
 
 What a fetch waits for: the side stream waits for an event recorded when the round is posted, i.e. after the

@@ -156,6 +156,24 @@ def refused(fn) -> str:
 
 
 @contextlib.contextmanager
+def solver_depths(prefetch: int, return_depth: int):
+    """The placement solver timing prefetch depths ``1..prefetch`` and return depths ``1..return_depth`` only
+    (``Layout.prefetch``, ``Layout.return_depth``; the solver's deepest are ``PREFETCHES[-1]`` and
+    ``RETURN_DEPTHS[-1]``), for examples pinned under the solver's former depths; its cache is emptied on the way in
+    and out, so no solve leaks across the change."""
+    import distattn.schedule.placement as pl
+
+    saved = pl.PREFETCHES, pl.RETURN_DEPTHS
+    pl._place_cached.cache_clear()
+    pl.PREFETCHES, pl.RETURN_DEPTHS = tuple(range(1, prefetch + 1)), tuple(range(1, return_depth + 1))
+    try:
+        yield
+    finally:
+        pl.PREFETCHES, pl.RETURN_DEPTHS = saved
+        pl._place_cached.cache_clear()
+
+
+@contextlib.contextmanager
 def placed_forced(order: str | None = None, group: int | None = None, cut: float | None = None,
                   backward: str | None = None, prefetch: int | None = None, chunks: bool = False,
                   short_first: bool = False, head: float | None = None, return_depth: int | None = None,

@@ -226,7 +226,8 @@ def _deeper_worker(rank, world, n, order, depth, keep=1):
 
 
 @pytest.mark.parametrize("world,order,depth,keep", [(4, "rotation", 2, 2), (5, "pairs-work", 3, 3),
-                                                     (6, "rotation", 4, 1), (5, "rotation", 1, 3)])
+                                                     (6, "rotation", 4, 1), (5, "rotation", 1, 3),
+                                                     (8, "ranks-work", 6, 4)])
 def test_fetching_steps_ahead_against_reference(world, order, depth, keep):
     """A placed layout whose fetches the executor posts ``depth`` steps ahead (``Layout.prefetch``, as deep as the
     solver finds it faster) and whose partials it absorbs ``keep`` steps after their round (``Layout.return_depth``):

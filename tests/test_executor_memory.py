@@ -138,10 +138,10 @@ def test_executor_buffers_equal_the_replay_fetching_steps_ahead(depth, keep, wor
 
 def test_the_planner_counts_the_deepest_prefetch_and_returns_of_a_placed_plan():
     """``attention_buffers("placed", ...)`` (what ``--memory auto`` weighs for packed documents) adds the deepest
-    prefetch the solver may choose: 3 more fetch rounds in flight, each with whole-shard k/v receive buffers and k/v
-    send copies, and in the backward the deepest return depth: 2 more return rounds held, each with whole-shard dk/dv
+    prefetch the solver may choose: 5 more fetch rounds in flight, each with whole-shard k/v receive buffers and k/v
+    send copies, and in the backward the deepest return depth: 3 more return rounds held, each with whole-shard dk/dv
     receive buffers and the dk/dv partial it sends (fp32, or the input's dtype); a placed plan forced to both depths
-    (a long document over 6 ranks: 6 steps, so every slot is reused) holds no more on any rank, in either phase."""
+    (a long document over 9 ranks: 10 steps, so every slot is reused) holds no more on any rank, in either phase."""
     import dataclasses
 
     from distattn.memory.executor import attention_buffers, executor_peak
@@ -150,7 +150,7 @@ def test_the_planner_counts_the_deepest_prefetch_and_returns_of_a_placed_plan():
     from distattn.schedule.masked import make_masked_plan
     from distattn.schedule.placement import place
 
-    world, n, mask = 6, 128, MaskSpec(causal=True, cu_seqlens=(0, 700, 768))
+    world, n, mask = 9, 128, MaskSpec(causal=True, cu_seqlens=(0, 1100, 1152))
     lay = place(mask, world, n)
     deepest = dataclasses.replace(lay, prefetch=PREFETCHES[-1], return_depth=RETURN_DEPTHS[-1])
     plan = make_masked_plan(world, "placed", mask, n, deepest)

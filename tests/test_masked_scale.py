@@ -250,7 +250,8 @@ def test_masked_plans_are_the_plans_built_before():
     ``Layout.head``, which the digest names: mask 51; 8 since it times every candidate absorbing its partials 3 steps
     after their round and picks that depth after the prefetch's, ``Layout.return_depth``, which the digest names where
     it is not 1 (6 of the 8; the other two chose another deal: masks 112 and 141), and under a window also cuts
-    documents on every group size its climb timed)."""
+    documents on every group size its climb timed); 1 (mask 10) since it times every candidate fetching 6 steps ahead
+    and absorbing 4 steps later."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

@@ -91,7 +91,7 @@ def _trace_deeper_worker(rank, world, n, cases, depth, keep=1):
         return _trace_worker(rank, world, n, cases)
 
 
-@pytest.mark.parametrize("world,depth,keep", [(4, 2, 1), (5, 3, 3), (4, 1, 2)])
+@pytest.mark.parametrize("world,depth,keep", [(4, 2, 1), (5, 3, 3), (4, 1, 2), (8, 6, 4)])
 def test_the_executor_runs_a_deeper_prefetchs_event_order(world, depth, keep):
     """A placed plan fetching ``depth`` steps ahead (``Plan.prefetch``, ``depth + 1`` fetch slots) and absorbing its
     partials ``keep`` steps after their round (``Plan.return_depth``, ``keep + 1`` return slots): the executor posts

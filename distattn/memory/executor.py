@@ -7,7 +7,7 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
   the end: the outputs);
 * the receive pool (``distattn.executor.Executor.post``): one set of whole-shard buffers per ``(slot, kind, order in
   the round)`` the plan ever uses, made at first use and kept to the end of the call; the fetch slots alternate over
-  ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, up to ``t % 5`` where the placement solver deepened it; the
+  ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, up to ``t % 7`` where the placement solver deepened it; the
   return slots over ``return_depth + 1``, ``Plan.return_depth``), so a rank that fetches k/v at one step and queries at
   another of the same slot holds both kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default)
   is received into a buffer of the query shard's size;

@@ -56,15 +56,20 @@ solver's plans of the time, shares of 0.15-0.4 did about alike on 46 packed seed
 ones (the Pile at P = 8, seed 160: 1.105x -> 1.017x of perfect balance; uniform:8192 at P = 16, seed 95: 1.085x ->
 1.061x); 0.5 and more leave too little of the pair to hide the last return. Rows, not keys, are split
 (``distattn.schedule.plan.head_rows``): the two parts write disjoint dq rows and both add into dk, dv."""
-PREFETCHES = (1, 2, 3, 4)
-"""How many steps ahead the executor posts a step's fetch (``Layout.prefetch``; ``distattn.executor.Executor._run``)."""
-RETURN_DEPTHS = (1, 2, 3)
+PREFETCHES = (1, 2, 3, 4, 5, 6)
+"""How many steps ahead the executor posts a step's fetch (``Layout.prefetch``; ``distattn.executor.Executor._run``).
+Up to 6 since the Pile's worst windowed seeds at P = 16 (modelled, on the per-pair timeline): their evened groups
+balance the work to 1.005x, and what was left was fetches exposed behind short steps (seed 149: 1.125x of perfect
+balance fetching 4 steps ahead and absorbing 3 steps later, 1.045x at 6 and 4;
+``bench/results/placement-sim/DEEPER-8-16.md``)."""
+RETURN_DEPTHS = (1, 2, 3, 4)
 """How many steps after posting a step's return round the executor waits for it and absorbs the partials it received
-(``Layout.return_depth``; ``distattn.executor.Executor._run``): 1, every plan's, or up to 3 for a placed layout. A round
+(``Layout.return_depth``; ``distattn.executor.Executor._run``): 1, every plan's, or up to 4 for a placed layout. A round
 needs both of its ends, so a rank that waits for its returns one step later cannot run more than about two steps ahead
 of the peers whose partials it takes or sends; under the packed documents' uneven pairs that chain holds ranks back
 where no rank is overloaded (the Pile at P = 16, seed 55, on the per-pair timeline: 1.154x of perfect balance with 1,
-1.065x with 3). Each step deeper holds one more set of return receive buffers and one more step's sent partials."""
+1.065x with 3; seed 112 windowed: 1.097x fetching 6 steps ahead with 3, 1.041x with 4). Each step deeper holds one
+more set of return receive buffers and one more step's sent partials."""
 
 
 @dataclass(frozen=True)
@@ -93,13 +98,13 @@ class Layout:
     solver's per-pair timeline finds it faster."""
     prefetch: int = 1
     """How many steps ahead the executor posts a step's fetch (:data:`PREFETCHES`; the receive buffers of
-    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, up to 4: the shallowest
+    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, up to 6: the shallowest
     depth that no deeper one makes faster on the solver's per-pair timeline by
     :data:`~distattn.schedule.placement.DEEPER` per extra set of receive buffers (``distattn.memory.executor`` counts
     them)."""
     return_depth: int = 1
     """How many steps after posting a step's return round the executor absorbs it (:data:`RETURN_DEPTHS`; the receive
-    buffers of ``return_depth + 1`` return rounds alternate): 1, every plan's, or, ``"placed"`` only, up to 3: the
+    buffers of ``return_depth + 1`` return rounds alternate): 1, every plan's, or, ``"placed"`` only, up to 4: the
     shallowest depth that no deeper one makes faster on the solver's per-pair timeline by
     :data:`~distattn.schedule.placement.DEEPER` per extra set of buffers (``distattn.memory.executor`` counts them)."""
     head: bool = True

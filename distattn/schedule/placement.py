@@ -98,12 +98,12 @@ more each way, and reversed with the local pair whole at the last step (``Layout
 step's compute and leaves less of the pair to hide the last return behind), and keeps the fastest (the Pile at P = 16,
 window 4096: 4 of 200 seeds keep no head, 1 the plan's order, 195 both the reversal and the head).
 
-Every candidate is timed with the executor fetching 4 steps ahead (``Layout.prefetch``, the deepest of
+Every candidate is timed with the executor fetching 6 steps ahead (``Layout.prefetch``, the deepest of
 :data:`~distattn.schedule.layouts.PREFETCHES`: the executor posts each step's fetch ``depth`` steps before that step
-computes, over ``depth + 1`` sets of receive buffers) and absorbing its partials 3 steps after their round
+computes, over ``depth + 1`` sets of receive buffers) and absorbing its partials 4 steps after their round
 (``Layout.return_depth``, the deepest of :data:`~distattn.schedule.layouts.RETURN_DEPTHS`, over ``return_depth + 1``
-sets of return buffers); the layout chosen is then timed at prefetch depths 1, 2 and 3 and takes the shallowest that no
-deeper depth beats by :data:`DEEPER` per extra set of buffers, then likewise at return depths 1 and 2. A fetch round
+sets of return buffers); the layout chosen is then timed at prefetch depths 1 to 5 and takes the shallowest that no
+deeper depth beats by :data:`DEEPER` per extra set of buffers, then likewise at return depths 1 to 3. A fetch round
 reuses the buffers the compute before its posting read, so it cannot start before that compute is done on both ends: a
 busy sender holds its peers back, and posting the round further ahead gives it more computes to travel behind. Timing
 only the winner deeper (the solver before) chose among candidates by their step at depth 1, where a deal whose order
@@ -111,7 +111,10 @@ stalls on a busy sender loses to one that is faster only there (``bench/results/
 A return round needs both ends too: a rank absorbing its partials one step after their round cannot run more than two
 steps ahead of the ranks it sends partials to or takes them from, and over a packed batch's uneven pairs that chain
 holds back ranks no one overloads (the Pile at P = 16, seed 55: 1.154x of perfect balance absorbing a step later, 1.065x
-three steps later; longtail windowed at P = 16, seed 33: 1.226x -> 1.104x, re-solved). The memory is counted:
+three steps later; longtail windowed at P = 16, seed 33: 1.226x -> 1.104x, re-solved). Once the groups' work is evened
+what is left on the worst windowed seeds is fetches and returns exposed behind short steps, which the deeper depths
+hide: the Pile at P = 16, seed 149, 1.125x fetching at most 4 steps ahead and absorbing 3 steps later, 1.045x at 6
+and 4 (``bench/results/placement-sim/DEEPER-8-16.md``). The memory is counted:
 ``distattn.memory.executor`` replays the plan's slots, and the planner counts the deepest for ``"placed"``.
 
 Block size ``B``: :data:`BLOCK` = 64 tokens, a key tile of the Triton kernels (their ``BLOCK_N`` is 64 or 128), so
@@ -133,7 +136,7 @@ Cost: a deal, its pair table and one plan and timeline per order (:data:`~distat
 backward's twice) per group size tried (3-4 of them), per deal with a cut document's shortest piece first (in mirrored
 chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules, on one or two group sizes,
 often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts,
-capped or not, and up to 32 ranks the capped ones evened two ways, on up to all the climb's group sizes), and 5
+capped or not, and up to 32 ranks the capped ones evened two ways, on up to all the climb's group sizes), and 8
 timelines of the chosen layout at the shallower depths (on the pair table its timing built, kept); at 4096 tokens per
 rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 s on InfiniBand
 (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2 cores with a second sweep job
@@ -193,7 +196,7 @@ PIECES = 0.5
 cut again every that many rows, ``distattn.schedule.groups.cut_by_work``): under a window a document's
 first piece of equal work is long and light, and a group it fills is left short of work."""
 DEEPER = 0.002
-"""The chosen layout, timed with the executor fetching 1, 2, 3 and 4 steps ahead (``Layout.prefetch``,
+"""The chosen layout, timed with the executor fetching 1 to 6 steps ahead (``Layout.prefetch``,
 :data:`~distattn.schedule.layouts.PREFETCHES`: one more set of receive buffers each, and a fetch posted that much
 earlier), takes the shallowest depth that no deeper one makes shorter on the per-pair timeline by at least this share
 per extra set of buffers (a gain, not a rounding difference, pays for the memory)."""
