@@ -14,7 +14,6 @@ from distattn.schedule.placement import BLOCK, block_size, place
 from dist_utils import solver_depths
 
 
-
 def _random_spec(rng, total, window=False):
     cu = [0]
     while cu[-1] < total:  # empty (repeated boundary), single-token and long documents

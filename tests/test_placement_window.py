@@ -134,7 +134,7 @@ def test_the_documents_dealt_by_causal_work_are_also_timed_at_the_windowed_group
     head first, ``Plan.head_task``: 1.160x -> 1.066x; with the head a windowed deal beats it there. Then longtail seed
     115, 1.174x -> 1.007x, until the solver evened the groups' work, ``distattn.schedule.groups.even_groups``, which
     it keeps.) Since the solver times fetching up to 6 steps ahead and absorbing up to 4 steps later, no windowed seed
-    of the 1200 at P = 8 and 16 keeps that deal (``bench/results/placement-sim/DEEPER-8-16.md``; 12 keep the
+    of the 1200 at P = 8 and 16 keeps that deal (``bench/results/placement-sim/DEEPER-8-16.md``; 25 keep the
     documents-only placement whole): the example runs under the former depths, at most 4 and 3
     (``dist_utils.solver_depths``)."""
     with solver_depths(4, 3):
