@@ -144,9 +144,9 @@ rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 
 (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2 cores with a second sweep job
 beside each solve, the solver of 447c42d; today's times the same candidates 6 steps ahead and absorbing 4 steps later,
 under a window more cuts, and the chunked and shortest-first deals: at most 1.9 s causal and 4.5 s windowed over the 200
-uniform seeds at P = 64, ``DEEPER-8-16.md``, a test suite beside (the depths cost no time: one solve at depths 4 and 3
-and at 6 and 4, alternated, 4.0-4.3 / 3.6-3.7 s, uniform seed 83; 1.6 / 3.6 s with 1a8cda0's solver, and 7.4 s on the
-worst longtail and Pile seeds, ``WORST-8-64.md``, a test suite beside
+uniform seeds at P = 64, ``DEEPER-8-16.md``, a test suite beside; the depths cost no time: one solve alternated
+between depths 4 and 3 and depths 6 and 4 took 4.0-4.3 / 3.6-3.7 s, uniform seed 83; 1a8cda0's solver: 1.6 / 3.6 s, and
+7.4 s on the worst longtail and Pile seeds, ``WORST-8-64.md``, a test suite beside
 (1.5-3.8 / 3.6-8.6 s on the worst seeds before the return depth, an idle machine; 1.9-4.2 / 5.9-12.2 s before the
 chunked deals, CI beside); 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the backward's two
 orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
