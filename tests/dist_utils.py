@@ -156,20 +156,23 @@ def refused(fn) -> str:
 
 
 @contextlib.contextmanager
-def solver_depths(prefetch: int, return_depth: int):
+def solver_depths(prefetch: int | None = None, return_depth: int | None = None, window_chunks: bool = True):
     """The placement solver timing prefetch depths ``1..prefetch`` and return depths ``1..return_depth`` only
-    (``Layout.prefetch``, ``Layout.return_depth``; the solver's deepest are ``PREFETCHES[-1]`` and
-    ``RETURN_DEPTHS[-1]``), for examples pinned under the solver's former depths; its cache is emptied on the way in
-    and out, so no solve leaks across the change."""
+    (``Layout.prefetch``, ``Layout.return_depth``; ``None``: up to the solver's deepest, ``PREFETCHES[-1]`` and
+    ``RETURN_DEPTHS[-1]``) and, ``window_chunks=False``, the windowed deal in the snake only (``WINDOW_CHUNKS``), for
+    examples pinned under the solver's former candidates; its cache is emptied on the way in and out, so no solve leaks
+    across the change."""
     import distattn.schedule.placement as pl
 
-    saved = pl.PREFETCHES, pl.RETURN_DEPTHS
+    saved = pl.PREFETCHES, pl.RETURN_DEPTHS, pl.WINDOW_CHUNKS
     pl._place_cached.cache_clear()
-    pl.PREFETCHES, pl.RETURN_DEPTHS = tuple(range(1, prefetch + 1)), tuple(range(1, return_depth + 1))
+    pl.PREFETCHES = saved[0] if prefetch is None else tuple(range(1, prefetch + 1))
+    pl.RETURN_DEPTHS = saved[1] if return_depth is None else tuple(range(1, return_depth + 1))
+    pl.WINDOW_CHUNKS = saved[2] if window_chunks else (False,)
     try:
         yield
     finally:
-        pl.PREFETCHES, pl.RETURN_DEPTHS = saved
+        pl.PREFETCHES, pl.RETURN_DEPTHS, pl.WINDOW_CHUNKS = saved
         pl._place_cached.cache_clear()
 
 
@@ -177,7 +180,7 @@ def solver_depths(prefetch: int, return_depth: int):
 def placed_forced(order: str | None = None, group: int | None = None, cut: float | None = None,
                   backward: str | None = None, prefetch: int | None = None, chunks: bool = False,
                   short_first: bool = False, head: float | None = None, return_depth: int | None = None,
-                  even: str | None = None):
+                  even: str | None = None, share: float | None = None):
     """Inside a rank: every placement the solver returns (``distattn.schedule.placement``, through which the shards and
     the plan both go) runs its steps in ``order`` (``Layout.order``), its backward in ``backward``
     (``Layout.backward``; ``head``: its local pair's head first or not, ``Layout.head``), fetches
@@ -186,14 +189,15 @@ def placed_forced(order: str | None = None, group: int | None = None, cut: float
     ``group``, groups of that size instead of the solver's choice, their documents cut by work when ``cut`` is given
     (``distattn.schedule.groups``), dealt in mirrored chunks with ``chunks`` (``distattn.schedule.deal``), a cut
     document's shortest piece first with ``short_first``, the groups' work evened with ``even``
-    (``distattn.schedule.groups.even_groups``)."""
+    (``distattn.schedule.groups.even_groups``), over windows of that ``share`` (``distattn.schedule.windows``; with
+    ``chunks``, a long piece over its window in mirrored chunks)."""
     import distattn.schedule.placement as pl
 
     solve = pl._place_cached
 
     def forced(spec, p, n, grp=None, *args, **kwargs):
         if group is not None and p % group == 0 and p > 1 and not spec.dense:
-            grp, kwargs = group, dict(kwargs, cut=cut, chunks=chunks, short_first=short_first, even=even)
+            grp, kwargs = group, dict(kwargs, cut=cut, chunks=chunks, short_first=short_first, even=even, share=share)
         lay = solve(spec, p, n, grp, *args, **kwargs)
         if lay.kind != "placed":
             return lay

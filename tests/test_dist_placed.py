@@ -304,6 +304,31 @@ def _chunks_worker(rank, world, n):
     return seen
 
 
+def _window_chunks_worker(rank, world, n):
+    """:func:`_check` on placements of one group dealt over windows in mirrored chunks (``distattn.schedule.windows``,
+    share 0.25): two long documents (one mirrored) and a stream of the solver's; returns the placements."""
+    total, seen = world * n, []
+    for i, cu in enumerate([[0, 3, 3 + (total - 5) // 2, total - 2, total], list(_streams(world, n))[1]]):
+        with placed_forced(group=world, share=0.25):
+            snake = placement(cu, n)
+        with placed_forced(group=world, share=0.25, chunks=True):
+            lay = placement(cu, n)
+            assert "in mirrored chunks over their windows" in lay.note, lay.note
+            assert i or lay.placement != snake.placement  # the two long documents: in chunks, not in the snake
+            for case in CASES:  # causal (fp32 GQA, fp16), causal windowed, bidirectional windowed
+                seen.append(_check(rank, world, case, cu, n, seed=70 + i))
+    return seen
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_mirrored_chunks_over_windows_against_reference(world):
+    """Documents over windows of their work with their long pieces in mirrored chunks (rank i of a window holding the
+    piece's chunks i and 2w-1-i, every other piece mirrored): exact against fp64 with the byte counters equal to the
+    plan's, causal, windowed and bidirectional, on an odd and an even world."""
+    results = run_distributed(_window_chunks_worker, world, 40, timeout=TIMEOUT_S)  # 5 blocks of 8 tokens per rank
+    assert all(r == results[0] for r in results)  # one placement on every rank
+
+
 @pytest.mark.parametrize("world", [2, 5])
 def test_mirrored_chunks_against_reference(world):
     """Documents dealt in mirrored chunks (each one's 2k chunks, rank i holding chunks i and 2k-1-i, every other

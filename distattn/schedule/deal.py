@@ -24,7 +24,8 @@ Either way the remaining blocks (document ends, short documents, the chunks' mid
 loaded rank of the group with room, but for a short piece (at most half a rank's blocks) of a document cut across
 groups, whose blocks go to one rank together: its keys then travel to one rank of the next group (or come from one),
 not to all ``k`` of them. A windowed deal (``distattn.schedule.windows``) replaces the snake and the chunks by its own
-owners. Deterministic; pure Python + numpy.
+owners (``chunks`` then deals its long pieces in mirrored chunks over their windows). Deterministic; pure Python +
+numpy.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: i
     if share is not None:  # the windowed deal instead (distattn.schedule.windows): a block with one of its pieces
         most = np.lexsort((-(hi - lo if by == "tokens" else piece_work), key))
         top = idx[most][np.flatnonzero(np.append(True, key[most][1:] != key[most][:-1]))]
-        owner = window_owners(top, group, work, k, n // b, share, mean, unit_piece, near)
+        owner = window_owners(top, group, work, k, n // b, share, mean, unit_piece, near, chunks)
     owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group, limit)
     if owner is None:
         return None

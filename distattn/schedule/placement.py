@@ -36,7 +36,8 @@ groups (``distattn.schedule.windows``: each document over an
 aligned window of the ranks its work needs, not over the whole group, so a pair shares fewer documents and a step moves
 fewer keys) is timed too, once per :data:`~distattn.schedule.windows.SHARES` and per rule for a block two documents
 share (it goes with its heaviest piece, so a document's last rows stay with its window, or with its longest; and a
-third deal keeps a short document beside its neighbour's rank, :data:`NEAR`; each timed, each wins on some seeds), and
+third deal keeps a short document beside its neighbour's rank, :data:`NEAR`; each timed, each wins on some seeds),
+each with its long pieces over their windows in the snake and in mirrored chunks (:data:`WINDOW_CHUNKS`), and
 kept where it is faster
 (``bench/results/placement-sim/REFINE.md``: it lowers some of the worst seeds, never one on the timeline it is judged
 by; the windowed deal kept is timed once more with a cut document's shortest piece first: uniform:8192 at P = 64, seed
@@ -136,8 +137,9 @@ all-to-all gathers each ring shard whole and the ring's plan runs on the placeme
 
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`; the
 backward's twice) per group size tried (3-4 of them), per deal with a cut document's shortest piece first (in mirrored
-chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules, on one or two group sizes,
-often cut short by the bound above or dealt alike by two shares, timed once) and, under a window, per cut (3 cuts,
+chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules x the snake or chunks, on one
+or two group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window,
+per cut (3 cuts,
 capped or not, and up to 32 ranks the capped ones evened two ways, on up to all the climb's group sizes), and 8
 timelines of the chosen layout at the shallower depths (on the pair table its timing built, kept); at 4096 tokens per
 rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 s on InfiniBand
@@ -176,7 +178,7 @@ from distattn.schedule.windows import SHARES
 from distattn.schedule.wire import Shapes
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED",
-           "EVEN_MAX_RANKS", "NEAR", "WIDER_MAX_RANKS", "DEEPER", "place", "block_size"]
+           "EVEN_MAX_RANKS", "NEAR", "WIDER_MAX_RANKS", "WINDOW_CHUNKS", "DEEPER", "place", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -217,6 +219,10 @@ WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
 (``tests/test_masked_scale.py``, 768 MiB)."""
+WINDOW_CHUNKS = (False, True)
+"""The windowed deal is timed with a long piece over its window in the snake and in mirrored chunks
+(``distattn.schedule.windows``: a chunk's queries see of an earlier rank only its first chunk, so a pair borrows about
+half the keys; the Pile at P = 64, seed 118: 1.231x -> 1.161x of perfect balance on NVLink)."""
 
 
 def block_size(n: int) -> int | None:
@@ -296,7 +302,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if cut is not None and (whole > cut_work).any():  # a cut that cuts nothing deals the documents whole
             how += f", documents cut by work (pieces of at most {cut} of a rank's mean" + \
                    (f" and {tokens} tokens)" if tokens else ")")
-        how += ", documents in mirrored chunks" if chunks and share is None else ""
+        how += f", documents in mirrored chunks{'' if share is None else ' over their windows'}" if chunks else ""
         how += ", a cut document's shortest piece first" if short_first else ""
         how += f", the groups' work evened ({even})" if even else ""
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
@@ -364,12 +370,14 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if t < best_time * (1 - 1e-9):
             best_time, best = t, lay
     windowed = None  # the windowed deal kept, if one is
-    for kk, share, by in [(kk, s, by) for kk in wider for s in SHARES for by in ("work", "tokens", "near")]:
-        t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by))  # documents over windows of the groups
+    for kk, share, by, chunks in [(kk, s, by, c) for kk in wider for s in SHARES for by in ("work", "tokens", "near")
+                                  for c in WINDOW_CHUNKS]:  # documents over windows of the groups, snake or chunks
+        t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by, chunks=chunks))
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
-            best_time, best, windowed = t, lay, (kk, share, by)
+            best_time, best, windowed = t, lay, (kk, share, by, chunks)
     if windowed is not None:  # and that deal with a cut document's shortest piece first
-        t, lay = fastest(dealt(windowed[0], best_time / per_key * windowed[0], *windowed[1:], short_first=True))
+        kk, share, by, chunks = windowed
+        t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by, chunks=chunks, short_first=True))
         if t < best_time * (1 - 1e-9):
             best_time, best = t, lay
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
