@@ -156,7 +156,8 @@ orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the bac
 (``WORST-256.md``; 33 / 43 s with the solver of 447c42d, 30 / 49 s before it); before the windowed deal 3.4 s
 (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). At
 P = 8 and 16 the evened cuts add up to 1.8x (the worst windowed solve at P = 16: 1.0 s -> 1.8 s, a second job beside;
-``EVEN-8-64.md``). Pure Python + numpy.
+``EVEN-8-64.md``); the windowed deal in chunks too doubles the windowed candidates (the worst P = 64 seeds: 9.5 s
+windowed against 5.1 s, ``WINDOW-CHUNKS.md``). Pure Python + numpy.
 """
 
 from __future__ import annotations
