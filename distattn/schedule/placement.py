@@ -139,8 +139,8 @@ Cost: a deal, its pair table and one plan and timeline per order (:data:`~distat
 backward's twice) per group size tried (3-4 of them), per deal with a cut document's shortest piece first (in mirrored
 chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules x the snake or chunks, on one
 or two group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window,
-per cut (3 cuts,
-capped or not, and up to 32 ranks the capped ones evened two ways, on up to all the climb's group sizes), and 8
+per cut (3 cuts, capped or not, and up to 32 ranks the capped ones evened two ways, on up to all the climb's group
+sizes), and 8
 timelines of the chosen layout at the shallower depths (on the pair table its timing built, kept); at 4096 tokens per
 rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 s on InfiniBand
 (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2 cores with a second sweep job
@@ -222,8 +222,8 @@ only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's p
 (``tests/test_masked_scale.py``, 768 MiB)."""
 WINDOW_CHUNKS = (False, True)
 """The windowed deal is timed with a long piece over its window in the snake and in mirrored chunks
-(``distattn.schedule.windows``: a chunk's queries see of an earlier rank only its first chunk, so a pair borrows about
-half the keys; the Pile at P = 64, seed 118: 1.231x -> 1.161x of perfect balance on NVLink)."""
+(``distattn.schedule.windows``: a chunk's queries see of an earlier rank only its first chunk, so a window's pairs
+borrow about a quarter fewer keys; the Pile at P = 64, seed 118: 1.231x -> 1.161x of perfect balance on NVLink)."""
 
 
 def block_size(n: int) -> int | None:
