@@ -35,7 +35,7 @@ import heapq
 import numpy as np
 
 from distattn.schedule.groups import RowWork
-from distattn.schedule.windows import window_owners
+from distattn.schedule.windows import chunk_of, window_owners
 
 __all__ = ["deal"]
 
@@ -183,10 +183,8 @@ def _chunks(t: np.ndarray, n_whole: np.ndarray, eligible: np.ndarray, idx: np.nd
     ``n_whole`` the piece's whole blocks, ``eligible`` a whole block outside every unit, ``idx`` its piece, ``group``
     every piece's group. Returns ``(dealt, chunk, mirror)``: the blocks in a chunk (a piece of at least ``2k`` whole
     blocks, not the middle), each one's chunk ``0 .. 2k - 1``, and whether its piece is mirrored."""
-    s = np.maximum(n_whole // (2 * k), 1)  # blocks per chunk
-    half, mid = k * s, n_whole - 2 * k * s  # the first k chunks' blocks; the blocks left over, in the middle
-    dealt = eligible & (n_whole >= 2 * k) & ((t < half) | (t >= half + mid))
-    chunk = np.where(t < half, t // s, k + (t - half - mid) // s)
+    chunk = chunk_of(t, n_whole, k)
+    dealt = eligible & (n_whole >= 2 * k) & (chunk >= 0)
     first = np.flatnonzero(np.append(True, idx[1:] != idx[:-1]))  # a piece's first block
     size = np.where(n_whole[first] >= 2 * k, n_whole[first], 0)
     flip, side = np.zeros(len(first), dtype=bool), np.zeros((p // k, 2), dtype=np.int64)

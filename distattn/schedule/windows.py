@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SHARES", "window_owners"]
+__all__ = ["SHARES", "chunk_of", "window_owners"]
 
 SHARES = (0.0625, 0.125, 0.25, 0.5, 1.0)
 """The candidates' ``share``: the most of a rank's mean work one window rank takes from a document (0.25: documents
@@ -97,14 +97,21 @@ def _chunked(count: int, w: int, mirror: bool) -> np.ndarray:
     in a snake; ``mirror``: rank ``i`` holds what rank ``w - 1 - i`` would (every other piece dealt in chunks,
     heaviest first, so a window's pairs borrow alike both ways over its pieces; balancing the orientations' blocks per
     window instead, tried on three of the worst P = 64 causal seeds, was faster on one and slower on two)."""
-    s = count // (2 * w)
     x = np.arange(count)
-    mid0, mid1 = w * s, count - w * s  # the middle: blocks [mid0, mid1)
-    chunk = np.where(x < mid0, x // s, w + (x - mid1) // s)
-    rank = np.where(chunk < w, chunk, 2 * w - 1 - chunk)
-    rnd, pos = np.divmod(x - mid0, w)
-    rank = np.where((x >= mid0) & (x < mid1), np.where(rnd % 2 == 0, pos, w - 1 - pos), rank)
+    chunk = chunk_of(x, count, w)
+    rnd, pos = np.divmod(x - w * (count // (2 * w)), w)  # the middle's place from its first block
+    rank = np.where(chunk < 0, np.where(rnd % 2 == 0, pos, w - 1 - pos), np.where(chunk < w, chunk, 2 * w - 1 - chunk))
     return w - 1 - rank if mirror else rank
+
+
+def chunk_of(t: np.ndarray, count, k: int) -> np.ndarray:
+    """The chunk (``0 .. 2k - 1``) of block ``t`` (``0 .. count - 1``) of a piece of ``count`` blocks cut into ``2k``
+    chunks of ``max(count // 2k, 1)`` blocks, ``-1`` for the blocks left over between chunk ``k - 1`` and chunk ``k``
+    (the middle): the mirrored chunks of the group deal (``distattn.schedule.deal``, ``count`` per block) and of a
+    window (:func:`_chunked`) alike."""
+    s = np.maximum(count // (2 * k), 1)
+    half, mid = k * s, count - 2 * k * s  # the first k chunks' blocks; the blocks left over
+    return np.where(t < half, t // s, np.where(t >= half + mid, k + (t - half - mid) // s, -1))
 
 
 def _window(load: np.ndarray, used: np.ndarray, w: int, each: int, slots: int) -> int | None:
