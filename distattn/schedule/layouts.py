@@ -90,7 +90,7 @@ class Layout:
     but for the documents cut across groups); the plan runs each group's ring first."""
     order: str = "rotation"
     """``"placed"``: the order the plan runs the pairs in (:data:`ORDERS`, ``distattn.schedule.masked``):
-    ``"rotation"``, each group's ring rotations (``group_order``), or steps as matchings (``matched_steps``). The
+    ``"rotation"``, each group's ring rotations (``rotation_steps``), or steps as matchings (``matched_steps``). The
     solver keeps the one its per-pair timeline finds fastest."""
     backward: str = "reversed"
     """The order the backward runs the plan's steps in (:data:`BACKWARDS`, ``Plan.run_order``): ``"reversed"``, as

@@ -18,7 +18,7 @@ from distattn.schedule.masks import MaskSpec
 from distattn.schedule.pairs import SpanView, WorkView, pair_table
 from distattn.schedule.plan import Plan, RunTable, Task
 
-__all__ = ["make_masked_plan", "masked_plan_of", "group_order", "matched_steps"]
+__all__ = ["make_masked_plan", "masked_plan_of", "rotation_steps", "matched_steps"]
 
 
 def _as_runs(per_rank: list[list[Task]], table, n: int) -> RunTable:
@@ -63,21 +63,21 @@ def masked_plan_of(p: int, schedule: str, mask: MaskSpec, n: int, layout: Layout
     """:func:`make_masked_plan` from the pair table of ``layout`` (``distattn.schedule.pairs``), uncached: the
     placement solver builds each candidate's plans (one per order) from one table it does not keep."""
     work = WorkView(table)
-    if schedule == "placed" and layout.order != "rotation":  # owner tasks, steps as matchings (matched_steps)
-        runs = _runs(matched_steps(p, table, layout.order), table.q, table.q, table.kv, table, n)
+    if schedule == "placed":  # owner tasks: by the groups' rotations or with steps as matchings
+        steps = rotation_steps(p, layout.group, table) if layout.order == "rotation" else matched_steps(
+            p, table, layout.order)
+        runs = _runs(steps, table.q, table.q, table.kv, table, n)
     else:
-        runs = _as_runs(_per_rank(p, schedule, layout, table, work), table, n)
+        runs = _as_runs(_per_rank(p, schedule, table, work), table, n)
     return Plan(world_size=p, causal=mask.causal, schedule=schedule, run_table=runs, work=work, chunk=n,
                 layout=None if layout.contiguous else layout,
                 spans=(SpanView(table, False), SpanView(table, True)), pair_table=table)
 
 
-def _per_rank(p: int, schedule: str, layout: Layout, table, work) -> list[list[Task]]:
-    """Every rank's tasks in step order: placed by its groups' rotations, ring, or balanced."""
+def _per_rank(p: int, schedule: str, table, work) -> list[list[Task]]:
+    """Every rank's tasks in step order: ring, or balanced (placed: :func:`rotation_steps`, :func:`matched_steps`)."""
     rows, cols = table.q, table.kv  # the pairs with work, by query rank then kv rank
     needed = set(zip(rows.tolist(), cols.tolist()))
-    if schedule == "placed":  # balanced by layout, like zigzag: owner tasks only (k/v travel, never q + partials)
-        return [[Task(r, r, j) for j in kvs] for r, kvs in enumerate(group_order(p, layout.group, work, needed))]
     # ring: every pair computed by its query owner, in ring order, empty pairs dropped
     dist = np.split((rows - cols) % p, table.offsets[1:-1])  # per query rank
     ring = [[Task(r, r, (r - t) % p) for t in sorted(ts.tolist())] for r, ts in enumerate(dist)]
@@ -142,32 +142,30 @@ def _balance_by_work(p: int, work, needed) -> list[list[Task]]:
     return per_rank
 
 
-def group_order(p: int, k: int, work, needed) -> list[list[int]]:
-    """The kv ranks of every rank's pairs, in the order the placed plan runs them (owner tasks: ``distattn.schedule.
-    plan``). First the pairs inside the rank's group of ``k`` by the group's ring rotations (every step a permutation
-    of the group: each rank sends its k/v to one rank; the pairs of one group hold like work), the diagonal first,
-    then the rotations whose largest pair is heaviest; then the pairs of documents cut across groups, rotated by the
-    rank's offset in its group (rank ``g0 + x`` first fetches the other group's rank at offset ``x``: the ``k`` ranks
-    that share a cut document fetch from ``k`` different ranks in a step, not all from one). O(pairs): a rotation's
-    size is its largest pair with work (``work[i][j]`` for the pairs in ``needed``, 0 for every other)."""
-    kv_ranks = [[] for _ in range(p)]  # per query rank, the kv ranks of its pairs
-    size = [0] * p  # size[g0 + t]: the largest pair of group g0's rotation t (a pair (r, j) is in rotation (r - j) % k)
-    for i, j in sorted(needed):
-        kv_ranks[i].append(j)
-        if i // k == j // k:
-            t = i // k * k + (i - j) % k
-            size[t] = max(size[t], work[i][j])
-    place_of = [0] * p  # place_of[g0 + t]: where rotation t runs in group g0's order (the heaviest first)
-    for g0 in range(0, p, k):
-        for at, t in enumerate([0] + sorted(range(1, k), key=lambda t: (-size[g0 + t], t))):
-            place_of[g0 + t] = at
-    out = []
-    for r in range(p):
-        g0 = r // k * k
-        inside = sorted((j for j in kv_ranks[r] if j // k == r // k), key=lambda j: place_of[g0 + (r - j) % k])
-        cross = sorted((j for j in kv_ranks[r] if j // k != r // k), key=lambda j: ((j - r) % k, j))
-        out.append(inside + cross)
-    return out
+def rotation_steps(p: int, k: int, table) -> np.ndarray:
+    """The step of every pair of ``table`` (its order) in the placed plan of groups of ``k`` ranks (``Layout.order``
+    ``"rotation"``; owner tasks: ``distattn.schedule.plan``). Per rank, first the pairs inside its group of ``k`` by
+    the group's ring rotations (every step a permutation of the group: each rank sends its k/v to one rank; the pairs of
+    one group hold like work), the diagonal first, then the rotations whose largest pair is heaviest; then the pairs of
+    documents cut across groups, rotated by the rank's offset in its group (rank ``g0 + x`` first fetches the other
+    group's rank at offset ``x``: the ``k`` ranks that share a cut document fetch from ``k`` different ranks in a step,
+    not all from one). A rank's ``t``-th pair in that order runs at step ``t``. A rotation's size is its largest pair
+    with work. Arrays, O(pairs log pairs)."""
+    q, kv, work = table.q, table.kv, table.work
+    inside = q // k == kv // k
+    rotation = q // k * k + (q - kv) % k  # pair (r, j) of group g0 is in g0's rotation (r - j) % k
+    size = np.zeros(p, dtype=work.dtype)
+    np.maximum.at(size, rotation[inside], work[inside])
+    at = np.arange(p)
+    t = at % k
+    by = np.lexsort((t, -size, t != 0, at // k))  # per group: rotation 0, then the heaviest rotations first (a tie: t)
+    place_of = np.empty(p, dtype=np.int64)
+    place_of[by] = at % k  # where rotation t runs in its group's order
+    key = np.where(inside, place_of[rotation], (kv - q) % k)  # cross-group pairs: by their offset, then kv rank
+    order = np.lexsort((kv, key, ~inside, q))
+    step = np.empty(len(q), dtype=np.int64)
+    step[order] = np.arange(len(q)) - np.repeat(table.offsets[:-1], np.diff(table.offsets))
+    return step
 
 
 def matched_steps(p: int, table, order: str) -> np.ndarray:
@@ -184,7 +182,7 @@ def matched_steps(p: int, table, order: str) -> np.ndarray:
       sender.
 
     A rank may idle at a step between two of its pairs (its rounds still run; the executor steps over it). Against the
-    rotation order (:func:`group_order`): the rotations are matchings only while every pair of a group has work, and
+    rotation order (:func:`rotation_steps`): the rotations are matchings only while every pair of a group has work, and
     a rank's list skips its empty pairs, so after a windowed deal (few pairs per rank) one step can draw several
     ranks' fetches from one sender and pair a heavy task with a light one; here the steps stay matchings whatever the
     deal. Which order is fastest depends on the deal: the solver times each (``distattn.schedule.placement``).
@@ -197,15 +195,15 @@ def matched_steps(p: int, table, order: str) -> np.ndarray:
     step = [0] * len(q)
     off = [x for x in range(len(q)) if q[x] != kv[x]]  # x: the table's order (query rank, then kv rank)
     if how == "pairs":
-        busy = [{0} for _ in range(p)]  # steps where the rank computes (step 0: its local pair, or nothing)
-        sends = [set() for _ in range(p)]  # steps where the rank's k/v go out
+        busy = [1] * p  # bit t: the rank computes at step t (step 0: its local pair, or nothing)
+        sends = [0] * p  # bit t: the rank's k/v go out at step t
         for _, x in sorted((-weight[x], x) for x in off):
-            i, j, t = q[x], kv[x], 1
-            while t in busy[i] or t in sends[j]:
-                t += 1
-            busy[i].add(t)
-            sends[j].add(t)
-            step[x] = t
+            i, j = q[x], kv[x]
+            taken = busy[i] | sends[j]
+            bit = ~taken & (taken + 1)  # the lowest step free at both ends
+            busy[i] |= bit
+            sends[j] |= bit
+            step[x] = bit.bit_length() - 1
         return np.asarray(step, dtype=np.int64)
     work = table.work.tolist()
     left = [0] * p  # work left per query rank
@@ -215,15 +213,20 @@ def matched_steps(p: int, table, order: str) -> np.ndarray:
         todo[q[x]].append((-weight[x], kv[x], x))
     for pairs in todo:
         pairs.sort()
+    kvs = [[j for _, j, _ in pairs] for pairs in todo]  # todo's kv ranks, kept in step with it
     t = 0
-    while any(todo):
+    waiting = [r for r in range(p) if todo[r]]
+    while waiting:
         t += 1
-        sending = set()
-        for i in sorted((r for r in range(p) if todo[r]), key=lambda r: (-left[r], r)):
-            pick = next((y for y, (_, j, _) in enumerate(todo[i]) if j not in sending), None)
-            if pick is not None:
-                _, j, x = todo[i].pop(pick)
-                sending.add(j)
-                left[i] -= work[x]
-                step[x] = t
+        sending = bytearray(p)  # sending[j]: rank j's k/v go out in this step
+        for i in sorted(waiting, key=lambda r: (-left[r], r)):
+            for y, j in enumerate(kvs[i]):
+                if not sending[j]:
+                    del kvs[i][y]
+                    x = todo[i].pop(y)[2]
+                    sending[j] = 1
+                    left[i] -= work[x]
+                    step[x] = t
+                    break
+        waiting = [r for r in waiting if todo[r]]
     return np.asarray(step, dtype=np.int64)
