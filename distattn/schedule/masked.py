@@ -190,15 +190,15 @@ def matched_steps(p: int, table, order: str) -> np.ndarray:
     how, _, by = order.partition("-")
     if how not in ("pairs", "ranks") or by not in ("work", "keys"):
         raise ValueError(f"order={order!r}: a matched order is 'pairs-' or 'ranks-' then 'work' or 'keys'")
-    q, kv = table.q.tolist(), table.kv.tolist()
-    weight = (table.work if by == "work" else table.seen).tolist()
+    q, kv = table.q, table.kv
+    weight = table.work if by == "work" else table.seen
+    off = np.flatnonzero(q != kv)  # x: the table's order (query rank, then kv rank)
     step = [0] * len(q)
-    off = [x for x in range(len(q)) if q[x] != kv[x]]  # x: the table's order (query rank, then kv rank)
     if how == "pairs":
         busy = [1] * p  # bit t: the rank computes at step t (step 0: its local pair, or nothing)
         sends = [0] * p  # bit t: the rank's k/v go out at step t
-        for _, x in sorted((-weight[x], x) for x in off):
-            i, j = q[x], kv[x]
+        order = off[np.lexsort((off, -weight[off]))]  # heaviest first, a tie by the table's order
+        for x, i, j in zip(order.tolist(), q[order].tolist(), kv[order].tolist()):
             taken = busy[i] | sends[j]
             bit = ~taken & (taken + 1)  # the lowest step free at both ends
             busy[i] |= bit
@@ -206,26 +206,26 @@ def matched_steps(p: int, table, order: str) -> np.ndarray:
             step[x] = bit.bit_length() - 1
         return np.asarray(step, dtype=np.int64)
     work = table.work.tolist()
-    left = [0] * p  # work left per query rank
-    todo = [[] for _ in range(p)]  # per query rank, its pairs heaviest first
-    for x in off:
-        left[q[x]] += work[x]
-        todo[q[x]].append((-weight[x], kv[x], x))
-    for pairs in todo:
-        pairs.sort()
-    kvs = [[j for _, j, _ in pairs] for pairs in todo]  # todo's kv ranks, kept in step with it
+    neg = np.zeros(p, dtype=np.int64)
+    np.add.at(neg, q[off], -table.work[off])
+    neg = neg.tolist()  # minus the work left per query rank
+    order = off[np.lexsort((kv[off], -weight[off], q[off]))]  # per query rank, its pairs heaviest first
+    cut = np.cumsum(np.bincount(q[order], minlength=p))[:-1]
+    todo = [x.tolist() for x in np.split(order, cut)]
+    kvs = [x.tolist() for x in np.split(kv[order], cut)]  # todo's kv ranks, kept in step with it
     t = 0
     waiting = [r for r in range(p) if todo[r]]
     while waiting:
         t += 1
         sending = bytearray(p)  # sending[j]: rank j's k/v go out in this step
-        for i in sorted(waiting, key=lambda r: (-left[r], r)):
-            for y, j in enumerate(kvs[i]):
+        for i in sorted(waiting, key=neg.__getitem__):  # most work left first (stable: a tie by rank)
+            ks = kvs[i]
+            for y, j in enumerate(ks):
                 if not sending[j]:
-                    del kvs[i][y]
-                    x = todo[i].pop(y)[2]
+                    del ks[y]
+                    x = todo[i].pop(y)
                     sending[j] = 1
-                    left[i] -= work[x]
+                    neg[i] += work[x]
                     step[x] = t
                     break
         waiting = [r for r in waiting if todo[r]]

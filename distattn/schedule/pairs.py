@@ -336,6 +336,18 @@ def _union(key, a, b):
 def _reduce(key, work, a, b, ranges: bool = False):
     """Per distinct ``key``: summed ``work``, smallest ``a``, largest ``b`` (keys ascending); ``ranges``: and the
     union of the ``[a, b)`` per key (:func:`_union`)."""
+    if ranges and len(key) and int(key.max()) < 1 << 31:  # one sort, by key then a, serves both
+        hi_a, hi_b = (key << 32) | a, (key << 32) | b
+        order = np.argsort(hi_a)  # equal (key, a): the sums, extremes and union do not depend on their order
+        hi_a, hi_b, work = hi_a[order], hi_b[order], work[order]
+        low = np.int64((1 << 32) - 1)
+        k = hi_a >> 32
+        first = np.flatnonzero(np.append(True, k[1:] != k[:-1]))
+        reach = np.maximum.accumulate(hi_b)
+        joins = np.flatnonzero(np.append(True, hi_a[1:] > reach[:-1]))
+        top = np.maximum.reduceat(hi_b, joins)
+        return (k[first], np.add.reduceat(work, first), hi_a[first] & low, np.maximum.reduceat(hi_b, first) & low,
+                hi_a[joins] >> 32, hi_a[joins] & low, top & low)
     if ranges:
         return _reduce(key, work, a, b) + _union(key, a, b)
     if not len(key):

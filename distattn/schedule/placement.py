@@ -323,10 +323,12 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             times[k] = fastest(dealt(k, best / per_key * k))
         return times[k][0]
 
-    def fastest(lay: Layout | None) -> tuple[float, Layout | None]:
+    def fastest(lay: Layout | None, bound: float = float("inf")) -> tuple[float, Layout | None]:
         """The modelled step of ``lay`` in its fastest order (:data:`~distattn.schedule.layouts.ORDERS`; a tie: the
-        first, rotation) and the layout with that order; ``(inf, None)`` for no layout, or for segments another
-        candidate of this solve dealt already (shares often deal alike: they were timed then)."""
+        first, rotation) and the layout with that order; ``(inf, None)`` for no layout, for segments another
+        candidate of this solve dealt already (shares often deal alike: they were timed then), or for one no faster
+        than ``bound`` (the caller keeps only a step under it): an order whose forward plus its busiest rank's backward
+        compute (a bound of the backward's makespan) reaches ``bound`` is not timed backward."""
         if lay is None:
             return float("inf"), None
         digest = hash(lay.placement)  # the segments' hash, not the segments (at 4096 ranks they are 10^7 ints)
@@ -338,12 +340,17 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             cand = dataclasses.replace(lay, order=order, prefetch=PREFETCHES[-1], return_depth=RETURN_DEPTHS[-1],
                                        head=True)  # at the deepest depths
             plan = masked_plan_of(p, "placed", spec, n, cand, table)
-            fwd = phase_timeline(plan, "forward", shapes, cluster, stride=stride).makespan
+            forward = phase_timeline(plan, "forward", shapes, cluster, stride=stride)
+            fwd = forward.makespan
+            if fwd + BWD_FLOP_FACTOR * float(forward.busy.max(initial=0.0)) * (1 - 1e-9) >= bound:
+                continue  # the backward computes every task's work x BWD_FLOP_FACTOR: this order cannot win
             for backward in BACKWARDS:  # the backward's steps reversed (every plan's; a tie keeps it) or as planned
                 timed = dataclasses.replace(cand, backward=backward)
                 bwd = phase_timeline(dataclasses.replace(plan, layout=timed), "backward", shapes, cluster,
                                      stride=stride).makespan
                 found.append((fwd + bwd, timed))
+        if not found:
+            return float("inf"), None
         t, fast = min(found, key=lambda tl: tl[0])
         if t < kept.get("time", float("inf")):  # the fastest deal so far: the depth pick reuses its table
             kept.update(time=t, digest=digest, table=table)
@@ -367,18 +374,20 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     best_time, best = times[k]
     wider = (k, 2 * k) if p % (2 * k) == 0 and p <= WIDER_MAX_RANKS else (k,)
     for kk, chunks in [(kk, chunks) for kk in wider for chunks in (True, False)]:  # a cut document's shortest
-        t, lay = fastest(dealt(kk, best_time / per_key * kk, chunks=chunks, short_first=True))  # piece first
+        t, lay = fastest(dealt(kk, best_time / per_key * kk, chunks=chunks, short_first=True),  # piece first
+                         best_time * (1 - 1e-9))
         if t < best_time * (1 - 1e-9):
             best_time, best = t, lay
     windowed = None  # the windowed deal kept, if one is
     for kk, share, by, chunks in [(kk, s, by, c) for kk in wider for s in SHARES for by in ("work", "tokens", "near")
                                   for c in WINDOW_CHUNKS]:  # documents over windows of the groups, snake or chunks
-        t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by, chunks=chunks))
+        t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by, chunks=chunks), best_time * (1 - 1e-9))
         if t < best_time * (1 - 1e-9):  # kept only where the timeline finds it faster
             best_time, best, windowed = t, lay, (kk, share, by, chunks)
     if windowed is not None:  # and that deal with a cut document's shortest piece first
         kk, share, by, chunks = windowed
-        t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by, chunks=chunks, short_first=True))
+        t, lay = fastest(dealt(kk, best_time / per_key * kk, share, by, chunks=chunks, short_first=True),
+                         best_time * (1 - 1e-9))
         if t < best_time * (1 - 1e-9):
             best_time, best = t, lay
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
@@ -386,7 +395,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         for kk, cut, capped, even in [(kk, c, *how) for kk in sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
                                       for c in CUTS for how in ((False, None), (True, None),
                                                                 *(EVENED if p <= EVEN_MAX_RANKS else ()))]:
-            t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped, even=even))
+            t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped, even=even),
+                             best_time * (1 - 1e-9))
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, lay
     if spec.window != (-1, -1):  # never worse than the documents-only placement, timed on the same windowed plan
@@ -398,7 +408,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         for lay in deals:
             if lay is None or lay.kind != "placed" or lay.placement == best.placement:
                 continue
-            t, lay = fastest(lay)
+            t, lay = fastest(lay, best_time * (1 - 1e-9))
             if t < best_time * (1 - 1e-9):
                 what = "placement" if lay.group == plain.group else "deal by causal work"
                 best_time, best = t, dataclasses.replace(lay, note=f"{_dealt_note(lay.note)} (the {what} of the "
