@@ -23,7 +23,8 @@ import torch.distributed as dist
 from distattn.schedule import SCHEDULES, Layout, layout_of
 from distattn.schedule.build import placed_window
 
-__all__ = ["shard_sequence", "gather_sequence", "positions", "layout", "placement", "placed_window"]
+__all__ = ["shard_sequence", "gather_sequence", "positions", "layout", "placement", "solve_ahead",
+           "placed_window"]
 
 
 def _initialized() -> bool:
@@ -72,6 +73,28 @@ def placement(cu_seqlens, n: int, group=None, *, window=(-1, -1)) -> Layout:
     ring, ulysses = _grid(group)
     record_placement(spec.cu_seqlens, ring, ulysses * n, spec.window)
     return layout_of("placed", ring, ulysses, mask=spec, n=n)
+
+
+def solve_ahead(cu_seqlens, n: int, group=None, *, window=(-1, -1), workers: int = 1) -> None:
+    """Start solving :func:`placement`'s layout for these arguments (the next batch's) in a worker process, while the
+    step before runs; the :func:`placement` call that asks for it then waits only for what is left of the solve
+    (``distattn.schedule.ahead``). The same layout as solved inline, on every rank alike. ``workers``: solves at once
+    (where one solve takes longer than a step, ask two or more batches ahead). Nothing to do on one rank::
+
+        lay = distattn.sharding.placement(cu_now, n, group)      # this batch (solved ahead last step, or now)
+        distattn.sharding.solve_ahead(cu_next, n, group)         # the next batch, in a worker, while this one runs
+    """
+    from distattn._validate import check_window
+    from distattn.schedule.build import placement_mask
+    from distattn.schedule.placement import solve_ahead as _solve_ahead
+
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.tolist()
+    spec = placement_mask(cu_seqlens, check_window(window))
+    if _world(group)[1] == 1:
+        return
+    ring, ulysses = _grid(group)
+    _solve_ahead(spec, ring, ulysses * n, workers=workers)
 
 
 def _grid(group) -> tuple[int, int]:

@@ -159,6 +159,7 @@ import train_log  # noqa: E402
 import train_memory  # noqa: E402
 import train_model  # noqa: E402
 import train_offload  # noqa: E402
+import train_placement  # noqa: E402
 import train_report  # noqa: E402
 import train_resume  # noqa: E402
 import train_tune  # noqa: E402
@@ -229,17 +230,16 @@ def train_step(model, optimizer, batch, cfg: RunConfig, group, mode: str,
 def batch_loss(model, batch, cfg: RunConfig, group, mode: str) -> torch.Tensor:
     """The sequence-parallel group's mean loss of ``batch`` (the same on every rank of the group); the training
     step's forward, and held-out evaluation's (``train_eval``, under ``no_grad``)."""
-    from distattn.integrations.hf import causal_lm_loss, placement_window, shard_batch
+    from distattn.integrations.hf import causal_lm_loss, shard_batch
 
     if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
         ids, positions = batch
-        config = getattr(getattr(model, "module", model), "config", None)  # DDP wraps the model; FSDP2 does not
-        window = (-1, -1) if config is None else placement_window(config, ids.numel())  # placed: balance its work
+        window = train_placement.placement_args(model, ids, positions, cfg.sp_size)[2]  # placed: balance its work
         inputs = shard_batch(ids[None], labels=ids[None], group=group, schedule=cfg.args.schedule,
                              position_ids=positions[None], window=window)
     else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)
         inputs = shard_batch(batch, labels=batch, group=group, schedule=cfg.args.schedule)
-    docs = _placed_documents(cfg, inputs)
+    docs = train_placement.placed_documents(cfg, inputs)
     with train_model.autocast(cfg, mode):
         # This rank's term of the global token mean; parameter gradients are summed over the sp group by the
         # FSDP2/DDP reduction (train_model's docstring).
@@ -248,15 +248,6 @@ def batch_loss(model, batch, cfg: RunConfig, group, mode: str) -> torch.Tensor:
                          shift_labels=inputs["shift_labels"], **docs).loss
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], **docs).logits
         return causal_lm_loss(logits, inputs["shift_labels"], group=group)
-
-
-def _placed_documents(cfg, inputs) -> dict:
-    """``--schedule placed``: the stream's documents for the model's hook, which gathers the shards by their
-    placement (``distattn.integrations.hf.shard_batch``); other schedules: nothing."""
-    if cfg.args.schedule != "placed":
-        return {}
-    cu, longest = inputs["cu_seq_lens"], inputs["max_length"]
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def crash_now(cfg: RunConfig, step: int) -> bool:
@@ -317,7 +308,10 @@ def run_step(job: Job, dataset, step: int) -> dict:
     for param_group in job.optimizer.param_groups:
         param_group["lr"] = lr
     dp_rank = cfg.env.rank // cfg.sp_size  # replicas read consecutive, disjoint samples
-    batch = dataset.batch(progress["samples"] + dp_rank * cfg.args.batch_size, cfg.args.batch_size)
+    first = progress["samples"] + dp_rank * cfg.args.batch_size
+    batch = dataset.batch(first, cfg.args.batch_size)
+    # placed: this batch's placement (solved ahead while the last step ran) and the next one's started in a worker
+    solved = train_placement.placements(job, dataset, batch, step, first + cfg.args.batch_size * cfg.dp_size)
     batch = tuple(t.to(job.device) for t in batch) if cfg.args.pack else batch.to(job.device)
     measured = {} if step == job.first_step + 1 else None  # what the first step's forward saves, once
     # the whole step's peak, device and host, once AdamW holds its states (the second step; a one-step run: the first)
@@ -332,7 +326,7 @@ def run_step(job: Job, dataset, step: int) -> dict:
     record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
               "tokens_per_s": cfg.tokens_per_step / dt, "samples": progress["samples"], "peak_mem_bytes": peak}
     if cfg.args.pack:
-        record.update(train_report.packing_stats(batch[1], cfg.sp_size, cfg.args.schedule, cfg.ulysses))
+        record.update(train_report.packing_stats(batch[1], cfg.sp_size, cfg.args.schedule, cfg.ulysses), **solved)
     if measured:
         record.update(measured, predicted_activation_bytes=job.predicted_activations)
     return record

@@ -1,5 +1,6 @@
 """``launch/train.py --pack --schedule placed``: the same data on the work-balanced placement trains along the
-contiguous (balanced) run's loss curve, and the summary reports the plans' predicted compute idle."""
+contiguous (balanced) run's loss curve, each batch's placement after the first solved ahead in a worker
+(``launch/train_placement.py``), and the summary reports the plans' predicted compute idle."""
 
 import json
 import re
@@ -20,7 +21,13 @@ def _run(tmp_path, schedule, world=3, *extra):
     log = tmp_path / f"{schedule}-{world}.jsonl"
     rc, out, err = _torchrun(world, *JOB, "--schedule", schedule, "--log-json", str(log), *extra)
     assert rc == 0, err[-4000:]
-    return json.loads(out.strip().splitlines()[-1]), [r["loss"] for r in _records(log)]
+    records = _records(log)
+    if schedule == "placed":  # each batch's placement solved in a worker while the step before ran, but the first
+        assert [r["placement_solved_ahead"] for r in records] == [False, True, True], records
+        assert all(r["placement_wait_s"] >= 0 for r in records)
+    else:
+        assert all("placement_wait_s" not in r for r in records)
+    return json.loads(out.strip().splitlines()[-1]), [r["loss"] for r in records]
 
 
 def test_placed_follows_the_contiguous_loss_curve(tmp_path):

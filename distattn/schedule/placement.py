@@ -167,6 +167,7 @@ import functools
 
 import numpy as np
 
+from distattn.schedule import ahead
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
 from distattn.schedule.deal import deal
 from distattn.schedule.groups import RowWork, assign_groups, even_groups, group_loads
@@ -179,7 +180,8 @@ from distattn.schedule.windows import SHARES
 from distattn.schedule.wire import Shapes
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED",
-           "EVEN_MAX_RANKS", "NEAR", "WIDER_MAX_RANKS", "WINDOW_CHUNKS", "DEEPER", "place", "block_size"]
+           "EVEN_MAX_RANKS", "NEAR", "WIDER_MAX_RANKS", "WINDOW_CHUNKS", "DEEPER", "place", "solve_ahead",
+           "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -241,7 +243,19 @@ def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = Non
     assumes). ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} must be the positive number of tokens per rank")
-    return _place_cached(spec, world_size, n, None, cluster_from_env() if cluster is None else cluster, stride)
+    key = (spec, world_size, n, cluster_from_env() if cluster is None else cluster, stride)
+    solved = ahead.take(key)  # solved ahead in a worker (solve_ahead)
+    return solved if solved is not None else _place_cached(*key[:3], None, *key[3:])
+
+
+def solve_ahead(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = None, stride: int = 1,
+                workers: int = 1) -> None:
+    """Start solving :func:`place`'s placement of these arguments in a worker process (one of ``workers``;
+    ``distattn.schedule.ahead``), so that the call to :func:`place` that asks for it later (the next batch's) waits
+    only for what is left of the solve. The same layout as an inline solve."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be the positive number of tokens per rank")
+    ahead.submit((spec, world_size, n, cluster_from_env() if cluster is None else cluster, stride), workers)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,57 @@
+"""``--pack --schedule placed``: each batch's placement, solved ahead while the step before runs.
+
+A packed batch's placement (``distattn.sharding.placement``) is a new solve per batch, 0.1-3 s of CPU at 16-64 ranks
+(``bench/results/placement-sim/SOLVE-AHEAD.md``): on the loop's thread it would hold every step back by that much.
+Before step ``i`` runs, :func:`placements` asks a worker process for batch ``i + 1``'s placement
+(``distattn.sharding.solve_ahead``) and takes batch ``i``'s, solved while step ``i - 1`` ran (the first step's is
+solved here); the step's record says how long it waited for it (``placement_wait_s``) and whether a worker solved it
+(``placement_solved_ahead``). The layout is the one an
+inline solve gives, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["placement_args", "placements", "placed_documents"]
+
+
+def placement_args(model, ids, positions, sp_size: int) -> tuple:
+    """``(cu_seqlens, tokens per rank, window)`` of a packed batch, as ``shard_batch`` derives them (the window the
+    model's layers mostly run with, ``distattn.integrations.hf.placement_window``)."""
+    from distattn.integrations.hf import placement_window
+    from distattn.packing import cu_seqlens_from_position_ids
+
+    config = getattr(getattr(model, "module", model), "config", None)  # DDP wraps the model; FSDP2 does not
+    window = (-1, -1) if config is None else placement_window(config, ids.numel())
+    return cu_seqlens_from_position_ids(positions[None]), ids.numel() // sp_size, window
+
+
+def placements(job, dataset, batch, step: int, next_first: int) -> dict:
+    """``--schedule placed`` with ``--pack``: this batch's placement (waiting for its worker or solving it now) and the
+    next batch's (the samples from ``next_first``) started in a worker unless ``step`` is the last;
+    ``{"placement_wait_s": seconds, "placement_solved_ahead": whether a worker solved it}``, or ``{}`` for any
+    other schedule."""
+    cfg = job.cfg
+    if cfg.args.schedule != "placed" or not cfg.args.pack:
+        return {}
+    from distattn.schedule import ahead
+    from distattn.sharding import placement, solve_ahead
+
+    cu, n, window = placement_args(job.model, *batch, cfg.sp_size)
+    t0, served = time.perf_counter(), ahead.served()
+    placement(cu, n, job.group, window=window)
+    wait, served = time.perf_counter() - t0, ahead.served() > served
+    if step < cfg.args.steps:
+        cu, n, window = placement_args(job.model, *dataset.batch(next_first, cfg.args.batch_size), cfg.sp_size)
+        solve_ahead(cu, n, job.group, window=window)
+    return {"placement_wait_s": wait, "placement_solved_ahead": served}
+
+
+def placed_documents(cfg, inputs) -> dict:
+    """``--schedule placed``: the stream's documents for the model's hook, which gathers the shards by their
+    placement (``distattn.integrations.hf.shard_batch``); other schedules: nothing."""
+    if cfg.args.schedule != "placed":
+        return {}
+    cu, longest = inputs["cu_seq_lens"], inputs["max_length"]
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}

@@ -1,0 +1,100 @@
+"""Placements solved ahead (``distattn.schedule.ahead``): a worker process solves the next batch's placement while the
+step before runs. The layout taken is the inline solve's, bit for bit, and it was solved in the worker, not here; the
+solve's error is raised where the placement is asked for; a worker that dies costs a warning and an inline solve."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from distattn.schedule import MaskSpec, ahead
+from distattn.schedule.cli import document_lengths
+from distattn.schedule.cluster import Cluster, cluster_from_env
+from distattn.schedule.placement import _place_cached, place, solve_ahead
+
+pytestmark = pytest.mark.timeout(300)
+
+N = 4096
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    ahead.shutdown()
+    yield
+    ahead.shutdown()
+
+
+def _spec(docs: str, p: int, seed: int, window=(-1, -1)) -> MaskSpec:
+    return MaskSpec(causal=True, window=window, cu_seqlens=tuple(document_lengths(docs, p * N, seed=seed)))
+
+
+CASES = [("longtail:2048", 8, 3, (-1, -1)), ("pile:4", 16, 5, (-1, -1)), ("uniform:8192", 8, 7, (4095, -1)),
+         ("longtail:2048", 16, 9, (4095, -1))]
+
+
+def test_a_placement_solved_ahead_is_the_inline_one_and_was_solved_in_the_worker():
+    """Causal and windowed, 8 and 16 ranks, on NVLink and InfiniBand: every key asked for ahead, then taken. This
+    process's solver cache gains no entry (the worker solved them), and each layout equals the inline solve."""
+    clusters = (Cluster.preset("nvlink"), Cluster.preset("ib"))
+    keys = [(_spec(d, p, s, w), p, N, cluster) for d, p, s, w in CASES for cluster in clusters]
+    for spec, p, n, cluster in keys:
+        solve_ahead(spec, p, n, cluster)
+    assert ahead.pending() == len(keys)
+    misses, served = _place_cached.cache_info().misses, ahead.served()
+    got = [place(spec, p, n, cluster) for spec, p, n, cluster in keys]
+    assert _place_cached.cache_info().misses == misses, "solved here, not in the worker"
+    assert ahead.served() == served + len(keys) and ahead.pending() == 0
+    for (spec, p, n, cluster), lay in zip(keys, got):
+        want = _place_cached.__wrapped__(spec, p, n, None, cluster, 1)
+        assert lay == want and lay.kind == "placed", (spec.window, p, lay.note, want.note)
+    # asked again (the shards, then the attention call's plan): the same object, no second solve
+    assert place(*keys[0]) is got[0] and ahead.served() == served + len(keys)
+
+
+def test_the_solve_error_is_raised_where_the_placement_is_asked_for():
+    bad = MaskSpec(causal=True, cu_seqlens=(0, 1000))  # past the stream of 8 x 64 tokens
+    solve_ahead(bad, 8, 64)
+    with pytest.raises(AssertionError, match="past the stream's 512 tokens"):
+        place(bad, 8, 64)
+
+
+def test_a_dead_worker_costs_a_warning_and_an_inline_solve():
+    spec = _spec("longtail:2048", 8, 11)
+    solve_ahead(spec, 8, N)
+    worker = ahead._workers[0]
+    worker.proc.kill()
+    with pytest.warns(RuntimeWarning, match="the worker solving a placement ahead died"):
+        lay = place(spec, 8, N)
+    assert lay == _place_cached.__wrapped__(spec, 8, N, None, cluster_from_env(), 1)
+    # the next ask starts a new worker, which answers
+    other = _spec("longtail:2048", 8, 12)
+    solve_ahead(other, 8, N)
+    assert ahead._workers and ahead._workers[0] is not worker
+    served = ahead.served()
+    assert place(other, 8, N) == _place_cached.__wrapped__(other, 8, N, None, cluster_from_env(), 1)
+    assert ahead.served() == served + 1
+
+
+def test_waiting_for_a_solve_ahead_is_shorter_than_solving_it():
+    """The point of it: a solve asked for while the caller does something else (here: sleeps as a step would) is
+    ready when asked for. The worker is warm (its first solve imports the library)."""
+    warm = _spec("uniform:8192", 8, 1)
+    solve_ahead(warm, 8, N)
+    place(warm, 8, N)
+    spec = _spec("pile:4", 16, 21, (4095, -1))
+    t0 = time.process_time()
+    _place_cached.__wrapped__(spec, 16, N, None, cluster_from_env(), 1)
+    inline = time.process_time() - t0
+    solve_ahead(spec, 16, N)
+    time.sleep(max(1.0, 10 * inline))  # the step
+    t0 = time.perf_counter()
+    place(spec, 16, N)
+    assert time.perf_counter() - t0 < inline / 2 + 0.05, inline
+
+
+def test_arguments_are_checked_here():
+    with pytest.raises(ValueError, match="workers=0"):
+        ahead.submit((_spec("uniform:8192", 8, 1), 8, N, cluster_from_env(), 1), workers=0)
+    with pytest.raises(ValueError, match="n=0"):
+        solve_ahead(_spec("uniform:8192", 8, 1), 8, 0)
