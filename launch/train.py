@@ -310,8 +310,8 @@ def run_step(job: Job, dataset, step: int) -> dict:
     dp_rank = cfg.env.rank // cfg.sp_size  # replicas read consecutive, disjoint samples
     first = progress["samples"] + dp_rank * cfg.args.batch_size
     batch = dataset.batch(first, cfg.args.batch_size)
-    # placed: this batch's placement (solved ahead while the last step ran) and the next one's started in a worker
-    solved = train_placement.placements(job, dataset, batch, step, first + cfg.args.batch_size * cfg.dp_size)
+    # placed: the next batches' placements started in workers, this batch's taken (solved while the last steps ran)
+    solved = train_placement.placements(job, dataset, batch, step, first)
     batch = tuple(t.to(job.device) for t in batch) if cfg.args.pack else batch.to(job.device)
     measured = {} if step == job.first_step + 1 else None  # what the first step's forward saves, once
     # the whole step's peak, device and host, once AdamW holds its states (the second step; a one-step run: the first)

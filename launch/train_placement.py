@@ -2,11 +2,11 @@
 
 A packed batch's placement (``distattn.sharding.placement``) is a new solve per batch, 0.1-3 s of CPU at 16-64 ranks
 (``bench/results/placement-sim/SOLVE-AHEAD.md``): on the loop's thread it would hold every step back by that much.
-Before step ``i`` runs, :func:`placements` asks a worker process for batch ``i + 1``'s placement
-(``distattn.sharding.solve_ahead``) and takes batch ``i``'s, solved while step ``i - 1`` ran (the first step's is
-solved here); the step's record says how long it waited for it (``placement_wait_s``) and whether a worker solved it
-(``placement_solved_ahead``). The layout is the one an
-inline solve gives, on every rank alike.
+Before step ``i`` runs, :func:`placements` asks worker processes for the placements of batches ``i + 1`` and
+``i + 2`` (``distattn.sharding.solve_ahead``, :data:`AHEAD`) and takes batch ``i``'s, solved while the steps before
+ran (the first step's is solved here); the step's record says how long it waited for it (``placement_wait_s``) and
+whether a worker solved it (``placement_solved_ahead``). The layout is the one an inline solve gives, on every rank
+alike.
 """
 
 from __future__ import annotations
@@ -27,24 +27,31 @@ def placement_args(model, ids, positions, sp_size: int) -> tuple:
     return cu_seqlens_from_position_ids(positions[None]), ids.numel() // sp_size, window
 
 
-def placements(job, dataset, batch, step: int, next_first: int) -> dict:
-    """``--schedule placed`` with ``--pack``: this batch's placement (waiting for its worker or solving it now) and the
-    next batch's (the samples from ``next_first``) started in a worker unless ``step`` is the last;
-    ``{"placement_wait_s": seconds, "placement_solved_ahead": whether a worker solved it}``, or ``{}`` for any
-    other schedule."""
+AHEAD = 2
+"""Batches asked for ahead, each in its own worker: where one solve takes longer than a step (0.7-3 s windowed at
+P = 64, ``SOLVE-AHEAD.md``), two solves in flight keep up with steps half as long."""
+
+
+def placements(job, dataset, batch, step: int, first: int) -> dict:
+    """``--schedule placed`` with ``--pack``: the next :data:`AHEAD` batches' placements (the batches after ``step``,
+    the sample ``first`` on) started in workers (those asked for already keep their solve), then this batch's taken
+    (waiting for its worker, or solved now: the first step's); ``{"placement_wait_s": seconds,
+    "placement_solved_ahead": whether a worker solved it}``, or ``{}`` for any other schedule."""
     cfg = job.cfg
     if cfg.args.schedule != "placed" or not cfg.args.pack:
         return {}
     from distattn.schedule import ahead
     from distattn.sharding import placement, solve_ahead
 
+    stride = cfg.args.batch_size * cfg.dp_size  # samples per step, over the replicas
+    for later in range(1, min(AHEAD, cfg.args.steps - step) + 1):
+        cu, n, window = placement_args(job.model, *dataset.batch(first + later * stride, cfg.args.batch_size),
+                                       cfg.sp_size)
+        solve_ahead(cu, n, job.group, window=window, workers=AHEAD)
     cu, n, window = placement_args(job.model, *batch, cfg.sp_size)
     t0, served = time.perf_counter(), ahead.served()
     placement(cu, n, job.group, window=window)
     wait, served = time.perf_counter() - t0, ahead.served() > served
-    if step < cfg.args.steps:
-        cu, n, window = placement_args(job.model, *dataset.batch(next_first, cfg.args.batch_size), cfg.sp_size)
-        solve_ahead(cu, n, job.group, window=window)
     return {"placement_wait_s": wait, "placement_solved_ahead": served}
 
 

@@ -79,6 +79,8 @@ def test_a_dead_worker_costs_a_warning_and_an_inline_solve():
 def test_waiting_for_a_solve_ahead_is_shorter_than_solving_it():
     """The point of it: a solve asked for while the caller does something else (here: sleeps as a step would) is
     ready when asked for. The worker is warm (its first solve imports the library)."""
+    ahead.start(2)
+    assert len(ahead._workers) == 2
     warm = _spec("uniform:8192", 8, 1)
     solve_ahead(warm, 8, N)
     place(warm, 8, N)
@@ -96,5 +98,7 @@ def test_waiting_for_a_solve_ahead_is_shorter_than_solving_it():
 def test_arguments_are_checked_here():
     with pytest.raises(ValueError, match="workers=0"):
         ahead.submit((_spec("uniform:8192", 8, 1), 8, N, cluster_from_env(), 1), workers=0)
+    with pytest.raises(ValueError, match="workers=True"):
+        ahead.start(True)
     with pytest.raises(ValueError, match="n=0"):
         solve_ahead(_spec("uniform:8192", 8, 1), 8, 0)

@@ -33,7 +33,7 @@ import threading
 import warnings
 from concurrent.futures import Future
 
-__all__ = ["PENDING", "KEEP", "WorkerDied", "submit", "take", "pending", "served", "shutdown"]
+__all__ = ["PENDING", "KEEP", "WorkerDied", "start", "submit", "take", "pending", "served", "shutdown"]
 
 PENDING = 8
 """Most solves asked for and not yet taken; asking for more drops the oldest (a loop that asks and never takes)."""
@@ -128,6 +128,17 @@ _taken: collections.OrderedDict = collections.OrderedDict()  # key -> Layout
 _workers: list[_Worker] = []
 _ids = itertools.count()
 _served = 0  # placements taken from a worker's answer
+
+
+def start(workers: int = 1) -> None:
+    """Start up to ``workers`` worker processes now (each imports the library, a second or so), so that the first
+    solve asked for does not wait for that."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be a positive number of worker processes")
+    with _lock:
+        _workers[:] = [w for w in _workers if w.alive]
+        while len(_workers) < workers:
+            _workers.append(_Worker())
 
 
 def submit(key: tuple, workers: int = 1) -> Future:
