@@ -5,7 +5,7 @@ A packed batch's placement (``distattn.sharding.placement``) is a new solve per 
 Before step ``i`` runs, :func:`placements` asks worker processes for the placements of batches ``i + 1`` and
 ``i + 2`` (``distattn.sharding.solve_ahead``, :data:`AHEAD`) and takes batch ``i``'s, solved while the steps before
 ran (the first step's is solved here); the step's record says how long it waited for it (``placement_wait_s``) and
-whether a worker solved it (``placement_solved_ahead``). The layout is the one an inline solve gives, on every rank
+who solved it (``placement_source``). The layout is the one an inline solve gives, on every rank
 alike.
 """
 
@@ -35,12 +35,14 @@ P = 64, ``SOLVE-AHEAD.md``), two solves in flight keep up with steps half as lon
 def placements(job, dataset, batch, step: int, first: int) -> dict:
     """``--schedule placed`` with ``--pack``: the next :data:`AHEAD` batches' placements (the batches after ``step``,
     the sample ``first`` on) started in workers (those asked for already keep their solve), then this batch's taken
-    (waiting for its worker, or solved now: the first step's); ``{"placement_wait_s": seconds,
-    "placement_solved_ahead": whether a worker solved it}``, or ``{}`` for any other schedule."""
+    (waiting for its worker, or solved now: the first step's); ``{"placement_wait_s": seconds, "placement_source":
+    "ahead" (a worker's), "inline" (solved now) or "cached" (an earlier batch had the same documents)}``, or ``{}``
+    for any other schedule."""
     cfg = job.cfg
     if cfg.args.schedule != "placed" or not cfg.args.pack:
         return {}
     from distattn.schedule import ahead
+    from distattn.schedule.placement import _place_cached
     from distattn.sharding import placement, solve_ahead
 
     stride = cfg.args.batch_size * cfg.dp_size  # samples per step, over the replicas
@@ -49,10 +51,12 @@ def placements(job, dataset, batch, step: int, first: int) -> dict:
                                        cfg.sp_size)
         solve_ahead(cu, n, job.group, window=window, workers=AHEAD)
     cu, n, window = placement_args(job.model, *batch, cfg.sp_size)
-    t0, served = time.perf_counter(), ahead.served()
+    t0, served, solves = time.perf_counter(), ahead.served(), _place_cached.cache_info().misses
     placement(cu, n, job.group, window=window)
-    wait, served = time.perf_counter() - t0, ahead.served() > served
-    return {"placement_wait_s": wait, "placement_solved_ahead": served}
+    wait = time.perf_counter() - t0
+    source = "ahead" if ahead.served() > served else "inline" if _place_cached.cache_info().misses > solves \
+        else "cached"
+    return {"placement_wait_s": wait, "placement_source": source}
 
 
 def placed_documents(cfg, inputs) -> dict:

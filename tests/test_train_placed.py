@@ -22,9 +22,11 @@ def _run(tmp_path, schedule, world=3, *extra):
     rc, out, err = _torchrun(world, *JOB, "--schedule", schedule, "--log-json", str(log), *extra)
     assert rc == 0, err[-4000:]
     records = _records(log)
-    if schedule == "placed":  # each batch's placement solved in a worker while the step before ran, but the first
-        assert [r["placement_solved_ahead"] for r in records] == [False, True, True], records
-        assert all(r["placement_wait_s"] >= 0 for r in records)
+    if schedule == "placed":  # each batch's placement solved in a worker while the steps before ran, but the first
+        # (batches of this tiny corpus can repeat their documents: then a later one finds its placement solved)
+        sources = [r["placement_source"] for r in records]
+        assert sources[0] in ("inline", "ahead") and set(sources[1:]) <= {"ahead", "cached"}, sources
+        assert "ahead" in sources and all(r["placement_wait_s"] >= 0 for r in records)
     else:
         assert all("placement_wait_s" not in r for r in records)
     return json.loads(out.strip().splitlines()[-1]), [r["loss"] for r in records]
