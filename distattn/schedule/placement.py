@@ -157,10 +157,10 @@ orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the bac
 (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). At
 P = 8 and 16 the evened cuts add up to 1.8x (the worst windowed solve at P = 16: 1.0 s -> 1.8 s, a second job beside;
 ``EVEN-8-64.md``); the windowed deal in chunks too doubles the windowed candidates (the worst P = 64 seeds: 9.5 s
-windowed against 5.1 s, ``WINDOW-CHUNKS.md``). The same candidates now cost 1.3-2.3x less CPU, the same layouts on
+windowed against 5.1 s, ``WINDOW-CHUNKS.md``). The same candidates now cost 1.3-2.1x less CPU, the same layouts on
 every case timed (a pair table's sums and row unions from one sort, the placed plan's steps as arrays, the matched
 steps on bit masks, and an order whose forward plus its busiest rank's backward compute cannot beat the step to beat
-not timed backward): 0.1-0.6 s at P = 16, 0.4-2.4 s on the worst seeds at P = 64 and 8 s at P = 256
+not timed backward): 0.1-0.6 s at P = 16, 0.4-2.6 s on the worst seeds at P = 64 and 8-11 s at P = 256
 (``bench/results/placement-sim/SOLVE-AHEAD.md``). A training loop need not wait for it: :func:`solve_ahead` hands the
 next batches' solves to worker processes while the step runs (``distattn.schedule.ahead``; ``launch/train.py``
 asks two batches ahead). Pure Python + numpy.
