@@ -4,6 +4,7 @@ solve's error is raised where the placement is asked for; a worker that dies cos
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -64,7 +65,7 @@ def test_a_dead_worker_costs_a_warning_and_an_inline_solve():
     solve_ahead(spec, 8, N)
     worker = ahead._workers[0]
     worker.proc.kill()
-    with pytest.warns(RuntimeWarning, match="the worker solving a placement ahead died"):
+    with pytest.warns(RuntimeWarning, match="not solved by its worker"):
         lay = place(spec, 8, N)
     assert lay == _place_cached.__wrapped__(spec, 8, N, None, cluster_from_env(), 1)
     # the next ask starts a new worker, which answers
@@ -74,6 +75,51 @@ def test_a_dead_worker_costs_a_warning_and_an_inline_solve():
     served = ahead.served()
     assert place(other, 8, N) == _place_cached.__wrapped__(other, 8, N, None, cluster_from_env(), 1)
     assert ahead.served() == served + 1
+
+
+class _Here(Cluster):
+    """A cluster class the worker cannot import (it lives in this test module)."""
+
+
+def test_a_request_the_worker_cannot_read_is_solved_here():
+    spec = _spec("longtail:2048", 8, 13)
+    mine = _Here(**{f.name: getattr(Cluster.preset("nvlink"), f.name) for f in dataclasses.fields(Cluster)})
+    solve_ahead(spec, 8, N, mine)
+    with pytest.warns(RuntimeWarning, match="could not read the request"):
+        lay = place(spec, 8, N, mine)
+    assert lay == _place_cached.__wrapped__(spec, 8, N, None, mine, 1)
+    # the worker lives on and answers the next request
+    other = _spec("longtail:2048", 8, 14)
+    solve_ahead(other, 8, N, Cluster.preset("nvlink"))
+    served = ahead.served()
+    place(other, 8, N, Cluster.preset("nvlink"))
+    assert ahead.served() == served + 1 and len(ahead._workers) == 1
+
+
+def test_a_request_that_does_not_pickle_is_solved_here():
+    spec = _spec("longtail:2048", 8, 15)
+    odd = _Here(**{f.name: getattr(Cluster.preset("nvlink"), f.name) for f in dataclasses.fields(Cluster)})
+    object.__setattr__(odd, "hook", lambda: None)  # a lambda does not pickle
+    with pytest.warns(RuntimeWarning, match="cannot be solved ahead"):
+        solve_ahead(spec, 8, N, odd)
+    assert ahead.pending() == 0
+    assert place(spec, 8, N, odd) == _place_cached.__wrapped__(spec, 8, N, None, odd, 1)
+
+
+def test_a_print_in_the_worker_does_not_reach_the_answers(monkeypatch, capfd):
+    """The worker's descriptor 1 goes to stderr before the library is imported (ahead.BOOT): what a library prints
+    on import, from Python or from a child process writing to descriptor 1, cannot corrupt the answers' pipe."""
+    noisy = ahead.BOOT.replace("from distattn", "print('noise from python'); os.system('echo noise from a child'); "
+                                                "from distattn")
+    assert noisy != ahead.BOOT
+    monkeypatch.setattr(ahead, "BOOT", noisy)
+    spec = _spec("uniform:8192", 8, 2)
+    solve_ahead(spec, 8, N)
+    served = ahead.served()
+    assert place(spec, 8, N) == _place_cached.__wrapped__(spec, 8, N, None, cluster_from_env(), 1)
+    assert ahead.served() == served + 1 and ahead._workers[0].alive
+    err = capfd.readouterr().err
+    assert "noise from python" in err and "noise from a child" in err
 
 
 def test_waiting_for_a_solve_ahead_is_shorter_than_solving_it():

@@ -1,11 +1,12 @@
-"""The worker process of ``distattn.schedule.ahead``: ``python -m distattn.schedule._ahead_worker``."""
+"""The worker process of ``distattn.schedule.ahead`` (started as ``python -c "... serve(out)"``, ``ahead.BOOT``)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 
-from distattn.schedule.ahead import _recv, _send
+from distattn.schedule.ahead import WorkerDied, _recv, _send
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -17,24 +18,29 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"the placement solve failed: {exc!r}")
 
 
-def serve() -> None:
-    """A request ``(id, (spec, world_size, n, cluster, stride))`` in, ``(id, ok, layout or error)`` out, until stdin
-    closes."""
+def serve(out_fd: int) -> None:
+    """A request (its id, then ``(spec, world_size, n, cluster, stride)`` pickled) in, its id and ``(ok, layout or
+    error)`` out on ``out_fd``, until stdin closes. A request that does not unpickle is answered with the error."""
     from distattn.schedule.placement import _place_cached
 
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a print in the library must not corrupt the answers
+    inp, out = sys.stdin.buffer, os.fdopen(out_fd, "wb")
     while True:
         try:
-            rid, (spec, p, n, cluster, stride) = _recv(inp)
+            data = _recv(inp)
         except EOFError:
             return
+        rid = data[:8]
         try:
-            answer = (rid, True, _place_cached.__wrapped__(spec, p, n, None, cluster, stride))
-        except Exception as exc:  # the caller raises it where it asks for the placement
-            answer = (rid, False, _portable(exc))
-        _send(out, answer)
+            spec, p, n, cluster, stride = pickle.loads(data[8:])
+        except Exception as exc:  # e.g. a class of the caller's __main__: the caller solves it itself
+            answer = (False, WorkerDied(f"the worker could not read the request: {exc!r}"))
+        else:
+            try:
+                answer = (True, _place_cached.__wrapped__(spec, p, n, None, cluster, stride))
+            except Exception as exc:  # the caller raises it where it asks for the placement
+                answer = (False, _portable(exc))
+        _send(out, rid + pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 if __name__ == "__main__":
-    serve()
+    sys.exit("started by distattn.schedule.ahead (ahead.BOOT), not by hand")

@@ -9,7 +9,8 @@ have solved (``tests/test_solve_ahead.py``), on every rank alike with no communi
 where the placement is asked for, as inline; a worker that dies (killed, out of memory) costs a warning and an inline
 solve.
 
-A worker is ``python -m distattn.schedule._ahead_worker`` talking over its stdin/stdout (pickled requests and results):
+A worker is a ``python -c`` process serving ``distattn.schedule._ahead_worker`` over its stdin/stdout (pickled
+requests and results; its descriptor 1 moved to stderr first, so nothing else writes to the answers' pipe):
 neither ``fork`` (a training process holds CUDA contexts and communicator threads) nor ``multiprocessing``'s
 ``spawn`` (it re-runs the caller's ``__main__``, a training script without a main guard). It starts on the first ask
 (importing the library takes it a few seconds) and ends with the process or at :func:`shutdown`.
@@ -26,12 +27,13 @@ import collections
 import itertools
 import os
 import pickle
+import queue
 import struct
 import subprocess
 import sys
 import threading
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 __all__ = ["PENDING", "KEEP", "WorkerDied", "start", "submit", "take", "pending", "served", "shutdown"]
 
@@ -42,65 +44,103 @@ KEEP = 16
 
 
 class WorkerDied(RuntimeError):
-    """The worker process solving a placement ended before answering."""
+    """The worker could not solve a placement: it ended before answering, or could not read the request."""
 
 
-def _send(stream, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+def _send(stream, data: bytes) -> None:
+    """One message: its length (8 bytes, little-endian) and ``data``."""
     stream.write(struct.pack("<Q", len(data)) + data)
     stream.flush()
 
 
-def _recv(stream):
+def _recv(stream) -> bytes:
+    """One message's bytes (:func:`_send`); ``EOFError`` at the end of the stream."""
     head = stream.read(8)
     if len(head) < 8:
         raise EOFError
     (size,) = struct.unpack("<Q", head)
+    if size > MAX_MESSAGE:
+        raise ValueError(f"a message of {size} bytes: the stream is not the worker's")
     data = stream.read(size)
     if len(data) < size:
         raise EOFError
-    return pickle.loads(data)
+    return data
+
+
+MAX_MESSAGE = 1 << 34
+"""A length past this is not a message (something else wrote to the worker's pipe)."""
+BOOT = ("import os, sys; out = os.dup(1); os.dup2(2, 1); sys.stdout = sys.stderr; "
+        "from distattn.schedule._ahead_worker import serve; serve(out)")
+"""The worker's command: its stdout pipe kept for the answers only, descriptor 1 (prints, C code, child processes)
+sent to stderr before the library is imported."""
+
+
+def _settle(fut: Future, ok: bool, value) -> None:
+    """Resolve ``fut`` unless it was cancelled meanwhile (a cancel racing the answer is not an error)."""
+    try:
+        fut.set_result(value) if ok else fut.set_exception(value)
+    except InvalidStateError:
+        pass
 
 
 class _Worker:
-    """One worker process, its requests in flight (``id -> Future``) and the thread reading its answers."""
+    """One worker process, its requests in flight (``id -> Future``), a thread writing the requests (never the
+    caller: a request larger than the pipe would block it while the worker is solving) and one reading the answers."""
 
     def __init__(self):
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds distattn/
-        path = os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-        self.proc = subprocess.Popen([sys.executable, "-m", "distattn.schedule._ahead_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=path))
+        self.proc = subprocess.Popen([sys.executable, "-c", BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     cwd=root)  # the library this process runs, ahead of any other on the path
         self.lock = threading.Lock()
         self.inflight: dict[int, Future] = {}
-        threading.Thread(target=self._read, name="distattn-solve-ahead", daemon=True).start()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._write, name="distattn-solve-ahead-send", daemon=True).start()
+        threading.Thread(target=self._read, name="distattn-solve-ahead-recv", daemon=True).start()
 
-    def submit(self, rid: int, args: tuple) -> Future:
+    def submit(self, rid: int, payload: bytes) -> Future:
+        """Queue the pickled request ``payload`` as request ``rid``; the writer thread sends it."""
         fut = Future()
         with self.lock:
             self.inflight[rid] = fut
-            try:
-                _send(self.proc.stdin, (rid, args))
-            except (BrokenPipeError, OSError, ValueError) as exc:
-                del self.inflight[rid]
-                fut.set_exception(WorkerDied(f"could not reach the worker: {exc}"))
+        self.outbox.put((rid, payload))
         return fut
 
-    def _read(self) -> None:
+    def _write(self) -> None:
         while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            rid, payload = item
             try:
-                rid, ok, value = _recv(self.proc.stdout)
-            except (EOFError, OSError, ValueError, pickle.UnpicklingError):
-                break
+                _send(self.proc.stdin, struct.pack("<Q", rid) + payload)
+            except (OSError, ValueError) as exc:  # the worker is gone: its reader fails what is left
+                with self.lock:
+                    fut = self.inflight.pop(rid, None)
+                if fut is not None:
+                    _settle(fut, False, WorkerDied(f"could not reach the worker: {exc}"))
+
+    def _read(self) -> None:
+        why = None
+        try:
+            while True:
+                data = _recv(self.proc.stdout)
+                (rid,) = struct.unpack("<Q", data[:8])
+                ok, value = pickle.loads(data[8:])
+                with self.lock:
+                    fut = self.inflight.pop(rid, None)
+                if fut is not None:
+                    _settle(fut, ok, value)
+        except EOFError:
+            pass
+        except BaseException as exc:  # a stream that is not the worker's, or an answer that does not unpickle
+            why = f"its answers could not be read: {exc!r}"
+            self.proc.kill()
+        finally:
+            code = self.proc.wait()
             with self.lock:
-                fut = self.inflight.pop(rid, None)
-            if fut is not None and not fut.cancelled():
-                fut.set_result(value) if ok else fut.set_exception(value)
-        code = self.proc.wait()
-        with self.lock:
-            left, self.inflight = self.inflight, {}
-        for fut in left.values():
-            if not fut.cancelled():
-                fut.set_exception(WorkerDied(f"exit code {code}"))
+                left, self.inflight = self.inflight, {}
+            for fut in left.values():
+                _settle(fut, False, WorkerDied(why or f"exit code {code}"))
 
     @property
     def load(self) -> int:
@@ -112,6 +152,7 @@ class _Worker:
         return self.proc.poll() is None
 
     def close(self) -> None:
+        self.outbox.put(None)
         try:
             self.proc.stdin.close()
         except OSError:
@@ -153,10 +194,18 @@ def submit(key: tuple, workers: int = 1) -> Future:
             fut = Future()
             fut.set_result(_taken[key])
             return fut
+        try:
+            payload = pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # nothing pending: the placement is solved inline when asked for
+            warnings.warn(f"a placement cannot be solved ahead ({exc!r}); it will be solved when asked for",
+                          RuntimeWarning, stacklevel=3)
+            fut = Future()
+            fut.set_exception(exc)
+            return fut
         _workers[:] = [w for w in _workers if w.alive]
         if len(_workers) < workers:
             _workers.append(_Worker())
-        fut = min(_workers, key=lambda w: w.load).submit(next(_ids), key)
+        fut = min(_workers, key=lambda w: w.load).submit(next(_ids), payload)
         _pending[key] = fut
         while len(_pending) > PENDING:
             _pending.popitem(last=False)[1].cancel()
@@ -177,8 +226,8 @@ def take(key: tuple):
     try:
         layout = fut.result()
     except WorkerDied as exc:
-        warnings.warn(f"the worker solving a placement ahead died ({exc}); solving it here", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(f"a placement asked for ahead was not solved by its worker ({exc}); solving it here",
+                      RuntimeWarning, stacklevel=3)
         return None
     global _served
     with _lock:
