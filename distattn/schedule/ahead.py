@@ -6,8 +6,8 @@ every batch is a new solve. :func:`submit` hands a solve to a worker process, an
 (:func:`take`, waiting only for what is left of it) when the step asks for that placement. The worker runs the same
 pure-Python solve on the same arguments, the cluster resolved in the caller, so the layout is the one the caller would
 have solved (``tests/test_solve_ahead.py``), on every rank alike with no communication. An error of the solve is raised
-where the placement is asked for, as inline; a worker that dies (killed, out of memory) costs a warning and an inline
-solve.
+where the placement is asked for, as inline; a worker that dies (killed, out of memory), or a request that does not
+pickle or that the worker cannot read (a class of the caller's ``__main__``), costs a warning and an inline solve.
 
 A worker is a ``python -c`` process serving ``distattn.schedule._ahead_worker`` over its stdin/stdout (pickled
 requests and results; its descriptor 1 moved to stderr first, so nothing else writes to the answers' pipe):
@@ -15,9 +15,10 @@ neither ``fork`` (a training process holds CUDA contexts and communicator thread
 ``spawn`` (it re-runs the caller's ``__main__``, a training script without a main guard). It starts on the first ask
 (importing the library takes it a few seconds) and ends with the process or at :func:`shutdown`.
 
-Process-local: every rank asks its own workers for its own batches. The library call is
-``distattn.sharding.solve_ahead`` (the arguments of ``distattn.sharding.placement``); ``launch/train.py --schedule
-placed`` asks for batch ``i + 1`` before it runs step ``i``.
+Process-local: every rank asks its own workers for its own batches (the ranks of a node each solve the same
+placement: CPU they have, and no communication). The library call is ``distattn.sharding.solve_ahead`` (the arguments
+of ``distattn.sharding.placement``); ``launch/train.py --schedule placed`` asks for batches ``i + 1`` and ``i + 2``
+before it runs step ``i``, on two workers.
 """
 
 from __future__ import annotations
