@@ -173,7 +173,7 @@ import functools
 
 import numpy as np
 
-from distattn.schedule import ahead
+from distattn.schedule.ahead import submit as _submit_ahead, take as _take_ahead
 from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
 from distattn.schedule.deal import deal
 from distattn.schedule.groups import RowWork, assign_groups, even_groups, group_loads
@@ -250,7 +250,7 @@ def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = Non
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} must be the positive number of tokens per rank")
     key = (spec, world_size, n, cluster_from_env() if cluster is None else cluster, stride)
-    solved = ahead.take(key)  # solved ahead in a worker (solve_ahead)
+    solved = _take_ahead(key)  # solved ahead in a worker (solve_ahead)
     return solved if solved is not None else _place_cached(*key[:3], None, *key[3:])
 
 
@@ -261,7 +261,7 @@ def solve_ahead(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None
     only for what is left of the solve. The same layout as an inline solve."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} must be the positive number of tokens per rank")
-    ahead.submit((spec, world_size, n, cluster_from_env() if cluster is None else cluster, stride), workers)
+    _submit_ahead((spec, world_size, n, cluster_from_env() if cluster is None else cluster, stride), workers)
 
 
 @functools.lru_cache(maxsize=64)
