@@ -111,8 +111,7 @@ def part_two(docs: str, p: int, mask: str, batches: int, step_s: float, k: int) 
         inline.append(time.perf_counter() - t)
     _place_cached.cache_clear()
     ahead.shutdown()
-    ahead.start(k)  # as the job's first step would, the workers import the library before the first ask
-    time.sleep(3.0)
+    ahead.start(k, wait=120.0)  # as during a job's first step, the workers import the library before the first ask
     waits = []
     for b, spec in enumerate(specs):
         for later in specs[b + 1:b + 1 + k]:

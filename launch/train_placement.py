@@ -35,8 +35,9 @@ P = 64, ``SOLVE-AHEAD.md``), two solves in flight keep up with steps half as lon
 def placements(job, dataset, batch, step: int, first: int) -> dict:
     """``--schedule placed`` with ``--pack``: the next :data:`AHEAD` batches' placements (the batches after ``step``,
     the sample ``first`` on) started in workers (those asked for already keep their solve), then this batch's taken
-    (waiting for its worker, or solved now: the first step's); ``{"placement_wait_s": seconds, "placement_source":
-    "ahead" (a worker's), "inline" (solved now) or "cached" (an earlier batch had the same documents)}``, or ``{}``
+    (waiting for its worker, or solved now: the first step's, or while the workers still import the library);
+    ``{"placement_wait_s": seconds, "placement_source": "ahead" (a worker's), "inline" (solved now) or "cached" (an
+    earlier batch had the same documents), "placement_workers_ready": whether the workers were ready}``, or ``{}``
     for any other schedule."""
     cfg = job.cfg
     if cfg.args.schedule != "placed" or not cfg.args.pack:
@@ -51,12 +52,13 @@ def placements(job, dataset, batch, step: int, first: int) -> dict:
                                        cfg.sp_size)
         solve_ahead(cu, n, job.group, window=window, workers=AHEAD)
     cu, n, window = placement_args(job.model, *batch, cfg.sp_size)
+    warm = ahead.ready()  # a worker still importing the library leaves this batch to an inline solve
     t0, served, solves = time.perf_counter(), ahead.served(), _place_cached.cache_info().misses
     placement(cu, n, job.group, window=window)
     wait = time.perf_counter() - t0
     source = "ahead" if ahead.served() > served else "inline" if _place_cached.cache_info().misses > solves \
         else "cached"
-    return {"placement_wait_s": wait, "placement_source": source}
+    return {"placement_wait_s": wait, "placement_source": source, "placement_workers_ready": warm}
 
 
 def placed_documents(cfg, inputs) -> dict:

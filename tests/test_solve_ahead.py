@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import pytest
 
@@ -37,6 +38,7 @@ CASES = [("longtail:2048", 8, 3, (-1, -1)), ("pile:4", 16, 5, (-1, -1)), ("unifo
 def test_a_placement_solved_ahead_is_the_inline_one_and_was_solved_in_the_worker():
     """Causal and windowed, 8 and 16 ranks, on NVLink and InfiniBand: every key asked for ahead, then taken. This
     process's solver cache gains no entry (the worker solved them), and each layout equals the inline solve."""
+    assert ahead.start(1, wait=120)  # a worker still importing the library would leave them to inline solves
     clusters = (Cluster.preset("nvlink"), Cluster.preset("ib"))
     keys = [(_spec(d, p, s, w), p, N, cluster) for d, p, s, w in CASES for cluster in clusters]
     for spec, p, n, cluster in keys:
@@ -55,13 +57,17 @@ def test_a_placement_solved_ahead_is_the_inline_one_and_was_solved_in_the_worker
 
 def test_the_solve_error_is_raised_where_the_placement_is_asked_for():
     bad = MaskSpec(causal=True, cu_seqlens=(0, 1000))  # past the stream of 8 x 64 tokens
+    assert ahead.start(1, wait=120)
     solve_ahead(bad, 8, 64)
+    misses = _place_cached.cache_info().misses
     with pytest.raises(AssertionError, match="past the stream's 512 tokens"):
         place(bad, 8, 64)
+    assert ahead.pending() == 0 and _place_cached.cache_info().misses == misses  # the worker's error, not a solve here
 
 
 def test_a_dead_worker_costs_a_warning_and_an_inline_solve():
     spec = _spec("longtail:2048", 8, 11)
+    assert ahead.start(1, wait=120)
     solve_ahead(spec, 8, N)
     worker = ahead._workers[0]
     worker.proc.kill()
@@ -72,9 +78,25 @@ def test_a_dead_worker_costs_a_warning_and_an_inline_solve():
     other = _spec("longtail:2048", 8, 12)
     solve_ahead(other, 8, N)
     assert ahead._workers and ahead._workers[0] is not worker
+    assert ahead.start(1, wait=120)
     served = ahead.served()
     assert place(other, 8, N) == _place_cached.__wrapped__(other, 8, N, None, cluster_from_env(), 1)
     assert ahead.served() == served + 1
+
+
+def test_a_worker_still_starting_leaves_the_solve_inline():
+    """Importing the library takes a worker longer than most solves: asked for before the worker is ready, the
+    placement is solved inline at once, not after the import, and no warning."""
+    spec = _spec("uniform:8192", 8, 4)
+    solve_ahead(spec, 8, N)  # starts the worker: it is importing the library
+    assert not ahead.ready()
+    misses, served = _place_cached.cache_info().misses, ahead.served()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lay = place(spec, 8, N)
+    assert _place_cached.cache_info().misses == misses + 1 and ahead.served() == served  # solved here
+    assert lay == _place_cached.__wrapped__(spec, 8, N, None, cluster_from_env(), 1)
+    assert ahead.start(1, wait=120) and ahead.ready()  # and the worker comes up for the next batches
 
 
 class _Here(Cluster):
@@ -83,6 +105,7 @@ class _Here(Cluster):
 
 def test_a_request_the_worker_cannot_read_is_solved_here():
     spec = _spec("longtail:2048", 8, 13)
+    assert ahead.start(1, wait=120)
     mine = _Here(**{f.name: getattr(Cluster.preset("nvlink"), f.name) for f in dataclasses.fields(Cluster)})
     solve_ahead(spec, 8, N, mine)
     with pytest.warns(RuntimeWarning, match="could not read the request"):
@@ -113,6 +136,7 @@ def test_a_print_in_the_worker_does_not_reach_the_answers(monkeypatch, capfd):
                                                 "from distattn")
     assert noisy != ahead.BOOT
     monkeypatch.setattr(ahead, "BOOT", noisy)
+    assert ahead.start(1, wait=120)
     spec = _spec("uniform:8192", 8, 2)
     solve_ahead(spec, 8, N)
     served = ahead.served()
@@ -125,7 +149,7 @@ def test_a_print_in_the_worker_does_not_reach_the_answers(monkeypatch, capfd):
 def test_waiting_for_a_solve_ahead_is_shorter_than_solving_it():
     """The point of it: a solve asked for while the caller does something else (here: sleeps as a step would) is
     ready when asked for. The worker is warm (its first solve imports the library)."""
-    ahead.start(2)
+    assert ahead.start(2, wait=120) and ahead.ready()
     assert len(ahead._workers) == 2
     warm = _spec("uniform:8192", 8, 1)
     solve_ahead(warm, 8, N)

@@ -24,9 +24,11 @@ def _run(tmp_path, schedule, world=3, *extra):
     records = _records(log)
     if schedule == "placed":  # each batch's placement solved in a worker while the steps before ran, but the first
         # (batches of this tiny corpus can repeat their documents: then a later one finds its placement solved)
+        # (solved inline instead while the workers still import the library: a loaded machine, a short job)
         sources = [r["placement_source"] for r in records]
-        assert sources[0] in ("inline", "ahead") and set(sources[1:]) <= {"ahead", "cached"}, sources
-        assert "ahead" in sources and all(r["placement_wait_s"] >= 0 for r in records)
+        assert sources[0] in ("inline", "ahead") and set(sources) <= {"ahead", "cached", "inline"}, sources
+        assert all(r["placement_source"] != "inline" or not r["placement_workers_ready"] for r in records[1:])
+        assert all(r["placement_wait_s"] >= 0 for r in records)
     else:
         assert all("placement_wait_s" not in r for r in records)
     return json.loads(out.strip().splitlines()[-1]), [r["loss"] for r in records]

@@ -6,7 +6,7 @@ import os
 import pickle
 import sys
 
-from distattn.schedule.ahead import WorkerDied, _recv, _send
+from distattn.schedule.ahead import READY, WorkerDied, _recv, _send
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -24,6 +24,7 @@ def serve(out_fd: int) -> None:
     from distattn.schedule.placement import _place_cached
 
     inp, out = sys.stdin.buffer, os.fdopen(out_fd, "wb")
+    _send(out, READY.to_bytes(8, "little"))  # imported: ready for requests
     while True:
         try:
             data = _recv(inp)

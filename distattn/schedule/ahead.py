@@ -36,7 +36,8 @@ import threading
 import warnings
 from concurrent.futures import Future, InvalidStateError
 
-__all__ = ["PENDING", "KEEP", "WorkerDied", "start", "submit", "take", "pending", "served", "shutdown"]
+__all__ = ["PENDING", "KEEP", "WorkerDied", "start", "submit", "take", "ready", "pending", "served",
+           "shutdown"]
 
 PENDING = 8
 """Most solves asked for and not yet taken; asking for more drops the oldest (a loop that asks and never takes)."""
@@ -68,6 +69,8 @@ def _recv(stream) -> bytes:
     return data
 
 
+READY = (1 << 64) - 1
+"""The id of the worker's first message: it has imported the solver and takes requests."""
 MAX_MESSAGE = 1 << 34
 """A length past this is not a message (something else wrote to the worker's pipe)."""
 BOOT = ("import os, sys; out = os.dup(1); os.dup2(2, 1); sys.stdout = sys.stderr; "
@@ -94,6 +97,7 @@ class _Worker:
                                      cwd=root)  # the library this process runs, ahead of any other on the path
         self.lock = threading.Lock()
         self.inflight: dict[int, Future] = {}
+        self.ready = threading.Event()  # set by the worker's first message, once it has imported the solver
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._write, name="distattn-solve-ahead-send", daemon=True).start()
         threading.Thread(target=self._read, name="distattn-solve-ahead-recv", daemon=True).start()
@@ -126,6 +130,9 @@ class _Worker:
             while True:
                 data = _recv(self.proc.stdout)
                 (rid,) = struct.unpack("<Q", data[:8])
+                if rid == READY:
+                    self.ready.set()
+                    continue
                 ok, value = pickle.loads(data[8:])
                 with self.lock:
                     fut = self.inflight.pop(rid, None)
@@ -165,22 +172,24 @@ class _Worker:
 
 
 _lock = threading.Lock()
-_pending: collections.OrderedDict = collections.OrderedDict()  # key -> Future
+_pending: collections.OrderedDict = collections.OrderedDict()  # key -> (Future, the worker solving it)
 _taken: collections.OrderedDict = collections.OrderedDict()  # key -> Layout
 _workers: list[_Worker] = []
 _ids = itertools.count()
 _served = 0  # placements taken from a worker's answer
 
 
-def start(workers: int = 1) -> None:
-    """Start up to ``workers`` worker processes now (each imports the library, a second or so), so that the first
-    solve asked for does not wait for that."""
+def start(workers: int = 1, wait: float | None = None) -> bool:
+    """Start up to ``workers`` worker processes now (each imports the library, a second or more), so that the first
+    solve asked for does not wait for that; ``wait``: seconds to wait for them to be ready. Whether they all are."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r} must be a positive number of worker processes")
     with _lock:
         _workers[:] = [w for w in _workers if w.alive]
         while len(_workers) < workers:
             _workers.append(_Worker())
+        started = list(_workers)
+    return all(w.ready.wait(wait) for w in started) if wait is not None else all(w.ready.is_set() for w in started)
 
 
 def submit(key: tuple, workers: int = 1) -> Future:
@@ -190,7 +199,7 @@ def submit(key: tuple, workers: int = 1) -> Future:
         raise ValueError(f"workers={workers!r} must be a positive number of worker processes")
     with _lock:
         if key in _pending:
-            return _pending[key]
+            return _pending[key][0]
         if key in _taken:  # solved and taken already: nothing to start
             fut = Future()
             fut.set_result(_taken[key])
@@ -206,23 +215,29 @@ def submit(key: tuple, workers: int = 1) -> Future:
         _workers[:] = [w for w in _workers if w.alive]
         if len(_workers) < workers:
             _workers.append(_Worker())
-        fut = min(_workers, key=lambda w: w.load).submit(next(_ids), payload)
-        _pending[key] = fut
+        worker = min(_workers, key=lambda w: w.load)
+        fut = worker.submit(next(_ids), payload)
+        _pending[key] = (fut, worker)
         while len(_pending) > PENDING:
-            _pending.popitem(last=False)[1].cancel()
+            _pending.popitem(last=False)[1][0].cancel()
         return fut
 
 
 def take(key: tuple):
     """The placement of ``key`` solved ahead (waiting for the worker if it is still solving), or ``None`` when it was
-    not asked for (or its worker died: then a warning, and the caller solves inline). The solve's own error is raised
-    here."""
+    not asked for, when its worker is still starting (importing the library takes longer than most solves: the caller
+    solves it inline, no later than without a worker), or when the worker could not solve it (a warning; the caller
+    solves it inline). The solve's own error is raised here."""
     with _lock:
         if key in _taken:
             _taken.move_to_end(key)
             return _taken[key]
-        fut = _pending.pop(key, None)
-    if fut is None:
+        entry = _pending.pop(key, None)
+    if entry is None:
+        return None
+    fut, worker = entry
+    if not fut.done() and not worker.ready.is_set():  # still importing the library: solving here is sooner
+        fut.cancel()
         return None
     try:
         layout = fut.result()
@@ -237,6 +252,13 @@ def take(key: tuple):
         while len(_taken) > KEEP:
             _taken.popitem(last=False)
     return layout
+
+
+def ready() -> bool:
+    """Whether this process has workers and every one of them is ready (has imported the solver)."""
+    with _lock:
+        live = [w for w in _workers if w.alive]
+    return bool(live) and all(w.ready.is_set() for w in live)
 
 
 def pending() -> int:
@@ -255,7 +277,7 @@ def shutdown() -> None:
     """Stop the workers (their unfinished solves are dropped) and forget every placement asked for."""
     with _lock:
         workers, _workers[:] = list(_workers), []
-        for fut in _pending.values():
+        for fut, _ in _pending.values():
             fut.cancel()
         _pending.clear()
         _taken.clear()
