@@ -234,7 +234,7 @@ def batch_loss(model, batch, cfg: RunConfig, group, mode: str) -> torch.Tensor:
 
     if cfg.args.pack:  # one packed stream: the batch's samples back to back, positions restarting per document
         ids, positions = batch
-        window = train_placement.placement_args(model, ids, positions, cfg.sp_size)[2]  # placed: balance its work
+        window = train_placement.window_of(model, ids)  # placed: balance its work
         inputs = shard_batch(ids[None], labels=ids[None], group=group, schedule=cfg.args.schedule,
                              position_ids=positions[None], window=window)
     else:  # laid out as the model's attention schedule expects (zigzag: chunks r and 2P-1-r of 2P)

@@ -13,18 +13,23 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["placement_args", "placements", "placed_documents"]
+__all__ = ["window_of", "placement_args", "placements", "placed_documents"]
+
+
+def window_of(model, ids) -> tuple[int, int]:
+    """The window a packed stream ``ids`` is placed for: the one the model's layers mostly run with
+    (``distattn.integrations.hf.placement_window``; causal without a config)."""
+    from distattn.integrations.hf import placement_window
+
+    config = getattr(getattr(model, "module", model), "config", None)  # DDP wraps the model; FSDP2 does not
+    return (-1, -1) if config is None else placement_window(config, ids.numel())
 
 
 def placement_args(model, ids, positions, sp_size: int) -> tuple:
-    """``(cu_seqlens, tokens per rank, window)`` of a packed batch, as ``shard_batch`` derives them (the window the
-    model's layers mostly run with, ``distattn.integrations.hf.placement_window``)."""
-    from distattn.integrations.hf import placement_window
+    """``(cu_seqlens, tokens per rank, window)`` of a packed batch (on the host), as ``shard_batch`` derives them."""
     from distattn.packing import cu_seqlens_from_position_ids
 
-    config = getattr(getattr(model, "module", model), "config", None)  # DDP wraps the model; FSDP2 does not
-    window = (-1, -1) if config is None else placement_window(config, ids.numel())
-    return cu_seqlens_from_position_ids(positions[None]), ids.numel() // sp_size, window
+    return cu_seqlens_from_position_ids(positions[None]), ids.numel() // sp_size, window_of(model, ids)
 
 
 AHEAD = 2
