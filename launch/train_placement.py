@@ -52,7 +52,8 @@ def placements(job, dataset, batch, step: int, first: int) -> dict:
     from distattn.sharding import placement, solve_ahead
 
     stride = cfg.args.batch_size * cfg.dp_size  # samples per step, over the replicas
-    for later in range(1, min(AHEAD, cfg.args.steps - step) + 1):
+    # the run's first step asks for the next AHEAD batches; every later step for the one AHEAD on (the rest are asked)
+    for later in range(1 if step == job.first_step + 1 else AHEAD, min(AHEAD, cfg.args.steps - step) + 1):
         cu, n, window = placement_args(job.model, *dataset.batch(first + later * stride, cfg.args.batch_size),
                                        cfg.sp_size)
         solve_ahead(cu, n, job.group, window=window, workers=AHEAD)

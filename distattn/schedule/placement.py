@@ -247,9 +247,7 @@ def place(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None = Non
     """The placement of the stream of ``world_size * n`` tokens under ``spec`` (cached; deterministic), timed on
     ``cluster`` (``None``: :func:`~distattn.schedule.cluster.cluster_from_env`, the cluster ``schedule="auto"``
     assumes). ``stride``: global ranks between neighbouring ring ranks (the Ulysses degree)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} must be the positive number of tokens per rank")
-    key = (spec, world_size, n, cluster_from_env() if cluster is None else cluster, stride)
+    key = _key(spec, world_size, n, cluster, stride)
     solved = _take_ahead(key)  # solved ahead in a worker (solve_ahead)
     return solved if solved is not None else _place_cached(*key[:3], None, *key[3:])
 
@@ -259,9 +257,14 @@ def solve_ahead(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None
     """Start solving :func:`place`'s placement of these arguments in a worker process (one of ``workers``;
     ``distattn.schedule.ahead``), so that the call to :func:`place` that asks for it later (the next batch's) waits
     only for what is left of the solve. The same layout as an inline solve."""
+    _submit_ahead(_key(spec, world_size, n, cluster, stride), workers)
+
+
+def _key(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None, stride: int) -> tuple:
+    """A solve's arguments, checked, the cluster resolved: what the cache and a worker solve by."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} must be the positive number of tokens per rank")
-    _submit_ahead((spec, world_size, n, cluster_from_env() if cluster is None else cluster, stride), workers)
+    return spec, world_size, n, cluster_from_env() if cluster is None else cluster, stride
 
 
 @functools.lru_cache(maxsize=64)
