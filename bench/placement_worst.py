@@ -12,10 +12,13 @@ is no longer than the worst found. The figure is then exact. Windowed masks have
 falls back to the documents-only placement, whose choice can change): their worst seeds are re-solved up to
 ``--max-seeds`` and the figure is the largest of those, marked as such. The median is the sweep's (an upper bound
 for causal masks). Every row names the seeds it re-solved; a causal seed that came out slower than in the sweep
-breaks the premise and is reported. ``--no-bound``: no early stop, causal or not, for when the timeline itself changed
-since the sweep (the backward's head of the local pair, ``Plan.head_task``, moved every plan's step, most down, some
-up: the sweep no longer bounds today); with ``--max-seeds 200`` every seed is re-solved and the row is exact, with
-today's median.
+breaks the premise and is reported. ``--log FILE``: the seeds' figures from an earlier run's per-seed log (its
+stderr, ``docs P=.. mask seed S: old -> new (note)``) instead of the sweep; when the solver since then only added
+candidates (the stream deal, ``distattn.schedule.streams``) they bound windowed seeds too (the documents-only
+fallback is a causal solve, unchanged), and every mask stops early. ``--no-bound``: no early stop, causal or not,
+for when the timeline itself changed since the sweep (the backward's head of the local pair, ``Plan.head_task``,
+moved every plan's step, most down, some up: the sweep no longer bounds today); with ``--max-seeds 200`` every seed is
+re-solved and the row is exact, with today's median.
 
 Per setting (docs, P, mask) of the sweep, NVLink, the library's placement (causal: ``placed``; windowed: ``placed,
 window weighed``, solved for the window), on the per-pair timeline (``distattn.schedule.timeline``) over perfect
@@ -25,6 +28,7 @@ balance. Modelled, not measured; no GPU.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -71,27 +75,39 @@ def solve(docs: str, p: int, mask: str, seed: int, n: int) -> tuple[float, int, 
             step_timeline(plan, shapes, cluster, partials="input")["ratio"], t, layout.note)
 
 
+def log_rows(path: Path, worlds) -> dict:
+    """:func:`sweep_rows` from a per-seed log of this script (the figure after the arrow: that run's solver)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^(\S+) P=(\d+) (causal|window \d+) seed (\d+): [\d.]+ -> ([\d.]+) ", line)
+        if m and int(m[2]) in worlds:
+            out.setdefault((m[1], int(m[2]), m[3]), {})[int(m[4])] = float(m[5])
+    return {k: sorted(((r, s) for s, r in v.items()), key=lambda x: (-x[0], x[1])) for k, v in out.items()}
+
+
 def one(job) -> dict:
-    (docs, p, mask), seeds, n, cap, *bound = job
-    bound = bound[0] if bound else True  # the sweep's figures bound today's (causal): stop once the bound closes
-    exact, found, worse = mask == "causal" and bound, [], []
+    (docs, p, mask), seeds, n, cap, *rest = job
+    bound = rest[0] if rest else True  # the sweep's figures bound today's (causal): stop once the bound closes
+    every = len(rest) > 1 and rest[1]  # figures of a solver this one only adds candidates to: windowed bound too
+    exact, found, worse = (mask == "causal" or every) and bound, [], []
+    rounding = 5e-4 if every else ROUNDING  # a log holds 3 decimals
     for i, (old, seed) in enumerate(seeds):
-        if found and exact and old + ROUNDING <= max(f[0] for f in found):
+        if found and exact and old + rounding <= max(f[0] for f in found):
             break  # every seed left: today's step <= the sweep's <= the worst found
         if i >= cap:
             exact = False
             break
         ratio, group, half, t, note = solve(docs, p, mask, seed, n)
         found.append((ratio, seed, group, half, old, t))
-        if ratio > old + ROUNDING:
+        if ratio > old + rounding:
             worse.append(f"{seed}: {old:.3f} -> {ratio:.3f}")
         print(f"{docs} P={p} {mask} seed {seed}: {old:.3f} -> {ratio:.3f} ({note})", file=sys.stderr, flush=True)
     if len(found) == len(seeds):
         exact = True  # every seed of the sweep re-solved
     top = max(found)
     return {"docs": docs, "P": p, "mask": mask, "sweep worst": f"{seeds[0][0]:.3f} (seed {seeds[0][1]})",
-            "today worst": f"{top[0]:.3f} (seed {top[1]}, group {top[2]})" + ("" if exact or mask != "causal" else
-                                                                              " (cap reached)"),
+            "today worst": f"{top[0]:.3f} (seed {top[1]}, group {top[2]})" + (
+                "" if exact or mask != "causal" and not every else " (cap reached)"),
             "exact": (f"yes: all {len(found)} re-solved" if len(found) == len(seeds) else "yes") if exact else
                      f"no: the {len(found)} worst re-solved",
             "partials input, that seed": f"{top[3]:.3f}",
@@ -113,11 +129,12 @@ def main(argv=None) -> None:
     ap.add_argument("--docs", nargs="+", help="only these distributions (e.g. uniform:8192)")
     ap.add_argument("--mask", nargs="+", help="only these masks of the sweep ('causal', 'window 4096')")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--log", type=Path, help="the seeds' figures from an earlier run's per-seed log (module docstring)")
     ap.add_argument("--no-bound", action="store_true",
                     help="re-solve the worst --max-seeds seeds, no early stop (the timeline changed since the sweep)")
     args = ap.parse_args(argv)
-    rows = sweep_rows(args.sweep, set(args.world))
-    jobs = [(key, seeds, args.seq_per_rank, args.max_seeds, not args.no_bound)
+    rows = log_rows(args.log, set(args.world)) if args.log else sweep_rows(args.sweep, set(args.world))
+    jobs = [(key, seeds, args.seq_per_rank, args.max_seeds, not args.no_bound, args.log is not None)
             for key, seeds in sorted(rows.items())
             if (not args.docs or key[0] in args.docs) and (not args.mask or key[2] in args.mask)]
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -126,7 +143,8 @@ def main(argv=None) -> None:
     only = "".join(f" --{k} " + " ".join(f"'{x}'" if " " in x else x for x in v)
                    for k, v in (("docs", args.docs), ("mask", args.mask)) if v)
     only += " --no-bound" if args.no_bound else ""
-    lines = [f"`python bench/placement_worst.py --sweep {args.sweep} --world {' '.join(map(str, args.world))} "
+    source = f"--log {args.log}" if args.log else f"--sweep {args.sweep}"
+    lines = [f"`python bench/placement_worst.py {source} --world {' '.join(map(str, args.world))} "
              f"--max-seeds {args.max_seeds}{only}`: NVLink, {args.seq_per_rank} tokens per rank, LLaMA-3-8B attention "
              f"shapes; the library's placement over perfect balance on the per-pair timeline. Modelled, not measured.",
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

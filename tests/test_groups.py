@@ -12,6 +12,8 @@ from distattn.schedule import MaskSpec
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.groups import RowWork, assign_groups, cut_by_work, even_groups, group_loads
 
+from dist_utils import solver_depths
+
 
 def _row_work(spec, length):
     """Visible keys of each row of a document of ``length`` tokens, row by row."""
@@ -143,12 +145,14 @@ def test_the_cut_spreads_a_long_windowed_document():
 def test_the_solver_times_the_cut_under_a_window_only():
     """The library's placement of that batch on NVLink: the cut wins for the window (the step on the per-pair timeline
     from 2.40x to 1.46x of perfect balance), and is never tried for causal work (the last piece would borrow the
-    whole document's keys)."""
+    whole document's keys). Since the solver also times the stream deal (``distattn.schedule.streams``) it keeps that
+    here (1.25 ms per layer; ``tests/test_streams.py``): the example runs without it (``dist_utils.solver_depths``)."""
     from distattn.schedule.cluster import Cluster
     from distattn.schedule.placement import _place_cached
 
     _, _, cu = _pile_22()
-    lay, ratio = _solved_windowed(cu, 64)
+    with solver_depths(stream_deal=False):
+        lay, ratio = _solved_windowed(cu, 64)
     assert "cut by work" in lay.note and ratio < 1.5, lay.note
     causal = _place_cached.__wrapped__(MaskSpec(causal=True, cu_seqlens=tuple(cu)), 64, 4096, None,
                                        Cluster.preset("nvlink"))
@@ -218,8 +222,11 @@ def test_evening_brings_the_worst_windowed_batches_within_half_a_percent(docs, s
 @pytest.mark.parametrize("docs,seed", [("longtail:2048", 7), ("pile:4", 37)])
 def test_the_solver_keeps_evened_groups_where_faster(docs, seed):
     """The library's placement of those batches on NVLink times the evened cut and keeps it: 1.133x -> 1.091x and
-    1.163x -> 1.085x of perfect balance on the per-pair timeline, within the issue's 1.10x."""
-    lay, ratio = _solved_windowed(document_lengths(docs, 16 * 4096, seed=seed), 16)
+    1.163x -> 1.085x of perfect balance on the per-pair timeline, within the issue's 1.10x. Since the solver also
+    times the stream deal (``distattn.schedule.streams``) it keeps that on longtail (1.035x): the examples run without
+    it (``dist_utils.solver_depths``)."""
+    with solver_depths(stream_deal=False):
+        lay, ratio = _solved_windowed(document_lengths(docs, 16 * 4096, seed=seed), 16)
     assert "the groups' work evened" in lay.note and ratio < 1.10, (lay.note, ratio)
 
 

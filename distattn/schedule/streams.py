@@ -1,0 +1,78 @@
+"""The placement's stream deal for a left window: every rank one run of each class of blocks (issue 39).
+
+Under a window of ``l`` keys a row deep in a document sees ``l + 1`` keys and a row near a document's start (or in a
+short document) fewer, so contiguous shards leave the ranks inside long documents with the most work. The group deals
+(``distattn.schedule.deal``, ``distattn.schedule.windows``) balance it by dealing a document's blocks over several
+ranks, and every rank of such a window then borrows keys from the others: on longtail at P = 64 the balanced deals were
+communication bound and the cheap ones (documents cut by work on groups of 1 or 2) left a rank 1.16x of the mean work
+(seed 101, window 4096). A window needs far less: a run of consecutive blocks borrows only the ``l`` keys before it.
+So here the stream's blocks are split by their work into classes (a block's work: the visible keys of its rows,
+``distattn.schedule.groups.RowWork``; class ``c`` of ``K``: the blocks at or above the ``(1 - (c + 1) / K)``-quantile
+of block work, ties together, so the blocks of full windows form one class), each class in position order, and rank
+``r`` takes the next run of every class: the middle classes in proportion to their size, and the heaviest and lightest
+traded so that the ranks' work summed so far stays nearest ``(r + 1)`` ranks' mean. Every rank holds ``K`` runs
+(fewer where runs meet), its work within about one block's of the mean where the classes allow it, and borrows the
+keys before each run from the one or two ranks holding them (longtail:2048, P = 64, window 4096, seed 101, NVLink:
+1.211x -> 1.07x of perfect balance on the per-pair timeline; ``bench/results/placement-sim/STREAMS.md``).
+
+The solver (``distattn.schedule.placement``) times this deal for :data:`STREAM_CLASSES` under a left window and keeps
+it only where the per-pair timeline finds it faster; causal work has no plateau of full windows, and a late run of a
+causal document borrows all of its earlier keys (the same seeds causal: 1.45-2.6x), so it is not timed there.
+Deterministic; pure numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distattn.schedule.groups import RowWork
+
+__all__ = ["STREAM_CLASSES", "block_work", "stream_deal"]
+
+STREAM_CLASSES = (2, 3)
+"""The numbers of classes timed: 2 (the blocks of full windows against the rest, where they are at least half of the
+blocks) wins on longtail, 3 on some seeds of the Pile (seed 111 at P = 64: 1.110x with 2, 1.092x with 3)."""
+
+
+def block_work(starts: np.ndarray, lengths: np.ndarray, rows: RowWork, total: int, b: int) -> np.ndarray:
+    """The work (visible keys summed over rows) of every block ``[i * b, (i + 1) * b)`` of the stream of ``total``
+    tokens, whose documents ``starts``/``lengths`` (non-empty, in position order) cover it."""
+    edges = np.union1d(np.arange(0, total + 1, b), np.append(starts, total))  # every cut: blocks' and documents'
+    lo, hi = edges[:-1], edges[1:]
+    doc = np.searchsorted(starts, lo, side="right") - 1
+    work = rows.prefix(doc, hi - starts[doc]) - rows.prefix(doc, lo - starts[doc])
+    return np.add.reduceat(work, np.searchsorted(lo, np.arange(0, total, b)))
+
+
+def stream_deal(work: np.ndarray, p: int, n: int, b: int, classes: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each rank's ``(start, stop)`` segments (module docstring): ``work`` per block of ``b`` tokens, ``p`` ranks of
+    ``n`` tokens, ``classes`` classes of blocks by work."""
+    if classes < 2 or n % b or len(work) * b != p * n:
+        raise ValueError(f"stream_deal: {classes} classes of {len(work)} blocks of {b} for {p} ranks of {n} tokens")
+    work = np.asarray(work, dtype=np.float64)
+    slots, mean = n // b, float(work.sum()) / p
+    cls = np.full(len(work), classes - 1)
+    for c, q in reversed(list(enumerate(np.quantile(work, [1 - (c + 1) / classes for c in range(classes - 1)])))):
+        cls[work >= q] = c  # descending thresholds, ties in the heavier class
+    streams = [s for s in (np.flatnonzero(cls == c) for c in range(classes)) if len(s)]
+    if len(streams) < 2:  # every block of one work: any contiguous shards are balanced
+        return tuple(((r * n, (r + 1) * n),) for r in range(p))
+    sums = [np.concatenate([[0.0], np.cumsum(work[s])]) for s in streams]
+    at, done, out = [0] * len(streams), 0.0, []
+    for r in range(p):
+        take = [(r + 1) * len(s) // p - r * len(s) // p for s in streams]  # the middle classes' share
+        room = slots - sum(take[1:-1])  # the heaviest and the lightest class share the rest
+        middle = sum(sums[c][at[c] + take[c]] - sums[c][at[c]] for c in range(1, len(streams) - 1))
+        heavy = np.arange(max(0, room - (len(streams[-1]) - at[-1])), min(room, len(streams[0]) - at[0]) + 1)
+        got = (done + middle + sums[0][at[0] + heavy] - sums[0][at[0]] + sums[-1][at[-1] + room - heavy]
+               - sums[-1][at[-1]])
+        h = int(heavy[np.argmin(np.abs(got - (r + 1) * mean))])  # the first of the nearest
+        take[0], take[-1] = h, room - h
+        blocks = np.sort(np.concatenate([s[at[c]:at[c] + take[c]] for c, s in enumerate(streams)]))
+        for c in range(len(streams)):
+            at[c] += take[c]
+        done += float(work[blocks].sum())
+        cut = np.flatnonzero(np.diff(blocks) != 1)  # runs of consecutive blocks
+        first, last = np.append(blocks[:1], blocks[cut + 1]), np.append(blocks[cut], blocks[-1:]) + 1
+        out.append(tuple(zip((first * b).tolist(), (last * b).tolist())))
+    return tuple(out)
