@@ -253,7 +253,8 @@ def test_masked_plans_are_the_plans_built_before():
     it is not 1 (6 of the 8; the other two chose another deal: masks 112 and 141), and under a window also cuts
     documents on every group size its climb timed); 1 (mask 10) since it times every candidate fetching 6 steps ahead
     and absorbing 4 steps later; 1 (mask 36) since it times the windowed deal in mirrored chunks too
-    (``WINDOW_CHUNKS``)."""
+    (``WINDOW_CHUNKS``); 2 (masks 69 and 148) since under a left window it times the stream deal
+    (``distattn.schedule.streams``)."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

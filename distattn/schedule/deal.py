@@ -35,6 +35,7 @@ import heapq
 import numpy as np
 
 from distattn.schedule.groups import RowWork
+from distattn.schedule.streams import stream_owners
 from distattn.schedule.windows import chunk_of, window_owners
 
 __all__ = ["deal"]
@@ -109,11 +110,13 @@ def _units(key: np.ndarray, idx: np.ndarray, unit_piece: np.ndarray, blocks: int
 
 
 def deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: int, limit: float = float("inf"),
-         share: float | None = None, mean: float = 0.0, by: str = "work", near: float = 0.0, chunks: bool = False):
+         share: float | None = None, mean: float = 0.0, by: str = "work", near: float = 0.0, chunks: bool = False,
+         streams: int | None = None):
     """Every group's tokens in position order, cut into blocks of ``b`` and dealt to its ranks (module docstring: the
     snake's cycles, or mirrored chunks with ``chunks``, then the rest by load); every rank gets ``n / b`` blocks.
     ``pieces``: ``[start, stop, group, doc]`` rows (``distattn.schedule.groups.assign_groups``); ``share``, ``mean``,
-    ``by``, ``near``: the windowed deal instead (``distattn.schedule.windows.window_owners``). Returns every rank's
+    ``by``, ``near``: the windowed deal instead (``distattn.schedule.windows.window_owners``); ``streams``: the stream
+    deal of each group's blocks in that many classes instead (``distattn.schedule.streams``). Returns every rank's
     segments (:func:`_segments`); ``None`` as soon as a rank's work (its rows' visible keys) exceeds ``limit``."""
     order = np.lexsort((pieces[:, 0], pieces[:, 2]))  # by group, then position
     start, stop, group, doc = (pieces[order, c] for c in range(4))
@@ -154,6 +157,9 @@ def deal(pieces: np.ndarray, starts, rows: RowWork, p: int, k: int, n: int, b: i
         most = np.lexsort((-(hi - lo if by == "tokens" else piece_work), key))
         top = idx[most][np.flatnonzero(np.append(True, key[most][1:] != key[most][:-1]))]
         owner = window_owners(top, group, work, k, n // b, share, mean, unit_piece, near, chunks)
+    if streams is not None:  # every rank of a group a run of each class of its group's blocks
+        owner = np.concatenate([g * k + stream_owners(work[g * per_group:(g + 1) * per_group], k, n, b, streams)
+                                for g in range(p // k)])
     owner = _fill_rest(owner, work, _units(key, idx, unit_piece, len(work)), p, k, per_group, limit)
     if owner is None:
         return None

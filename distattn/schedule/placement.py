@@ -183,7 +183,7 @@ from distattn.schedule.groups import RowWork, assign_groups, even_groups, group_
 from distattn.schedule.layouts import BACKWARDS, ORDERS, PREFETCHES, RETURN_DEPTHS, Layout
 from distattn.schedule.masked import masked_plan_of
 from distattn.schedule.pairs import pair_table
-from distattn.schedule.streams import STREAM_CLASSES, block_work, stream_deal
+from distattn.schedule.streams import STREAM_CLASSES
 from distattn.schedule.masks import MaskSpec
 from distattn.schedule.timeline import phase_timeline
 from distattn.schedule.windows import SHARES
@@ -307,7 +307,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
 
     def dealt(k: int, limit: float = float("inf"), share: float | None = None, by: str = "work",
               cut: float | None = None, capped: bool = False, chunks: bool = False,
-              short_first: bool = False, even: str | None = None) -> Layout | None:
+              short_first: bool = False, even: str | None = None, streams: int | None = None) -> Layout | None:
         """Groups of ``k``, or ``None`` as soon as a group's (then a dealt rank's) work passes ``limit`` per group: a
         document that fits a group (never cut), a group's documents, then a rank's blocks; loads only grow."""
         cut_work = None if cut is None else cut * mean
@@ -321,7 +321,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             if group_loads(pieces, starts, rows, p // k).max() > limit:
                 return None
         segments = None if pieces is None else deal(pieces, starts, rows, p, k, n, b, limit / k, share, mean, by,
-                                                    NEAR if by == "near" else 0.0, chunks)  # per rank
+                                                    NEAR if by == "near" else 0.0, chunks, streams)  # per rank
         if segments is None:
             return None
         how = "" if share is None else f", documents over windows of their work (share {share}, a block with " \
@@ -332,6 +332,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                    (f" and {tokens} tokens)" if tokens else ")")
         how += f", documents in mirrored chunks{'' if share is None else ' over their windows'}" if chunks else ""
         how += ", a cut document's shortest piece first" if short_first else ""
+        how += f", every rank a run of each of {streams} classes of blocks by work (the stream deal)" if streams else ""
         how += f", the groups' work evened ({even})" if even else ""
         return Layout("placed", p, placement=segments, group=k, note=f"{p // k} groups of {k} ranks, blocks of {b} "
                                                                        f"tokens{how}")
@@ -426,14 +427,10 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                              best_time * (1 - 1e-9))
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, lay
-    if rows.l < n * p:  # a left window: every rank a run of each class of blocks by work (the stream deal)
-        work = block_work(starts, lengths, rows, p * n, b)
-        for classes in STREAM_CLASSES:
-            lay = Layout("placed", p, placement=stream_deal(work, p, n, b, classes), group=p,
-                         note=f"1 groups of {p} ranks, blocks of {b} tokens, every rank a run of each of {classes} "
-                              f"classes of blocks by work (the stream deal)")
-            t, lay = fastest(lay, best_time * (1 - 1e-9))
-            if t < best_time * (1 - 1e-9):
+    if rows.l < n * p:  # a left window: every rank a run of each class of its group's blocks (the stream deal),
+        for kk, classes in [(kk, c) for kk in sorted((set(times) | {p}) & set(divisors)) for c in STREAM_CLASSES]:
+            t, lay = fastest(dealt(kk, best_time / per_key * kk, streams=classes), best_time * (1 - 1e-9))
+            if t < best_time * (1 - 1e-9):  # on every group size the climb timed and on one group
                 best_time, best = t, lay
     if spec.window != (-1, -1):  # never worse than the documents-only placement, timed on the same windowed plan
         causal = dataclasses.replace(spec, window=(-1, -1))

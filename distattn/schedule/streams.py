@@ -25,30 +25,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from distattn.schedule.groups import RowWork
-
-__all__ = ["STREAM_CLASSES", "block_work", "stream_deal"]
+__all__ = ["STREAM_CLASSES", "stream_owners", "stream_deal"]
 
 STREAM_CLASSES = (2, 3)
 """The numbers of classes timed: 2 (the blocks of full windows against the rest, where they are at least half of the
 blocks) wins on longtail, 3 on some seeds of the Pile (seed 111 at P = 64: 1.110x with 2, 1.092x with 3)."""
 
 
-def block_work(starts: np.ndarray, lengths: np.ndarray, rows: RowWork, total: int, b: int) -> np.ndarray:
-    """The work (visible keys summed over rows) of every block ``[i * b, (i + 1) * b)`` of the stream of ``total``
-    tokens, whose documents ``starts``/``lengths`` (non-empty, in position order) cover it."""
-    edges = np.union1d(np.arange(0, total + 1, b), np.append(starts, total))  # every cut: blocks' and documents'
-    lo, hi = edges[:-1], edges[1:]
-    doc = np.searchsorted(starts, lo, side="right") - 1
-    work = rows.prefix(doc, hi - starts[doc]) - rows.prefix(doc, lo - starts[doc])
-    return np.add.reduceat(work, np.searchsorted(lo, np.arange(0, total, b)))
-
-
-def stream_deal(work: np.ndarray, p: int, n: int, b: int, classes: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Each rank's ``(start, stop)`` segments (module docstring): ``work`` per block of ``b`` tokens, ``p`` ranks of
-    ``n`` tokens, ``classes`` classes of blocks by work."""
+def stream_owners(work: np.ndarray, p: int, n: int, b: int, classes: int) -> np.ndarray:
+    """Each block's rank (module docstring): ``work`` per block of ``b`` tokens of a stream (or a group's) held by
+    ``p`` ranks of ``n`` tokens, ``classes`` classes of blocks by work."""
     if classes < 2 or n % b or len(work) * b != p * n:
-        raise ValueError(f"stream_deal: {classes} classes of {len(work)} blocks of {b} for {p} ranks of {n} tokens")
+        raise ValueError(f"stream_owners: {classes} classes of {len(work)} blocks of {b} for {p} ranks of {n} tokens")
     work = np.asarray(work, dtype=np.float64)
     slots, mean = n // b, float(work.sum()) / p
     cls = np.full(len(work), classes - 1)
@@ -56,9 +44,9 @@ def stream_deal(work: np.ndarray, p: int, n: int, b: int, classes: int) -> tuple
         cls[work >= q] = c  # descending thresholds, ties in the heavier class
     streams = [s for s in (np.flatnonzero(cls == c) for c in range(classes)) if len(s)]
     if len(streams) < 2:  # every block of one work: any contiguous shards are balanced
-        return tuple(((r * n, (r + 1) * n),) for r in range(p))
+        return np.arange(len(work)) // slots
     sums = [np.concatenate([[0.0], np.cumsum(work[s])]) for s in streams]
-    at, done, out = [0] * len(streams), 0.0, []
+    at, done, owner = [0] * len(streams), 0.0, np.empty(len(work), dtype=np.int64)
     for r in range(p):
         take = [(r + 1) * len(s) // p - r * len(s) // p for s in streams]  # the middle classes' share
         room = slots - sum(take[1:-1])  # the heaviest and the lightest class share the rest
@@ -68,10 +56,19 @@ def stream_deal(work: np.ndarray, p: int, n: int, b: int, classes: int) -> tuple
                - sums[-1][at[-1]])
         h = int(heavy[np.argmin(np.abs(got - (r + 1) * mean))])  # the first of the nearest
         take[0], take[-1] = h, room - h
-        blocks = np.sort(np.concatenate([s[at[c]:at[c] + take[c]] for c, s in enumerate(streams)]))
-        for c in range(len(streams)):
+        for c, s in enumerate(streams):
+            owner[s[at[c]:at[c] + take[c]]] = r
+            done += sums[c][at[c] + take[c]] - sums[c][at[c]]
             at[c] += take[c]
-        done += float(work[blocks].sum())
+    return owner
+
+
+def stream_deal(work: np.ndarray, p: int, n: int, b: int, classes: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """:func:`stream_owners` as each rank's ``(start, stop)`` segments of the stream, consecutive blocks merged."""
+    owner = stream_owners(work, p, n, b, classes)
+    out = []
+    for r in range(p):
+        blocks = np.flatnonzero(owner == r)
         cut = np.flatnonzero(np.diff(blocks) != 1)  # runs of consecutive blocks
         first, last = np.append(blocks[:1], blocks[cut + 1]), np.append(blocks[cut], blocks[-1:]) + 1
         out.append(tuple(zip((first * b).tolist(), (last * b).tolist())))
