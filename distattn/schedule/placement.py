@@ -58,8 +58,9 @@ documents dealt by causal work at the windowed solve's own group size, where the
 (longtail at P = 8, seed 118, window 4096: 1.110x -> 1.066x of perfect balance, the deal by causal work in groups of 4
 where the documents-only solve chose 8).
 
-Under a left window the solver also times the *stream deal* (``distattn.schedule.streams``: the blocks in classes by
-work, every rank a run of each; longtail at P = 64, window 4096, seed 101: 1.211x -> 1.072x of perfect balance).
+Under a left window the solver also times the *stream deal* (``distattn.schedule.streams``: a group's blocks in classes
+by work, every rank a run of each) on every group size the climb timed and on one group (longtail, P = 64, window 4096,
+seed 101: 1.211x -> 1.051x of perfect balance on NVLink, groups of 32).
 
 Under a left window the solver also times *documents cut by their work* (``distattn.schedule.groups``): a document whose
 windowed work passes :data:`CUTS` of a rank's mean is cut into consecutive pieces of about equal work before the groups
@@ -143,9 +144,10 @@ backward's twice) per group size tried (3-4 of them), per deal with a cut docume
 chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules x the snake or chunks, on one
 or two group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window,
 per cut (3 cuts, capped or not, and up to 32 ranks the capped ones evened two ways, on up to all the climb's group
-sizes), and 8
-timelines of the chosen layout at the shallower depths (on the pair table its timing built, kept); at 4096 tokens per
-rank the median over 200 seeds is 0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 s on InfiniBand
+sizes) and per stream deal (2 class counts on the climb's group sizes and one group: at P = 64 the windowed solve's
+median CPU 1.7-1.8 s -> 2.5-2.8 s, ``STREAMS.md``), and 8 timelines of the chosen layout at the shallower depths
+(on the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at
+P = 64 on NVLink, 1.0-2.1 s on InfiniBand
 (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2 cores with a second sweep job
 beside each solve, the solver of 447c42d; today's times the same candidates 6 steps ahead and absorbing 4 steps later,
 under a window more cuts, and the chunked and shortest-first deals: at most 1.9 s causal and 4.5 s windowed over the 200

@@ -11,13 +11,18 @@ So here the stream's blocks are split by their work into classes (a block's work
 of block work, ties together, so the blocks of full windows form one class), each class in position order, and rank
 ``r`` takes the next run of every class: the middle classes in proportion to their size, and the heaviest and lightest
 traded so that the ranks' work summed so far stays nearest ``(r + 1)`` ranks' mean. Every rank holds ``K`` runs
-(fewer where runs meet), its work within about one block's of the mean where the classes allow it, and borrows the
-keys before each run from the one or two ranks holding them (longtail:2048, P = 64, window 4096, seed 101, NVLink:
-1.211x -> 1.07x of perfect balance on the per-pair timeline; ``bench/results/placement-sim/STREAMS.md``).
+(fewer where runs meet), its work within about one block's of the mean where the classes allow it, and borrows the keys
+before each run from the ranks that hold them: in its own class the rank before it, but where a window reaches back into
+blocks of another class (a document's first rows, lighter, and its later ones in the heavy class), the rank that class's
+run gave them to, which can lie far off, and each such rank adds a step (longtail:2048, P = 64, window 4096, seed 101,
+NVLink: 1.211x -> 1.072x of perfect balance on the per-pair timeline; ``bench/results/placement-sim/STREAMS.md``).
 
-The solver (``distattn.schedule.placement``) times this deal for :data:`STREAM_CLASSES` under a left window and keeps
-it only where the per-pair timeline finds it faster; causal work has no plateau of full windows, and a late run of a
-causal document borrows all of its earlier keys (the same seeds causal: 1.45-2.6x), so it is not timed there.
+The group deal (``distattn.schedule.deal.deal(..., streams=K)``) deals each group's blocks this way over the group's
+ranks (the group's tokens in position order, as the snake's), and the solver (``distattn.schedule.placement``) times
+it for :data:`STREAM_CLASSES` under a left window on every group size its climb timed and on one group of all ``P``
+ranks, keeping it only where the per-pair timeline finds it faster (a group bounds how far off a rank borrows: seed 101
+above, 1.051x in two groups of 32). Causal work has no plateau of full windows, and a late run of a causal document
+borrows all of its earlier keys (the same seeds causal: 1.45-2.6x), so it is not timed there.
 Deterministic; pure numpy.
 """
 
