@@ -77,3 +77,38 @@ def test_without_the_bound_every_seed_up_to_the_cap_is_re_solved(tmp_path):
     assert row["re-solved"] == 3 and row["exact"] == "yes: all 3 re-solved"
     assert row["today median"] == f"{sorted(today.values())[1]:.3f}"
     assert pw.one(((DOCS, P, "causal"), seeds, N, 20))["re-solved"] == 1  # with the bound: the worst alone
+
+
+def test_a_log_bounds_windowed_seeds_too(tmp_path):
+    """``--log``: the seeds' figures from an earlier run's per-seed log (the figure after the arrow), for a solver this
+    one only adds candidates to: a windowed setting then stops once the bound closes, as a causal one does, and a
+    log's 3 decimals are the rounding."""
+    mask = f"window {N}"
+    today = {s: pw.solve(DOCS, P, mask, s, N)[0] for s in range(4)}
+    worst = max(today, key=today.get)
+    log = tmp_path / "run.log"
+    log.write_text("".join(f"{DOCS} P={P} {mask} seed {s}: 9.999 -> {r:.3f} (a note)\n" for s, r in today.items())
+                   + f"{DOCS} P=16 {mask} seed 0: 1.0 -> 1.500 (another world)\nnot a seed line\n")
+    rows = pw.log_rows(log, {P})
+    assert list(rows) == [(DOCS, P, mask)] and rows[(DOCS, P, mask)][0] == (round(today[worst], 3), worst)
+    row = pw.one(((DOCS, P, mask), rows[(DOCS, P, mask)], N, 20, True, True))
+    assert row["exact"] == "yes" and row["re-solved"] < 4 and row["slower than the sweep"] == "none"
+    assert row["today worst"].startswith(f"{today[worst]:.3f} (seed {worst},")
+    row = pw.one(((DOCS, P, mask), rows[(DOCS, P, mask)], N, 2, True, False))  # no log: the windowed cap
+    assert row["exact"].startswith("no")
+
+
+def test_the_ib_window_bench_picks_the_least_step_per_seed(tmp_path, capsys):
+    """``bench/placement_ib_window.py``: auto's pick is the least of the four steps on every seed, so the best other
+    over auto is at least 1; the placement is the one solved for the window on IB."""
+    from bench import placement_ib_window as ib
+
+    out = tmp_path / "ib.md"
+    ib.main(["--docs", "longtail:2048", "--world", "8", "--seeds", "2", "--seq-per-rank", "512", "--window", "256",
+             "--jobs", "1", "--out", str(out)])
+    row = [line for line in out.read_text().splitlines() if line.startswith("| longtail:2048 | 8 | 2 |")]
+    assert len(row) == 1
+    worst, median, best = (float(x) for x in row[0].split("|")[-2].split("/"))
+    assert 1.0 <= worst <= median <= best
+    found = ib.one(("longtail:2048", 8, 0, 512, 256))
+    assert set(found["steps"]) == {"ring", "balanced", "zigzag", "placed"}
