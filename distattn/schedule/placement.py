@@ -277,14 +277,15 @@ def _key(spec: MaskSpec, world_size: int, n: int, cluster: Cluster | None, strid
 def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, cluster: Cluster | None = None,
                   stride: int = 1, cut: float | None = None, share: float | None = None, by: str = "work",
                   capped: bool = False, chunks: bool = False, short_first: bool = False,
-                  even: str | None = None) -> Layout:
+                  even: str | None = None, streams: int | None = None) -> Layout:
     """``group``: ``None`` chooses the group size (module docstring); a divisor of ``p`` forces it (the trade-off
     table of ``bench/placement_sim.py --groups``), and with it ``cut`` the documents cut by work
     (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work; ``capped``: and of at most
     :data:`PIECES` of a group's tokens), ``share``, ``by`` the windowed deal (``distattn.schedule.windows``) and
     ``chunks``, ``short_first`` the mirrored chunks (``distattn.schedule.deal``) and a cut document's shortest piece
     first (``distattn.schedule.groups``), ``even`` the groups' work evened in that exchange order
-    (``distattn.schedule.groups.even_groups``); tests, benches, diagnosis."""
+    (``distattn.schedule.groups.even_groups``), ``streams`` the stream deal (``distattn.schedule.streams``); tests,
+    benches, diagnosis."""
     if p == 1:
         return Layout("contiguous", 1, note="one rank: nothing to place")
     if spec.dense:
@@ -341,7 +342,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
 
     if group is not None:
         return dealt(group, share=share, by=by, cut=cut, capped=capped, chunks=chunks, short_first=short_first,
-                     even=even)
+                     even=even, streams=streams)
     divisors = _divisors(p)
     times: dict[int, tuple[float, Layout | None]] = {}
 
