@@ -77,7 +77,7 @@ def one(job):
         plans["placed before"] = make_masked_plan.__wrapped__(p, "placed", mask, n, before)
         for link, cluster in clusters.items():
             mine = dict(plans, placed=make_masked_plan.__wrapped__(p, "placed", mask, n, layouts[link]))
-            if win[0] >= 0 and link == "nvlink":  # the solver given the window (the library's callers do not pass it)
+            if win[0] >= 0:  # the solver given the window: what the library's windowed calls run, on either link
                 mine[WEIGHED] = make_masked_plan.__wrapped__(p, "placed", mask, n,
                                                              _place_cached.__wrapped__(mask, p, n, None, cluster))
             for name, plan in mine.items():
@@ -93,36 +93,40 @@ def one(job):
 
 
 def weighed(job):
-    """Only the rows ``one`` makes for the placement solved for the window (NVLink, ``WEIGHED``): the rows a change to
-    the windowed solve alone can move (the causal solves, the other schedules and the IB rows, which run the causal
-    placement, stay as they were)."""
+    """Only the rows ``one`` makes for the placement solved for the window (``WEIGHED``, each link): the rows a change
+    to the windowed solve alone can move (the causal solves and the other schedules stay as they were)."""
     docs, p, seed, n, window = job
-    shapes, cluster = Shapes(seq_per_rank=n, **SHAPES), Cluster.preset("nvlink")
+    shapes = Shapes(seq_per_rank=n, **SHAPES)
     mask = MaskSpec(causal=True, window=(window, 0), cu_seqlens=document_lengths(docs, p * n, seed=seed))
-    plan = make_masked_plan.__wrapped__(p, "placed", mask, n, _place_cached.__wrapped__(mask, p, n, None, cluster))
-    tl = step_timeline(plan, shapes, cluster)
-    return [{"docs": docs, "P": p, "seed": seed, "mask": f"window {window}", "link": "nvlink", "schedule": WEIGHED,
-             "step ms": round(tl["makespan"] * 1e3, 4), "per-pair / perfect": round(tl["ratio"], 4),
-             "compute idle": round(tl["compute_idle"], 4), "lockstep / perfect": round(_lockstep(plan), 4),
-             "group": plan.layout.group, "solver ms": ""}]
+    rows = []
+    for link in ("nvlink", "ib"):
+        cluster = Cluster.preset(link)
+        plan = make_masked_plan.__wrapped__(p, "placed", mask, n, _place_cached.__wrapped__(mask, p, n, None, cluster))
+        tl = step_timeline(plan, shapes, cluster)
+        rows.append({"docs": docs, "P": p, "seed": seed, "mask": f"window {window}", "link": link,
+                     "schedule": WEIGHED, "step ms": round(tl["makespan"] * 1e3, 4),
+                     "per-pair / perfect": round(tl["ratio"], 4), "compute idle": round(tl["compute_idle"], 4),
+                     "lockstep / perfect": round(_lockstep(plan), 4), "group": plan.layout.group, "solver ms": ""})
+    return rows
 
 
 def refresh_weighed(base: Path, jobs: list, workers: int, csv_path: Path) -> list[dict]:
     """``base``'s rows with its ``WEIGHED`` rows solved anew (:func:`weighed`), written to ``csv_path``."""
-    new = {(r["docs"], r["P"], r["seed"]): r for r in run_jobs(weighed, jobs, workers, csv_path)}
+    new = {(r["docs"], r["P"], r["seed"], r["link"]): r for r in run_jobs(weighed, jobs, workers, csv_path)}
     rows = []
     with open(base, newline="") as f:
         for r in csv.DictReader(f):
             r = {k: (float(v) if k in NUMERIC and v != "" else int(v) if k in ("P", "seed") else v)
                  for k, v in r.items()}
             if r["schedule"] == WEIGHED:
-                key = (r["docs"], r["P"], r["seed"])
+                key = (r["docs"], r["P"], r["seed"], r["link"])
                 if key not in new:
                     raise SystemExit(f"{base} holds {key}, which this run did not solve: pass its --docs, --world "
                                      f"and --seeds")
                 r = new.pop(key)
             rows.append(r)
-    assert not new, f"{len(new)} re-solved rows have no row in {base}"
+    assert all(key[3] == "ib" for key in new), f"{len(new)} re-solved rows have no row in {base}"
+    rows += list(new.values())  # a base from before the IB rows of the windowed placement: added
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -153,7 +157,9 @@ def summary(rows, seeds) -> list[str]:
                    f"{col('ring')} | {col('balanced')} | {col('zigzag')} | "
                    f"{col(WEIGHED) if any(r['schedule'] == WEIGHED for r in sel) else '-'} |")
     out += ["", "## IB (nodes of 8, 100 Gb/s across): auto's modelled step against each schedule", "",
-            "auto = the least step time of ring, balanced, zigzag and placed (solved for IB). Columns: the schedule's "
+            "auto = the least step time of ring, balanced, zigzag and placed (solved for IB; under a window the "
+            "placement solved for the window where the rows have it, as the library's windowed call). Columns: the "
+            "schedule's "
             "step time over auto's, worst / median / best seed (>= 1 everywhere: auto is never worse); last column: "
             "the best of ring / balanced / zigzag / placed-before over auto on the median seed.", "",
             "| docs | P | mask | auto ms (median) | auto's picks | ring | balanced | zigzag | placed before | "
@@ -166,10 +172,11 @@ def summary(rows, seeds) -> list[str]:
         autos, picks, ratio = [], {}, {name: [] for name in (*OTHERS, "placed before")}
         best_other = []
         for times in by_seed.values():
-            pick = min(("ring", "balanced", "zigzag", "placed"), key=lambda k: times[k])
+            mine = WEIGHED if WEIGHED in times else "placed"  # a windowed call runs the placement for its window
+            pick = min(("ring", "balanced", "zigzag", mine), key=lambda k: times[k])
             auto = times[pick]
             autos.append(auto)
-            picks[pick] = picks.get(pick, 0) + 1
+            picks[pick if pick != WEIGHED else "placed"] = picks.get(pick if pick != WEIGHED else "placed", 0) + 1
             for name in ratio:
                 ratio[name].append(times[name] / auto)
             best_other.append(min(times[name] for name in ratio) / auto)
@@ -213,9 +220,9 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--refresh-windowed", type=Path, default=None, metavar="BASE_CSV",
-                        help="re-solve only the placement solved for the window (NVLink rows 'placed, window "
-                             "weighed', the only ones a change to the windowed solve moves) and keep BASE_CSV's other "
-                             "rows; the settings and seeds must be BASE_CSV's")
+                        help="re-solve only the placement solved for the window (rows 'placed, window weighed', "
+                             "the only ones a change to the windowed solve moves) and keep BASE_CSV's other rows; the "
+                             "settings and seeds must be BASE_CSV's")
     args = parser.parse_args(argv)
     jobs = [(d, p, s, args.seq_per_rank, args.window) for d in args.docs for p in args.world
             for s in range(args.seeds)]
@@ -231,8 +238,8 @@ def main(argv=None) -> None:
             f"CPython {platform.python_version()}, 2 shared cores. Rows: sweep.csv."
             + ("" if args.refresh_windowed is None else
                f" Only the column '{WEIGHED}' was solved anew; every other figure is {args.refresh_windowed}'s (a "
-               f"change to the windowed solve moves no other row: the causal solves and the IB rows run the causal "
-               f"placement)."), "", *summary(rows, args.seeds),
+               f"change to the windowed solve moves no other row: the causal solves and the other schedules stay)."),
+            "", *summary(rows, args.seeds),
             ""]
     (args.out / "SWEEP.md").write_text("\n".join(text))
     print("\n".join(text))
