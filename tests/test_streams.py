@@ -1,7 +1,8 @@
-"""The stream deal of a windowed placement (``distattn.schedule.streams``, issue 39): the blocks' work against a
-brute-force count, the deal's shards (every rank ``n`` tokens, the stream covered once, each rank's work near the
-mean), the solver keeping it on a seed where the group deals were communication bound or unbalanced, and a windowed
-placed call on such shards exact on gloo ranks (odd world sizes, a document of one token, blocks of 8 tokens)."""
+"""The stream deal of a windowed placement (``distattn.schedule.streams``, issue 39): its shards from the blocks' work
+counted off the mask (every rank ``n`` tokens, the stream covered once, each rank's work near the mean), the group
+deal taking it inside each group, the solver keeping it on a seed where the group deals were communication bound or
+unbalanced, and a windowed placed call on such shards exact on gloo ranks (odd world sizes, a document of one token,
+blocks of 8 tokens)."""
 
 
 import numpy as np

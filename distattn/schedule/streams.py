@@ -65,6 +65,7 @@ def stream_owners(work: np.ndarray, p: int, n: int, b: int, classes: int) -> np.
             owner[s[at[c]:at[c] + take[c]]] = r
             done += sums[c][at[c] + take[c]] - sums[c][at[c]]
             at[c] += take[c]
+    assert all(a == len(s) for a, s in zip(at, streams)), "stream_owners: a block left without a rank"
     return owner
 
 
