@@ -176,7 +176,8 @@ def summary(rows, seeds) -> list[str]:
             pick = min(("ring", "balanced", "zigzag", mine), key=lambda k: times[k])
             auto = times[pick]
             autos.append(auto)
-            picks[pick if pick != WEIGHED else "placed"] = picks.get(pick if pick != WEIGHED else "placed", 0) + 1
+            name = "placed" if pick == WEIGHED else pick
+            picks[name] = picks.get(name, 0) + 1
             for name in ratio:
                 ratio[name].append(times[name] / auto)
             best_other.append(min(times[name] for name in ratio) / auto)

@@ -16,7 +16,8 @@ from distattn import comm
 from distattn.schedule import MaskSpec, Shapes, simulate
 from distattn.schedule.cli import document_lengths
 from distattn.schedule.layouts import Layout
-from distattn.schedule.streams import stream_deal, stream_owners
+from distattn.schedule.deal import _segments
+from distattn.schedule.streams import stream_owners
 from distattn.sharding import placement as solve_placement, shard_sequence
 from test_dist_varlen import _reference, _stream_mask
 
@@ -27,6 +28,12 @@ def _token_work(cu, total, window, causal=True):
     """Visible keys of every row, counted from the mask itself."""
     lo, hi = MaskSpec(causal=causal, window=window, cu_seqlens=tuple(cu)).bounds(total, 0, total)
     return np.maximum(hi - lo + 1, 0)
+
+
+def stream_deal(work, p, n, b, classes):
+    """:func:`stream_owners` as each rank's segments (``distattn.schedule.deal._segments``, the group deal's own)."""
+    lo = np.arange(len(work)) * b
+    return _segments(lo, lo + b, stream_owners(work, p, n, b, classes), p, n)
 
 
 def _check_shards(segs, p, n, b=None):

@@ -430,7 +430,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
                              best_time * (1 - 1e-9))
             if t < best_time * (1 - 1e-9):
                 best_time, best = t, lay
-    if rows.l < n * p:  # a left window: every rank a run of each class of its group's blocks (the stream deal),
+        # and every rank a run of each class of its group's blocks (the stream deal)
         for kk, classes in [(kk, c) for kk in sorted((set(times) | {p}) & set(divisors)) for c in STREAM_CLASSES]:
             t, lay = fastest(dealt(kk, best_time / per_key * kk, streams=classes), best_time * (1 - 1e-9))
             if t < best_time * (1 - 1e-9):  # on every group size the climb timed and on one group

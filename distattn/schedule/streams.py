@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["STREAM_CLASSES", "stream_owners", "stream_deal"]
+__all__ = ["STREAM_CLASSES", "stream_owners"]
 
 STREAM_CLASSES = (2, 3)
 """The numbers of classes timed: 2 (the blocks of full windows against the rest, where they are at least half of the
@@ -68,14 +68,3 @@ def stream_owners(work: np.ndarray, p: int, n: int, b: int, classes: int) -> np.
     assert all(a == len(s) for a, s in zip(at, streams)), "stream_owners: a block left without a rank"
     return owner
 
-
-def stream_deal(work: np.ndarray, p: int, n: int, b: int, classes: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """:func:`stream_owners` as each rank's ``(start, stop)`` segments of the stream, consecutive blocks merged."""
-    owner = stream_owners(work, p, n, b, classes)
-    out = []
-    for r in range(p):
-        blocks = np.flatnonzero(owner == r)
-        cut = np.flatnonzero(np.diff(blocks) != 1)  # runs of consecutive blocks
-        first, last = np.append(blocks[:1], blocks[cut + 1]), np.append(blocks[cut], blocks[-1:]) + 1
-        out.append(tuple(zip((first * b).tolist(), (last * b).tolist())))
-    return tuple(out)
