@@ -32,7 +32,8 @@ and peers write their tables as they go, so a part stopped at its budget keeps w
 
 First, distattn must import from this checkout (``OUT/install.txt``): a GPU machine given a copy of the tree has
 nothing installed, and ``distattn.kernels`` lives in the top-level ``kernels/`` folder (setup.py's mapping), so the
-checkout is installed in place when it does not (``pip install --no-deps --no-build-isolation -e .``, offline).
+checkout is installed in place when it does not (``pip install --no-deps --no-build-isolation --use-pep517 -e .``,
+offline).
 Then OUT/summary.md and OUT/summary.json: each part's status (passed / failed / timeout), seconds and budget.
 Never needs the network. ``--dry-run`` runs the same parts on CPU with tiny stand-ins (CUDA hidden; the Triton
 interpreter, gloo, tiny sizes; the tier's tests then skip) to prove the command end to end: NOT measurements.
@@ -280,7 +281,10 @@ def machine_part(out: Path, mode: str, command: str, env: dict) -> tuple[str, in
 
 _WHERE = ("import os, distattn, distattn.kernels as k; "
           "print(os.path.realpath(distattn.__file__)); print(os.path.realpath(k.__file__))")
-INSTALL = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)]
+# --use-pep517: without it an older pip (the H200 image's on 2026-12-04; 23.0.1 reproduces it) runs the legacy
+# ``setup.py develop``, which new setuptools turns into a second pip call that builds in isolation: the network
+INSTALL = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--use-pep517", "-e",
+           str(ROOT)]
 
 
 def _imports_this_checkout(env: dict) -> tuple[bool, str]:
@@ -298,8 +302,9 @@ def ensure_this_checkout(env: dict) -> str:
     """Every part imports distattn from this checkout. setup.py maps ``distattn.kernels`` to the top-level
     ``kernels/`` folder, so a checkout on PYTHONPATH alone cannot import the kernels (a GPU machine given a copy of
     the tree has nothing installed), and an install of another tree would measure other code: then this checkout is
-    installed in place (``pip install --no-deps --no-build-isolation -e .``: no network, the machine's own torch and
-    build tools). Returns what was found or done; raises ``RuntimeError`` if distattn still does not import from here."""
+    installed in place (``pip install --no-deps --no-build-isolation --use-pep517 -e .``: no network, the machine's
+    own torch and build tools). Returns what was found or done; raises ``RuntimeError`` if distattn still does not
+    import from here."""
     ok, where = _imports_this_checkout(env)
     if ok:
         return f"distattn imports from this checkout ({where})"
