@@ -5,30 +5,34 @@
 Parts, in order; each runs as a subprocess with its own time budget (seconds: full / --quick), its output streamed to
 the console with a ``[part]`` prefix and to ``OUT/<part>/log.txt``. A part that fails or runs past its budget is
 recorded (``OUT/<part>/error.txt``: the exit status and the log's tail, or the driver's traceback) and the next
-part runs. The budgets add up to under 9 minutes (--quick: under 4) on one H100, compile time included (kernel and
-checkpoint gave 20 / 10 s to packed, and tier, kernel and checkpoint 60 / 20 s to peers; kernel, checkpoint, packed
-and peers write their tables as they go, so a part stopped at its budget keeps what it measured):
+part runs; a part at its budget is first interrupted (SIGINT: pytest then prints its summary and writes its junit
+file), then killed. The budgets add up to under 9 minutes (--quick: under 4), compile time included. They were set
+from the first GPU run (H200, 2026-12-04, ``bench/results/gpu-2026-12-04/``): there the serial tier ran 35 of its 61
+tests in 220 s, the kernel table needed ~90 s, checkpoint 42 s, memory 43 s, and packed had not finished its first
+schedule at 30 s. Kernel, checkpoint, packed and peers write their tables as they go, so a part stopped at its
+budget keeps what it measured:
 
   machine     10 / 10   OUT/machine.md: nvidia-smi, torch.cuda.get_device_properties, versions, the command
-  tier       220 / 85   ``pytest -m gpu`` over the GPU-tier files: OUT/tier/junit.xml (every part: OUT/<part>/log.txt)
-                        (--quick: 16k/32k-token kernel cases, autotune and the planner's 32k job left out)
-  kernel      80 / 45   bench/kernel.py: distattn vs SDPA flash/cuDNN/efficient (flash-attn if installed), fwd, bwd,
+  tier       180 / 70   ``pytest -m gpu -n 4`` over the GPU-tier files (4 workers: the tier is bound by Triton's
+                        compiles, on the CPU): OUT/tier/junit.xml, the 30 slowest tests in its log (every part:
+                        OUT/<part>/log.txt) (--quick: 16k/32k-token kernel cases, autotune and the planner's 32k job
+                        left out)
+  kernel      95 / 40   bench/kernel.py: distattn vs SDPA flash/cuDNN/efficient (flash-attn if installed), fwd, bwd,
                         fwd+bwd TFLOP/s, bf16, d 64/128, causal and not, 1k-32k (quick: d 128, 2k/16k), and the
                         carrying overhead, keys folded as 1 vs 8 chunks: OUT/kernel/kernel.{md,csv,png},
                         kernel_carry.csv
-  checkpoint  70 / 35   bench/checkpoint.py: remat vs HF full-layer checkpointing, LLaMA-7B-shaped layers, one GPU,
+  checkpoint  50 / 30   bench/checkpoint.py: remat vs HF full-layer checkpointing, LLaMA-7B-shaped layers, one GPU,
                         8k/16k/32k tokens (quick: 8k/16k, 2 layers): OUT/checkpoint/checkpoint.{md,csv,png}
-  memory      55 / 25   launch/train.py one-GPU jobs: distattn.memory's predicted peak vs the allocator's measured
+  memory      50 / 25   launch/train.py one-GPU jobs: distattn.memory's predicted peak vs the allocator's measured
                         peak (torch.cuda.max_memory_allocated): OUT/memory/memory.{md,csv,png}
-  packed      30 / 15   bench/packed_time.py (issue 39): one packed long-tail batch, 4 ranks sharing the GPU over
+  packed     100 / 40   bench/packed_time.py (issue 39): one packed long-tail batch, 4 ranks sharing the GPU over
                         gloo (CUDA tensors), LLaMA-3-8B heads, bf16, forward + backward per call under balanced,
                         zigzag and placed, beside the per-pair timeline's modelled ratio (quick: 2048 tokens per rank,
                         full: 4096): OUT/packed/packed.{md,csv}
-  peers       60 / 20   python -m bench.peers --device cuda (issue 37): distattn beside the peers installed on the
+  peers       40 / 20   python -m bench.peers --device cuda (issue 37): distattn beside the peers installed on the
                         machine, the same harness as on CPU with the ranks sharing the GPU over gloo (CUDA tensors),
-                        bf16, LLaMA-3-8B heads, P = 4, 512 tokens per rank, dense causal and packed long-tail, 20 s a
-                        row (quick: P = 2, 256 tokens, dense, distattn and PyTorch CP, 10 s a row):
-                        OUT/peers/peers.{md,csv}, tables.md
+                        bf16, LLaMA-3-8B heads, P = 4, 512 tokens per rank, dense causal, 20 s a row (quick: P = 2,
+                        256 tokens, distattn and PyTorch CP, 10 s a row): OUT/peers/peers.{md,csv}, tables.md
 
 First, distattn must import from this checkout (``OUT/install.txt``): a GPU machine given a copy of the tree has
 nothing installed, and ``distattn.kernels`` lives in the top-level ``kernels/`` folder (setup.py's mapping), so the
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import platform
@@ -61,13 +66,14 @@ sys.path.insert(0, str(ROOT))  # bench._util from a checkout
 from bench._util import pyplot_or_note  # noqa: E402
 
 PARTS = ("machine", "tier", "kernel", "checkpoint", "memory", "packed", "peers")
-BUDGET_S = {"full": {"machine": 10, "tier": 220, "kernel": 80, "checkpoint": 70, "memory": 55, "packed": 30,
-                     "peers": 60},
-            "quick": {"machine": 10, "tier": 85, "kernel": 45, "checkpoint": 35, "memory": 25, "packed": 15,
+BUDGET_S = {"full": {"machine": 10, "tier": 180, "kernel": 95, "checkpoint": 50, "memory": 50, "packed": 100,
+                     "peers": 40},
+            "quick": {"machine": 10, "tier": 70, "kernel": 40, "checkpoint": 30, "memory": 25, "packed": 40,
                       "peers": 20},
             # dry run: ~50 s of CPU in all; these only stop a hang on a loaded machine (CI's pytest limit: 600 s)
             "dry": {"machine": 40, "tier": 100, "kernel": 100, "checkpoint": 90, "memory": 80, "packed": 90,
                     "peers": 60}}
+TIER_WORKERS = 4  # pytest-xdist workers on a GPU: the tier is bound by Triton's compiles (CPU), and 16 cores share it
 # issue 37's GPU part: the systems in the order they run (a part stopped at its budget keeps the rows it wrote; a
 # peer that is not installed on the GPU machine, or refuses the work (ring-flash-attn: ranks sharing a GPU over gloo),
 # is a row at no cost: no process starts), and each row's deadline (the P ranks' start, CUDA set-up, imports)
@@ -85,7 +91,10 @@ DRY_LABEL = "dry run on CPU (tiny stand-ins), not a measurement"
 
 def run_logged(cmd: list[str], log: Path, budget_s: float, env: dict, prefix: str) -> tuple[str, int | None]:
     """Run ``cmd`` in its own session; stream its output to the console (``prefix``) and ``log``.
-    Returns ``("passed" | "failed" | "timeout", exit status)``; past ``budget_s`` the whole session is killed."""
+    Returns ``("passed" | "failed" | "timeout", exit status)``. ``grace_s(budget_s)`` before the budget ends the whole
+    session gets SIGINT, so that a part can still write what it has (pytest prints its summary, failures' tracebacks
+    and durations, and writes the junit file, on an interrupt; the first GPU run's tier lost them to SIGKILL); what
+    still runs at the budget is killed."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w", encoding="utf-8") as fh:
         fh.write(f"$ {shlex.join(cmd)}\n")
@@ -100,16 +109,28 @@ def run_logged(cmd: list[str], log: Path, budget_s: float, env: dict, prefix: st
                 print(f"[{prefix}] {line}", end="", flush=True)
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
+        grace = grace_s(budget_s)
         try:
-            rc = proc.wait(timeout=budget_s)
+            rc = proc.wait(timeout=budget_s - grace)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the part and every process it started
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGINT)  # the part and every process it started: write what you have
+            try:
+                proc.wait(timeout=grace)
+                what = f"interrupted {grace:g} s before its budget of {budget_s:g} s"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                what = f"killed: past its budget of {budget_s:g} s"
             reader.join(5)
-            fh.write(f"\n--- killed: past its budget of {budget_s:g} s\n")
+            fh.write(f"\n--- {what}\n")
             return "timeout", None
         reader.join(5)
     return ("passed" if rc == 0 else "failed"), rc
+
+
+def grace_s(budget_s: float) -> float:
+    """Seconds between a part's interrupt and its kill: a tenth of its budget, 2 to 15 s (at most half of it)."""
+    return min(15.0, max(2.0, budget_s / 10), budget_s / 2)
 
 
 def record_failure(part_dir: Path, status: str, rc, log: Path | None, exc: BaseException | None = None) -> None:
@@ -141,7 +162,8 @@ def tier_files() -> list[str]:
 
 def tier_cmd(out: Path, mode: str) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "--timeout", "150", "-p", "no:cacheprovider",
-           f"--junitxml={out / 'junit.xml'}", *tier_files()]
+           "--durations", "30", f"--junitxml={out / 'junit.xml'}", *tier_files()]
+    cmd += [] if mode == "dry" else ["-n", str(TIER_WORKERS)]
     return cmd + (["-k", QUICK_TIER_EXCLUDE] if mode == "quick" else [])
 
 
@@ -169,8 +191,7 @@ def packed_cmd(out: Path, mode: str) -> list[str]:
     if mode == "dry":
         return base + ["--device", "cpu", "--tokens-per-rank", "64", "--heads", "4", "2", "--head-dim", "16",
                        "--reps", "1"]
-    return base + ["--tokens-per-rank", "2048" if mode == "quick" else "4096", "--reps", "2" if mode == "quick"
-                   else "3"]
+    return base + ["--tokens-per-rank", "2048" if mode == "quick" else "4096", "--reps", "2"]
 
 
 def peers_cmd(out: Path, mode: str) -> list[str]:
@@ -181,8 +202,7 @@ def peers_cmd(out: Path, mode: str) -> list[str]:
     gpu = ["--device", "cuda", "--dtype", "bfloat16", "--timeout", str(PEERS_ROW_S[mode])]
     if mode == "quick":
         return base + gpu + ["--world", "2", "--tokens", "256", "--reps", "2", "--systems", *PEERS_SYSTEMS[:2]]
-    return base + ["docs-longtail"] + gpu + ["--world", "4", "--tokens", "512", "--reps", "3", "--systems",
-                                             *PEERS_SYSTEMS]
+    return base + gpu + ["--world", "4", "--tokens", "512", "--reps", "3", "--systems", *PEERS_SYSTEMS]
 
 
 def memory_part(out: Path, mode: str, budget_s: float, env: dict) -> tuple[str, int | None]:
@@ -236,7 +256,7 @@ def write_memory(out: Path, rows: list[dict], mode: str) -> None:
     plt = pyplot_or_note(str(out / "memory.png"))
     if plt is None:
         return
-    from distattn._plotstyle import color as plot_color  # here: the driver itself never imports torch otherwise
+    plot_color = _plotstyle().color
 
     done = [r for r in rows if isinstance(r["measured_GiB"], float)]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -251,6 +271,16 @@ def write_memory(out: Path, rows: list[dict], mode: str) -> None:
     ax.legend()
     fig.savefig(out / "memory.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+def _plotstyle():
+    """``distattn/_plotstyle.py`` loaded by its path: importing it as ``distattn._plotstyle`` would run
+    ``distattn/__init__`` (torch, and ``distattn.kernels``, which this process cannot find when it installed the
+    checkout itself: the install's import hook is read only at a process's start; seen on the first GPU run)."""
+    spec = importlib.util.spec_from_file_location("_distattn_plotstyle", ROOT / "distattn" / "_plotstyle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def machine_part(out: Path, mode: str, command: str, env: dict) -> tuple[str, int | None]:

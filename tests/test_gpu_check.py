@@ -71,24 +71,32 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path, monkeypatch
     gc = _driver()
     python = sys.executable
     monkeypatch.setattr(gc, "kernel_cmd", lambda out, mode: [python, "-c", "print('kernel half done'); exit(3)"])
-    monkeypatch.setattr(gc, "checkpoint_cmd", lambda out, mode: [python, "-c", "import time; time.sleep(60)"])
+    # past its budget: interrupted first (a part writes what it has), killed if it goes on
+    on_interrupt = "import time\ntry: time.sleep(60)\nexcept KeyboardInterrupt: print('wrote what it had')"
+    monkeypatch.setattr(gc, "checkpoint_cmd", lambda out, mode: [python, "-c", on_interrupt])
+    deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    monkeypatch.setattr(gc, "packed_cmd", lambda out, mode: [python, "-c", deaf])
     monkeypatch.setattr(gc, "tier_cmd", lambda out, mode: [python, "-c", "raise SystemExit(0)"])
-    monkeypatch.setitem(gc.BUDGET_S["dry"], "checkpoint", 2)
+    monkeypatch.setitem(gc.BUDGET_S["dry"], "checkpoint", 4)
+    monkeypatch.setitem(gc.BUDGET_S["dry"], "packed", 4)
 
     def broken_memory(*args):
         raise OSError("disk full (simulated)")
     monkeypatch.setattr(gc, "memory_part", broken_memory)
-    rc = gc.main([str(tmp_path), "--dry-run", "--parts", "tier", "kernel", "checkpoint", "memory"])
+    rc = gc.main([str(tmp_path), "--dry-run", "--parts", "tier", "kernel", "checkpoint", "memory", "packed"])
     assert rc == 1
     rows = {r["part"]: r for r in json.loads((tmp_path / "summary.json").read_text())["parts"]}
     assert {k: r["status"] for k, r in rows.items()} == {"tier": "passed", "kernel": "failed",
-                                                         "checkpoint": "timeout", "memory": "failed"}
+                                                         "checkpoint": "timeout", "memory": "failed",
+                                                         "packed": "timeout"}
     kernel_error = (tmp_path / "kernel" / "error.txt").read_text()
     assert "exit status 3" in kernel_error and "kernel half done" in kernel_error
-    assert "past its budget of 2 s" in (tmp_path / "checkpoint" / "error.txt").read_text()
+    checkpoint_error = (tmp_path / "checkpoint" / "error.txt").read_text()
+    assert "interrupted 2 s before its budget of 4 s" in checkpoint_error and "wrote what it had" in checkpoint_error
+    assert "killed: past its budget of 4 s" in (tmp_path / "packed" / "error.txt").read_text()
     memory_error = (tmp_path / "memory" / "error.txt").read_text()
     assert "Traceback" in memory_error and "OSError: disk full (simulated)" in memory_error
-    assert rows["checkpoint"]["seconds"] < 30  # killed at its budget, not left to finish
+    assert rows["checkpoint"]["seconds"] < 30 and rows["packed"]["seconds"] < 30  # stopped at the budget
 
 
 def test_the_budgets_keep_a_run_under_9_minutes_and_quick_under_4():
@@ -114,3 +122,27 @@ def test_a_checkout_that_does_not_import_is_installed_in_place_or_the_run_says_w
     answers[:] = [(False, "/elsewhere/distattn/__init__.py"), (False, "/elsewhere/distattn/__init__.py")]
     with pytest.raises(RuntimeError, match="does not import from this checkout"):
         gc.ensure_this_checkout({})
+
+
+def test_the_driver_draws_without_importing_distattn(tmp_path):
+    """The driver installs the checkout itself when distattn does not import (a bare GPU machine), and an install's
+    import hook is read only when a process starts: so the driver never imports distattn. On the first GPU run its
+    memory plot did (``distattn._plotstyle``), and the part failed after its two jobs had passed."""
+    pytest.importorskip("matplotlib")
+    script = f"""
+import importlib.abc, importlib.util, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "distattn" or name.startswith("distattn."):
+            raise ImportError("distattn is not importable in this process (a bare GPU machine's driver)")
+sys.meta_path.insert(0, Refuse())
+spec = importlib.util.spec_from_file_location("gpu_check", {str(ROOT / "bench" / "gpu_check.py")!r})
+gc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gc)
+row = dict(model="small", seq_len=16384, remat=False, measured_GiB=3.43, predicted_GiB=3.29, error_pct=4.1, note="")
+gc.write_memory(gc.Path({str(tmp_path)!r}), [row], "full")
+assert not any(m == "distattn" or m.startswith("distattn.") for m in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "memory.png").stat().st_size > 0 and "3.43" in (tmp_path / "memory.md").read_text()
