@@ -6,8 +6,10 @@ with a plain ``transformers.Trainer`` on one process that sees the same global b
 ``b`` there = one batch of ``D * b`` here, in the same random order). One spawn per world size runs every case:
 
 * 2 ranks (P = 2): dense rows of odd length (padded to a multiple of P) with gradient accumulation 2; flattened
-  documents (``DataCollatorWithFlattening``, odd total length); and two bad inputs: a sampler that deals different
-  batches to the ranks of the group, and a two-dimensional group whose Ulysses ranks do not split the heads;
+  documents (``DataCollatorWithFlattening``, odd total length), on contiguous shards and on ``schedule="placed"``
+  (the placement of each batch's documents, solved ahead in worker processes); and two bad inputs: a sampler that
+  deals different batches to the ranks of the group, and a two-dimensional group whose Ulysses ranks do not split
+  the heads;
 * 4 ranks (data parallel 2 x sequence parallel 2): rows padded with an ``attention_mask`` (a different number of
   target tokens per replica: the loss is the token mean over both; with ``average_tokens_across_devices=False``, the
   mean of each replica's token mean, as DDP averages them); a checkpoint at step 4 (in the second epoch),
@@ -131,6 +133,8 @@ def _cases_2(rank, world, out):
     res = {"dense": train(SequenceParallelTrainer, "dense", out / "dense", 2, gradient_accumulation_steps=2,
                           include_num_input_tokens_seen="all"),
            "flattened": train(SequenceParallelTrainer, "flattened", out / "flat", 3)}
+    res["flattened, placed"], res["placement sources"] = _placed_run(out / "placed")
+    res["placement requests"] = _placement_requests()
     state = {}
 
     def differing():
@@ -147,6 +151,34 @@ def _cases_2(rank, world, out):
         model=make_model(**heads), args=training_args(out / "heads", 2), train_dataset=dense_data(),
         data_collator=stack, group=distattn.make_2d_groups(2)))
     return res
+
+
+def _placed_run(out):
+    """The flattened run on ``schedule="placed"``, its workers started first (so that the steps after the first take
+    their placements from them, not inline: deterministic, not a race with the workers' start)."""
+    from distattn.integrations.hf import SequenceParallelTrainer
+    from distattn.schedule import ahead
+
+    assert ahead.start(2, wait=120), "the placement workers did not start"
+    made = []
+
+    class Recorded(SequenceParallelTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    run = train(Recorded, "flattened", out, 3, trainer_kw={"schedule": "placed"})
+    return run, dict(made[0].placement_sources)
+
+
+def _placement_requests():
+    """What the trainer hands to the workers (``placement_request``) against what ``shard_inputs`` then places
+    (``cu_seq_lens``), for a flattened batch of odd length and a batch padded with an attention mask."""
+    from distattn.integrations._hf_data import placement_request, shard_inputs
+
+    features = document_data(5)
+    return [(placement_request(batch)[0], shard_inputs(batch, schedule="placed")["cu_seq_lens"].tolist())
+            for batch in (flatten(features), pad_right(features))]
 
 
 def _cases_4(rank, world, out):
@@ -222,7 +254,8 @@ def _assert_same_run(label, ours, reference, steps=None):
         assert err <= WEIGHT_TOL, f"{label}: {name} differs from one process by {err:.3g} after {steps[-1]} steps"
 
 
-CASES = [(2, "dense", "dense"), (2, "flattened", "flattened"), (4, "padded", "padded"), (4, "saved", "saved"),
+CASES = [(2, "dense", "dense"), (2, "flattened", "flattened"), (2, "flattened, placed", "flattened"),
+         (4, "padded", "padded"), (4, "saved", "saved"),
          (4, "padded, replica means", "replica means")]
 
 
@@ -231,6 +264,16 @@ def test_trainer_matches_one_process(spawned, references, world, case, reference
     """Loss logged at every step and weights after the last, on every rank."""
     for rank, res in enumerate(spawned[world]):
         _assert_same_run(f"world {world} rank {rank} {case}", res[case], references[reference])
+
+
+def test_placed_steps_take_their_placements_solved_ahead(spawned):
+    """``schedule="placed"``: the first step's placement is solved inline, the next steps' by the workers while the
+    steps before ran (each step takes the next two micro-batches ahead); the requests handed to them are the streams
+    ``shard_inputs`` places, its padding included."""
+    for rank, res in enumerate(spawned[2]):
+        assert res["placement sources"] == {"ahead": 2, "inline": 1, "cached": 0}, (rank, res["placement sources"])
+        for asked, placed in res["placement requests"]:
+            assert asked == placed and placed[-1] % 2 == 0, (rank, asked, placed)
 
 
 def test_resume_from_a_checkpoint_continues_the_same_run(spawned, references):

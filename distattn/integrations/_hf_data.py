@@ -30,12 +30,13 @@ import torch.nn.functional as F
 
 from distattn.comm import bounded_wait, default_timeout
 from distattn.integrations._hf_batch import shard_batch
-from distattn.packing import cu_seqlens_from_position_ids
+from distattn.packing import cu_seqlens_from_position_ids, pack_padded
 from distattn.sharding import _world
 from distattn.sharding import layout as _layout
 from distattn.topology import split as _split_group
 
-__all__ = ["shard_inputs", "check_same_batches", "sequence_multiple", "ReplicaSampler", "replica_of_ranks"]
+__all__ = ["shard_inputs", "check_same_batches", "sequence_multiple", "ReplicaSampler", "replica_of_ranks",
+           "documents_kwargs", "placement_request"]
 
 IGNORE_INDEX = -100
 _HASH_MASK = (1 << 63) - 1  # 63 bits, so that -h is an int64 too
@@ -43,13 +44,13 @@ _HASH_MASK = (1 << 63) - 1  # 63 bits, so that -h is an int64 too
 
 def sequence_multiple(group=None, schedule: str = "balanced") -> int:
     """The multiple every sequence (dense row or packed stream) is padded to: the group's size times the chunks per
-    rank of ``schedule``'s layout (``"zigzag"``: 2)."""
-    return _world(group)[1] * _layout(group, schedule).divisor()
+    rank of ``schedule``'s layout (``"zigzag"``: 2; ``"placed"``: 1, its placement deals blocks of any stream)."""
+    return _world(group)[1] * (1 if schedule == "placed" else _layout(group, schedule).divisor())
 
 
 # -- sharding a collated batch -------------------------------------------------------------------------------------
 def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int = 0,
-                 token_mask: bool = False) -> dict:
+                 token_mask: bool = False, window=(-1, -1)) -> dict:
     """This rank's share of a collated Hugging Face causal-LM batch, of any total length (padded here).
 
     Three kinds of batch, the same on every rank of ``group``:
@@ -72,15 +73,20 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
         token_mask: also return ``"token_mask"``: 1 for this rank's tokens of the batch, 0 for the padding added here
             (a padded batch's pad tokens are already gone), i.e. the tokens one process counts under the batch's
             ``attention_mask`` (the MoE load-balancing loss counts those, ``load_balancing_loss``).
+        window: ``schedule="placed"`` only: the window the placement is solved for (``shard_batch``'s ``window``).
 
     Returns:
         ``{"input_ids", "position_ids", "shift_labels"}`` (and ``"token_mask"``), this rank's ``(rows, n)`` tensors:
-        call the model with the first two and give ``shift_labels`` to ``causal_lm_loss``.
+        call the model with the first two and give ``shift_labels`` to ``causal_lm_loss``. ``schedule="placed"``
+        (padded or flattened batches: packed documents on their placement) adds ``"cu_seq_lens"`` and
+        ``"max_length"``: pass them to the model as ``cu_seq_lens_q/k`` and ``max_length_q/k``, so that its hook knows
+        the layout (:func:`documents_kwargs`).
 
     Raises:
         ValueError: no ``input_ids``/``labels``, labels already shifted (``shift_labels``), position ids that
             restart on a batch of more than one row, a key this function would not hand on (e.g. ``pixel_values``,
-            ``inputs_embeds``, ``token_type_ids``), or document boundaries that disagree with ``position_ids``.
+            ``inputs_embeds``, ``token_type_ids``), document boundaries that disagree with ``position_ids``, or a
+            dense batch with ``schedule="placed"`` (it places documents).
     """
     ids, labels = batch.get("input_ids"), batch.get("labels")
     if ids is None or labels is None:
@@ -101,10 +107,16 @@ def shard_inputs(batch, group=None, *, schedule: str = "balanced", pad_id: int =
         raise ValueError(f"position_ids that restart at 0 mean a flattened batch, which must be one row (1, T) "
                          f"like input_ids; got position_ids {tuple(positions.shape)}, input_ids "
                          f"{tuple(ids.shape)}: collate with DataCollatorWithFlattening")
+    if schedule == "placed" and not (padded or flattened):
+        raise ValueError("schedule='placed' places packed documents: collate with DataCollatorWithFlattening (or pad "
+                         "rows with an attention_mask); a batch of dense rows runs on 'balanced' or 'zigzag'")
     rows = functools.partial(_shard_rows, labels=labels, mask=mask if padded else None,
-                             positions=positions if flattened else None, group=group, schedule=schedule)
+                             positions=positions if flattened else None, group=group, schedule=schedule,
+                             window=window)
     out = rows(ids, pad_id=pad_id)
-    out = {key: out[key] for key in ("input_ids", "position_ids", "shift_labels")}
+    keep = ("input_ids", "position_ids", "shift_labels") + (("cu_seq_lens", "max_length") if schedule == "placed"
+                                                             else ())
+    out = {key: out[key] for key in keep}
     if token_mask:  # the same path on ones, padded with 0: the tokens land where the batch's do
         out["token_mask"] = rows(torch.ones_like(ids), pad_id=0)["input_ids"]
     return out
@@ -145,11 +157,39 @@ def _check_keys(batch, positions) -> None:
                              f"restarting at 0 give {key} = {want.tolist() if isinstance(want, torch.Tensor) else want})")
 
 
-def _shard_rows(ids, *, labels, mask, positions, group, schedule: str, pad_id: int) -> dict:
+def documents_kwargs(inputs) -> dict:
+    """The model's document arguments for a batch ``shard_inputs`` placed (``cu_seq_lens_q/k``, ``max_length_q/k``:
+    the hook reads the placement's layout from them); ``{}`` for any other schedule's batch."""
+    if "cu_seq_lens" not in inputs:
+        return {}
+    cu, longest = inputs["cu_seq_lens"], inputs["max_length"]
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def placement_request(batch, group=None, pad_id: int = 0) -> tuple[list[int], int] | None:
+    """``(cu_seqlens, tokens per rank)`` of the stream ``shard_inputs(batch, group, schedule="placed")`` places (the
+    padding it adds included): the arguments of ``distattn.sharding.placement`` and ``solve_ahead``. ``None`` for a
+    batch it would refuse (dense rows)."""
+    ids, mask, positions = batch.get("input_ids"), batch.get("attention_mask"), batch.get("position_ids")
+    multiple = sequence_multiple(group, "placed")
+    if mask is not None and not bool(mask.bool().all()):
+        cu = pack_padded(ids, mask, multiple_of=multiple, pad_id=pad_id).cu_seqlens
+    elif positions is not None and _restarts(positions) and ids.shape[0] == 1:
+        _, _, padded = _pad_flattened(ids, ids, positions, multiple, pad_id)
+        cu = cu_seqlens_from_position_ids(padded)
+    else:
+        return None
+    cu = [int(c) for c in cu]
+    return cu, cu[-1] // _world(group)[1]
+
+
+def _shard_rows(ids, *, labels, mask, positions, group, schedule: str, pad_id: int, window=(-1, -1)) -> dict:
     """``shard_batch`` on a dense (padded to the layout's multiple), padded (``mask``) or flattened
     (``positions``) batch."""
     multiple = sequence_multiple(group, schedule)
     shard = dict(group=group, schedule=schedule, pad_id=pad_id)
+    if schedule == "placed":
+        shard["window"] = window
     if mask is not None:
         return shard_batch(ids, labels, attention_mask=mask, **shard)
     if positions is not None:

@@ -37,9 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
-from distattn.integrations._hf_attention import use_distattn
+from distattn.integrations._hf_attention import placement_window, use_distattn
 from distattn.integrations._hf_data import (IGNORE_INDEX, ReplicaSampler, bounded_all_reduce, check_same_batches,
-                                            replica_of_ranks, shard_inputs)
+                                            documents_kwargs, placement_request, replica_of_ranks, shard_inputs)
 from distattn.integrations._hf_router import (balancing_loss, balancing_sums, model_aux_mismatch, outputs_router_logits,
                                               refuse_other_losses, router_loss_terms)
 from distattn.integrations._hf_techniques import (TrainerTechniques, apply_techniques, reduce_over_group,
@@ -68,6 +68,9 @@ def sequence_parallel_groups(sequence_parallel_size: int):
 
 
 _TOKENS_KEY = "distattn_input_tokens"  # a sharded micro-batch's token count before sharding (``_input_tokens``)
+PLACEMENT_AHEAD = 2
+"""``schedule="placed"``: micro-batches taken from the data ahead of the step that trains them, their placements
+solved meanwhile in as many worker processes (``distattn.sharding.solve_ahead``; ``launch/train.py``'s ``AHEAD``)."""
 
 
 class SequenceParallelMixin:
@@ -76,7 +79,13 @@ class SequenceParallelMixin:
     Args (keyword-only, before the Trainer's own):
         group: the sequence-parallel group (``None``: the world, or blocks of ``sequence_parallel_size`` ranks).
         sequence_parallel_size: ``P``; the world is ``world / P`` data-parallel replicas of ``P`` consecutive ranks.
-        schedule: distattn's schedule (``"balanced"``, ``"ring"``, ``"zigzag"``), as for ``use_distattn``.
+        schedule: distattn's schedule (``"balanced"``, ``"ring"``, ``"zigzag"``, ``"auto"``), as for
+            ``use_distattn``; ``"placed"``: packed documents (``DataCollatorWithFlattening``, or rows padded with an
+            ``attention_mask``) on the work-balanced placement of each micro-batch's documents, solved for the
+            window most of the model's layers run with (``placement_window``). Each step also takes the next
+            :data:`PLACEMENT_AHEAD` micro-batches from the data and hands their placements to worker processes, so
+            that a step waits only for what is left of its solve (``placement_sources`` counts where each came
+            from: ``"ahead"``, a worker's; ``"inline"`` or ``"cached"``).
         backend: kernel backend for ``use_distattn`` (``None``: the best on the model's device).
         pad_id: token id of the padding ``shard_inputs`` appends (``None``: the processing class's pad token,
             else 0; no real token ever sees it).
@@ -120,6 +129,8 @@ class SequenceParallelMixin:
         self._replica = replica_of_ranks(group, device=self._comm_device()) if world > 1 else [0]
         self._hooked_ddp = None
         self._train_sampler = None
+        self._pulled_from, self._pulled = None, []  # micro-batches taken ahead from that epoch iterator ("placed")
+        self.placement_sources = {"ahead": 0, "inline": 0, "cached": 0}
         self.add_callback(_SamplerEpoch(self))
         # compute_loss returns the step-normalized loss whenever get_batch_samples counted the step's targets
         self.model_accepts_loss_kwargs = True
@@ -180,18 +191,12 @@ class SequenceParallelMixin:
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The step's micro-batches, checked equal across the group and sharded, and the step's target count (over
         all replicas with ``average_tokens_across_devices``, else this replica's)."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
+        batches = self._take_batches(epoch_iterator, num_batches)
         group = self.sequence_parallel_group
         check_same_batches(batches, group, device=self._comm_device(),
                            what=f"optimizer step {self.state.global_step + 1}")
         mask = outputs_router_logits(self.model)  # the load-balancing loss counts the batch's tokens, not padding
-        sharded = [shard_inputs(b, group, schedule=self.schedule, pad_id=self.pad_id, token_mask=mask)
-                   for b in batches]
+        sharded = [self._shard(b, mask) for b in batches]
         for batch, shard in zip(batches, sharded):
             shard[_TOKENS_KEY] = self._input_tokens(batch)
         if not sharded:
@@ -203,6 +208,59 @@ class SequenceParallelMixin:
         else:
             bounded_all_reduce(count, group, "counting the step's target tokens")  # this replica's targets
         return sharded, count[0].to(device)
+
+    def _take_batches(self, epoch_iterator, num_batches: int) -> list:
+        """The step's micro-batches from ``epoch_iterator``. With ``schedule="placed"`` the next
+        :data:`PLACEMENT_AHEAD` are taken now too (kept for the steps they belong to; the order is unchanged) and
+        their placements, and those of this step's later micro-batches, handed to worker processes."""
+        if self._pulled_from is not epoch_iterator:  # a new epoch's iterator: nothing taken ahead from it
+            self._pulled_from, self._pulled = epoch_iterator, []
+        batches = []
+        while len(batches) < num_batches:
+            if self._pulled:
+                batches.append(self._pulled.pop(0))
+                continue
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if self.schedule != "placed" or self.sequence_parallel_size == 1:
+            return batches
+        while len(self._pulled) < PLACEMENT_AHEAD:
+            try:
+                self._pulled.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        from distattn.sharding import solve_ahead
+
+        for batch in batches[1:] + self._pulled:
+            request = placement_request(batch, self.sequence_parallel_group, self.pad_id)
+            if request is not None:  # a dense batch is refused when its step shards it
+                solve_ahead(*request, self.sequence_parallel_group, window=self._placement_window(request[0][-1]),
+                            workers=PLACEMENT_AHEAD)
+        return batches
+
+    def _placement_window(self, total: int) -> tuple[int, int]:
+        """The window a packed stream of ``total`` tokens is placed for: most of the model's layers' own."""
+        return placement_window(self.model.config, total)
+
+    def _shard(self, batch, token_mask: bool) -> dict:
+        """``shard_inputs`` with this trainer's schedule; ``"placed"``: on the placement for the model's window,
+        taken from a worker when it was solved ahead (counted in ``placement_sources``)."""
+        kw = dict(schedule=self.schedule, pad_id=self.pad_id, token_mask=token_mask)
+        request = placement_request(batch, self.sequence_parallel_group, self.pad_id) \
+            if self.schedule == "placed" else None
+        if request is None:
+            return shard_inputs(batch, self.sequence_parallel_group, **kw)
+        from distattn.schedule import ahead
+        from distattn.schedule.placement import _place_cached
+
+        served, solves = ahead.served(), _place_cached.cache_info().misses
+        out = shard_inputs(batch, self.sequence_parallel_group, window=self._placement_window(request[0][-1]), **kw)
+        source = "ahead" if ahead.served() > served else "inline" if _place_cached.cache_info().misses > solves \
+            else "cached"
+        self.placement_sources[source] += 1
+        return out
 
     def _input_tokens(self, batch) -> torch.Tensor:
         """What ``Trainer`` would count of this micro-batch on one process (``include_num_input_tokens_seen``): all
@@ -244,14 +302,14 @@ class SequenceParallelMixin:
         """The step's token-mean loss: every rank of a group returns its replica's share, the same value; the
         backward of each rank gives its own tokens' part (``distattn.gradients`` sums them)."""
         if "shift_labels" not in inputs:  # a batch that did not come through get_batch_samples
-            inputs = shard_inputs(inputs, self.sequence_parallel_group, schedule=self.schedule, pad_id=self.pad_id,
-                                  token_mask=outputs_router_logits(self.model))
-        labels = inputs["shift_labels"]
+            inputs = self._shard(inputs, outputs_router_logits(self.model))
+        labels, documents = inputs["shift_labels"], documents_kwargs(inputs)  # "placed": the layout, for the hook
         if self.techniques.tile_loss is not None:  # the model's tiled head + loss: no logits, this rank's loss sum
-            outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], shift_labels=labels)
+            outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], shift_labels=labels,
+                            **documents)
             local_sum = outputs.loss_sum
         else:
-            outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+            outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], **documents)
             labels = labels.to(outputs.logits.device)
             local_sum = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(),
                                         ignore_index=IGNORE_INDEX, reduction="sum")
