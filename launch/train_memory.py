@@ -193,9 +193,25 @@ class StepMeasure:
             moment = ""
         if exc[0] is not None:
             return False
-        peaks = torch.tensor([device, reserved, host], dtype=torch.int64, device=self.job.device)
+        workspaces = cublas_workspace_bytes() if self._mem is None else 0
+        peaks = torch.tensor([device, reserved, host, workspaces], dtype=torch.int64, device=self.job.device)
         if dist.is_initialized():
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         self.fields = {"measured_peak_device_bytes": int(peaks[0]), "measured_peak_reserved_bytes": int(peaks[1]),
-                       "measured_peak_host_bytes": int(peaks[2]), "measured_peak_moment": moment}
+                       "measured_peak_host_bytes": int(peaks[2]), "measured_peak_moment": moment,
+                       "measured_cublas_workspace_bytes": int(peaks[3])}
         return False
+
+
+def cublas_workspace_bytes() -> int:
+    """The bytes the cuBLAS workspaces hold in the CUDA allocator (part of ``max_memory_allocated``; the byte model
+    leaves them to the reserve): the allocated bytes freed by clearing them (the next GEMM makes them again). -1
+    where this torch cannot clear them. The first GPU run measured the peak 88-138 MiB above the model's
+    (``bench/results/gpu-2026-12-04``); this says how much of that the workspaces are."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return -1
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    clear()
+    return int(before - torch.cuda.memory_allocated())

@@ -139,7 +139,8 @@ sys.meta_path.insert(0, Refuse())
 spec = importlib.util.spec_from_file_location("gpu_check", {str(ROOT / "bench" / "gpu_check.py")!r})
 gc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gc)
-row = dict(model="small", seq_len=16384, remat=False, measured_GiB=3.43, predicted_GiB=3.29, error_pct=4.1, note="")
+row = dict(model="small", seq_len=16384, remat=False, measured_GiB=3.43, predicted_GiB=3.29, error_pct=4.1,
+           cublas_MiB=64.0, note="")
 gc.write_memory(gc.Path({str(tmp_path)!r}), [row], "full")
 assert not any(m == "distattn" or m.startswith("distattn.") for m in sys.modules)
 """

@@ -156,6 +156,7 @@ def test_train_json_summary_reports_predicted_and_measured_peaks(tmp_path):
     assert abs(pred - meas) <= REL_TOL * meas, summary
     assert summary["predicted_peak_host_bytes"] == summary["measured_peak_host_bytes"] == 0  # nothing offloaded
     assert summary["predicted_peak_moment"] and summary["measured_peak_moment"]
+    assert summary["measured_cublas_workspace_bytes"] == 0  # CPU: no cuBLAS (CUDA: what its workspaces hold)
 
 
 def test_memory_package_has_no_import_circles():
