@@ -71,10 +71,14 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path, monkeypatch
     gc = _driver()
     python = sys.executable
     monkeypatch.setattr(gc, "kernel_cmd", lambda out, mode: [python, "-c", "print('kernel half done'); exit(3)"])
-    # past its budget: interrupted first (a part writes what it has), killed if it goes on
-    on_interrupt = "import time\ntry: time.sleep(60)\nexcept KeyboardInterrupt: print('wrote what it had')"
-    monkeypatch.setattr(gc, "checkpoint_cmd", lambda out, mode: [python, "-c", on_interrupt])
+    # past its budget: interrupted first (a part writes what it has), killed if it goes on; a child it started that
+    # ignores the interrupt is killed with it, even when the part itself ends on the interrupt
+    pid_file = tmp_path / "grandchild.pid"
     deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    on_interrupt = (f"import subprocess, sys, time\nchild = subprocess.Popen([sys.executable, '-c', {deaf!r}])\n"
+                    f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+                    "try: time.sleep(60)\nexcept KeyboardInterrupt: print('wrote what it had')")
+    monkeypatch.setattr(gc, "checkpoint_cmd", lambda out, mode: [python, "-c", on_interrupt])
     monkeypatch.setattr(gc, "packed_cmd", lambda out, mode: [python, "-c", deaf])
     monkeypatch.setattr(gc, "tier_cmd", lambda out, mode: [python, "-c", "raise SystemExit(0)"])
     monkeypatch.setitem(gc.BUDGET_S["dry"], "checkpoint", 4)
@@ -97,6 +101,22 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path, monkeypatch
     memory_error = (tmp_path / "memory" / "error.txt").read_text()
     assert "Traceback" in memory_error and "OSError: disk full (simulated)" in memory_error
     assert rows["checkpoint"]["seconds"] < 30 and rows["packed"]["seconds"] < 30  # stopped at the budget
+    assert not _running(int(pid_file.read_text())), "the part's child outlived it"
+
+
+def _running(pid: int, wait_s: float = 5.0) -> bool:
+    """Whether process ``pid`` still runs (a zombie waiting for its reaper does not) after up to ``wait_s``."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state in ("Z", "X") or time.monotonic() > deadline:
+            return state not in ("Z", "X")
+        time.sleep(0.1)
 
 
 def test_the_budgets_keep_a_run_under_9_minutes_and_quick_under_4():

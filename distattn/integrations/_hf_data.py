@@ -167,20 +167,21 @@ def documents_kwargs(inputs) -> dict:
 
 
 def placement_request(batch, group=None, pad_id: int = 0) -> tuple[list[int], int] | None:
-    """``(cu_seqlens, tokens per rank)`` of the stream ``shard_inputs(batch, group, schedule="placed")`` places (the
-    padding it adds included): the arguments of ``distattn.sharding.placement`` and ``solve_ahead``. ``None`` for a
-    batch it would refuse (dense rows)."""
+    """``(cu_seqlens, tokens per rank)`` of the stream ``shard_inputs(batch, group, schedule="placed")`` places (its
+    padding included: a flattened batch's is a document of its own, a padded batch's documents end before it): the
+    arguments it gives ``distattn.sharding.placement``, for ``solve_ahead``. ``None`` for a batch it would refuse
+    (dense rows)."""
     ids, mask, positions = batch.get("input_ids"), batch.get("attention_mask"), batch.get("position_ids")
     multiple = sequence_multiple(group, "placed")
-    if mask is not None and not bool(mask.bool().all()):
-        cu = pack_padded(ids, mask, multiple_of=multiple, pad_id=pad_id).cu_seqlens
-    elif positions is not None and _restarts(positions) and ids.shape[0] == 1:
+    if mask is not None and not bool(mask.bool().all()):  # its documents end before the stream's padding
+        packed = pack_padded(ids, mask, multiple_of=multiple, pad_id=pad_id)
+        cu, total = packed.cu_seqlens, packed.input_ids.shape[0]
+    elif positions is not None and _restarts(positions) and ids.shape[0] == 1:  # its padding is a document
         _, _, padded = _pad_flattened(ids, ids, positions, multiple, pad_id)
-        cu = cu_seqlens_from_position_ids(padded)
+        cu, total = cu_seqlens_from_position_ids(padded), padded.shape[1]
     else:
         return None
-    cu = [int(c) for c in cu]
-    return cu, cu[-1] // _world(group)[1]
+    return [int(c) for c in cu], int(total) // _world(group)[1]
 
 
 def _shard_rows(ids, *, labels, mask, positions, group, schedule: str, pad_id: int, window=(-1, -1)) -> dict:

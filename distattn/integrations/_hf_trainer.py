@@ -195,6 +195,7 @@ class SequenceParallelMixin:
         group = self.sequence_parallel_group
         check_same_batches(batches, group, device=self._comm_device(),
                            what=f"optimizer step {self.state.global_step + 1}")
+        self._solve_ahead(batches[1:] + self._pulled)  # "placed": after the check, so every rank asks alike
         mask = outputs_router_logits(self.model)  # the load-balancing loss counts the batch's tokens, not padding
         sharded = [self._shard(b, mask) for b in batches]
         for batch, shard in zip(batches, sharded):
@@ -211,8 +212,7 @@ class SequenceParallelMixin:
 
     def _take_batches(self, epoch_iterator, num_batches: int) -> list:
         """The step's micro-batches from ``epoch_iterator``. With ``schedule="placed"`` the next
-        :data:`PLACEMENT_AHEAD` are taken now too (kept for the steps they belong to; the order is unchanged) and
-        their placements, and those of this step's later micro-batches, handed to worker processes."""
+        :data:`PLACEMENT_AHEAD` are taken now too (kept for the steps they belong to; the order is unchanged)."""
         if self._pulled_from is not epoch_iterator:  # a new epoch's iterator: nothing taken ahead from it
             self._pulled_from, self._pulled = epoch_iterator, []
         batches = []
@@ -231,14 +231,28 @@ class SequenceParallelMixin:
                 self._pulled.append(next(epoch_iterator))
             except StopIteration:
                 break
+        return batches
+
+    def _solve_ahead(self, batches: list) -> None:
+        """``schedule="placed"``: hand these micro-batches' placements to worker processes, in the order they will be
+        asked for, while the workers have room (``distattn.schedule.ahead.PENDING``: more would drop the oldest,
+        the ones needed first). A batch its step would refuse is left to that step, which raises the clear error."""
+        if self.schedule != "placed" or self.sequence_parallel_size == 1:
+            return
+        from distattn.schedule import ahead
         from distattn.sharding import solve_ahead
 
-        for batch in batches[1:] + self._pulled:
-            request = placement_request(batch, self.sequence_parallel_group, self.pad_id)
-            if request is not None:  # a dense batch is refused when its step shards it
-                solve_ahead(*request, self.sequence_parallel_group, window=self._placement_window(request[0][-1]),
-                            workers=PLACEMENT_AHEAD)
-        return batches
+        for batch in batches:
+            if ahead.pending() >= ahead.PENDING:
+                break
+            try:
+                request = placement_request(batch, self.sequence_parallel_group, self.pad_id)
+            except Exception:  # noqa: BLE001 - a malformed batch: shard_inputs raises its error at its step
+                continue
+            if request is not None:  # None: dense rows, refused when their step shards them
+                cu, n = request
+                window = self._placement_window(n * self.sequence_parallel_size)
+                solve_ahead(cu, n, self.sequence_parallel_group, window=window, workers=PLACEMENT_AHEAD)
 
     def _placement_window(self, total: int) -> tuple[int, int]:
         """The window a packed stream of ``total`` tokens is placed for: most of the model's layers' own."""
@@ -256,11 +270,18 @@ class SequenceParallelMixin:
         from distattn.schedule.placement import _place_cached
 
         served, solves = ahead.served(), _place_cached.cache_info().misses
-        out = shard_inputs(batch, self.sequence_parallel_group, window=self._placement_window(request[0][-1]), **kw)
+        window = self._placement_window(request[1] * self.sequence_parallel_size)
+        out = shard_inputs(batch, self.sequence_parallel_group, window=window, **kw)
         source = "ahead" if ahead.served() > served else "inline" if _place_cached.cache_info().misses > solves \
             else "cached"
         self.placement_sources[source] += 1
         return out
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # the last epoch's iterator (its DataLoader workers) and the batches taken ahead from it
+            self._pulled_from, self._pulled = None, []
 
     def _input_tokens(self, batch) -> torch.Tensor:
         """What ``Trainer`` would count of this micro-batch on one process (``include_num_input_tokens_seen``): all
