@@ -41,8 +41,10 @@ __all__ = ["PENDING", "KEEP", "WorkerDied", "start", "submit", "take", "ready", 
 
 PENDING = 8
 """Most solves asked for and not yet taken; asking for more drops the oldest (a loop that asks and never takes)."""
-KEEP = 16
-"""Taken placements kept for a second ask of the same key (the shards and the attention call's plan ask alike)."""
+KEEP = 64
+"""Taken placements kept for a second ask of the same key (the shards and the attention call's plan ask alike): as
+many as the inline solves' cache keeps, so that a step sharding many micro-batches before its first forward (the HF
+Trainer with gradient accumulation) finds each one's layout there again instead of solving it anew."""
 
 
 class WorkerDied(RuntimeError):
