@@ -8,12 +8,12 @@ recorded (``OUT/<part>/error.txt``: the exit status and the log's tail, or the d
 part runs; a part at its budget is first interrupted (SIGINT: pytest then prints its summary and writes its junit
 file), then killed. The budgets add up to under 9 minutes (--quick: under 4), compile time included. They were set
 from the first GPU run (H200, 2026-12-04, ``bench/results/gpu-2026-12-04/``): there the serial tier ran 35 of its 61
-tests in 220 s, the kernel table needed ~90 s, checkpoint 42 s, memory 43 s, and packed had not finished its first
-schedule at 30 s. Kernel, checkpoint, packed and peers write their tables as they go, so a part stopped at its
+tests in 220 s, the kernel table needed ~90 s, checkpoint 42 s, memory 43 s, peers' three installed systems 32 s,
+and packed had not finished its first schedule at 30 s. Kernel, checkpoint, packed and peers write their tables as they go, so a part stopped at its
 budget keeps what it measured:
 
   machine     10 / 10   OUT/machine.md: nvidia-smi, torch.cuda.get_device_properties, versions, the command
-  tier       180 / 70   ``pytest -m gpu -n 4`` over the GPU-tier files (4 workers: the tier is bound by Triton's
+  tier       175 / 70   ``pytest -m gpu -n 4`` over the GPU-tier files (4 workers: the tier is bound by Triton's
                         compiles, on the CPU): OUT/tier/junit.xml, the 30 slowest tests in its log (every part:
                         OUT/<part>/log.txt) (--quick: 16k/32k-token kernel cases, autotune and the planner's 32k job
                         left out)
@@ -29,7 +29,7 @@ budget keeps what it measured:
                         gloo (CUDA tensors), LLaMA-3-8B heads, bf16, forward + backward per call under balanced,
                         zigzag and placed, beside the per-pair timeline's modelled ratio (quick: 2048 tokens per rank,
                         full: 4096): OUT/packed/packed.{md,csv}
-  peers       40 / 20   python -m bench.peers --device cuda (issue 37): distattn beside the peers installed on the
+  peers       45 / 20   python -m bench.peers --device cuda (issue 37): distattn beside the peers installed on the
                         machine, the same harness as on CPU with the ranks sharing the GPU over gloo (CUDA tensors),
                         bf16, LLaMA-3-8B heads, P = 4, 512 tokens per rank, dense causal, 20 s a row (quick: P = 2,
                         256 tokens, distattn and PyTorch CP, 10 s a row): OUT/peers/peers.{md,csv}, tables.md
@@ -66,8 +66,8 @@ sys.path.insert(0, str(ROOT))  # bench._util from a checkout
 from bench._util import pyplot_or_note  # noqa: E402
 
 PARTS = ("machine", "tier", "kernel", "checkpoint", "memory", "packed", "peers")
-BUDGET_S = {"full": {"machine": 10, "tier": 180, "kernel": 95, "checkpoint": 50, "memory": 50, "packed": 100,
-                     "peers": 40},
+BUDGET_S = {"full": {"machine": 10, "tier": 175, "kernel": 95, "checkpoint": 50, "memory": 50, "packed": 100,
+                     "peers": 45},
             "quick": {"machine": 10, "tier": 70, "kernel": 40, "checkpoint": 30, "memory": 25, "packed": 40,
                       "peers": 20},
             # dry run: ~50 s of CPU in all; these only stop a hang on a loaded machine (CI's pytest limit: 600 s)
