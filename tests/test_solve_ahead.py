@@ -172,3 +172,21 @@ def test_arguments_are_checked_here():
         ahead.start(True)
     with pytest.raises(ValueError, match="n=0"):
         solve_ahead(_spec("uniform:8192", 8, 1), 8, 0)
+
+
+
+def test_a_worker_whose_caller_ended_exits_quietly():
+    """A training process that ends (or dies) while its worker still solves: the worker's answer meets a closed pipe,
+    and it exits 0 without a traceback on the job's stderr (it printed a BrokenPipeError one). The worker's serve
+    loop is run on an answers pipe whose reading end is already closed."""
+    import subprocess
+    import sys
+
+    script = ("import io, os, sys\n"
+              "from distattn.schedule import _ahead_worker\n"
+              "read, write = os.pipe()\n"
+              "os.close(read)  # the caller is gone\n"
+              "sys.stdin = io.TextIOWrapper(io.BytesIO(b''))  # and so are its requests\n"
+              "_ahead_worker.serve(write)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-3000:])

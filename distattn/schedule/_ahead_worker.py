@@ -24,6 +24,13 @@ def serve(out_fd: int) -> None:
     from distattn.schedule.placement import _place_cached
 
     inp, out = sys.stdin.buffer, os.fdopen(out_fd, "wb")
+    try:
+        _serve(inp, out, _place_cached)
+    except BrokenPipeError:  # the caller ended while this worker answered: nobody left to answer, nothing to say
+        os._exit(0)  # no flush of the closed pipe at exit (that would print the same error again)
+
+
+def _serve(inp, out, _place_cached) -> None:
     _send(out, READY.to_bytes(8, "little"))  # imported: ready for requests
     while True:
         try:
