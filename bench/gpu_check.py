@@ -9,8 +9,8 @@ part runs; a part at its budget is first interrupted (SIGINT: pytest then prints
 file), then killed. The budgets add up to under 9 minutes (--quick: under 4), compile time included. They were set
 from the first GPU run (H200, 2026-12-04, ``bench/results/gpu-2026-12-04/``): there the serial tier ran 35 of its 61
 tests in 220 s, the kernel table needed ~90 s, checkpoint 42 s, memory 43 s, peers' three installed systems 32 s,
-and packed had not finished its first schedule at 30 s. Kernel, checkpoint, packed and peers write their tables as they go, so a part stopped at its
-budget keeps what it measured:
+and packed had not finished its first schedule at 30 s. Kernel, checkpoint, packed and peers write their tables as
+they go, so a part stopped at its budget keeps what it measured:
 
   machine     10 / 10   OUT/machine.md: nvidia-smi, torch.cuda.get_device_properties, versions, the command
   tier       175 / 70   ``pytest -m gpu -n 4`` over the GPU-tier files (4 workers: the tier is bound by Triton's
@@ -258,7 +258,7 @@ def write_memory(out: Path, rows: list[dict], mode: str) -> None:
              "what the cuBLAS workspaces hold of it (the model leaves them to the reserve; negative: not measurable "
              "on this torch).", "",
              "| " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
-    lines += ["| " + " | ".join(fmt(r[f]) for f in fields) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r.get(f, "")) for f in fields) + " |" for r in rows]
     (out / "memory.md").write_text("\n".join(lines) + "\n")
     plt = pyplot_or_note(str(out / "memory.png"))
     if plt is None:

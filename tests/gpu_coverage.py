@@ -29,6 +29,7 @@ COVERAGE: dict[str, list[str]] = {
     "launch/train_memory.py:StepMeasure.__enter__": [_T + "test_step_peaks_predicted_and_measured_on_the_device_and_the_host"],
     "launch/train_memory.py:StepMeasure.__exit__": [_T + "test_step_peaks_predicted_and_measured_on_the_device_and_the_host"],
     "launch/train_memory.py:step_prediction": [_T + "test_step_peaks_predicted_and_measured_on_the_device_and_the_host"],
+    "launch/train_memory.py:cublas_workspace_bytes": [_T + "test_step_peaks_predicted_and_measured_on_the_device_and_the_host"],
     "distattn/memory/cli.py:_gpu_mem": [_M + "test_planner_gpu_memory_defaults_to_what_this_gpu_reports"],
     "distattn/offload.py:CheckpointOffload.__init__": ["tests/test_offload.py::test_cuda_offload_same_gradients_pinned_host_and_freed_device", _T + "test_train_one_gpu_with_every_offload"],
     "distattn/offload.py:CheckpointOffload._copy_in": ["tests/test_offload.py::test_cuda_offload_same_gradients_pinned_host_and_freed_device", _T + "test_train_one_gpu_with_every_offload"],
