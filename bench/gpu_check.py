@@ -46,6 +46,7 @@ Without matplotlib the tables are written and the plots are skipped (the part's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib.util
 import json
@@ -119,10 +120,8 @@ def run_logged(cmd: list[str], log: Path, budget_s: float, env: dict, prefix: st
                 what = f"interrupted {grace:g} s before its budget of {budget_s:g} s"
             except subprocess.TimeoutExpired:
                 what = f"killed: past its budget of {budget_s:g} s"
-            try:  # what is left of the part (a child that ignored the interrupt) never runs beside the next part
+            with contextlib.suppress(ProcessLookupError):  # what is left of the part never runs beside the next
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
             reader.join(5)
             fh.write(f"\n--- {what}\n")

@@ -16,6 +16,7 @@ layers differ in window shares one sharding), and a ``ValueError`` when that is 
 
 from __future__ import annotations
 
+import contextlib
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -95,6 +96,25 @@ def solve_ahead(cu_seqlens, n: int, group=None, *, window=(-1, -1), workers: int
         return
     ring, ulysses = _grid(group)
     _solve_ahead(spec, ring, ulysses * n, workers=workers)
+
+
+@contextlib.contextmanager
+def placement_source():
+    """Where the placements asked for inside the block came from, for a training loop's log: yields a dict whose
+    ``"source"`` is set when the block ends: ``"ahead"`` (a worker's, :func:`solve_ahead`), ``"inline"`` (solved in
+    the block) or ``"cached"`` (asked for before)::
+
+        with distattn.sharding.placement_source() as where:
+            lay = distattn.sharding.placement(cu, n, group)
+        log(where["source"])
+    """
+    from distattn.schedule import ahead
+    from distattn.schedule.placement import _place_cached
+
+    where, served, solves = {}, ahead.served(), _place_cached.cache_info().misses
+    yield where
+    where["source"] = ("ahead" if ahead.served() > served else
+                       "inline" if _place_cached.cache_info().misses > solves else "cached")
 
 
 def _grid(group) -> tuple[int, int]:

@@ -48,8 +48,7 @@ def placements(job, dataset, batch, step: int, first: int) -> dict:
     if cfg.args.schedule != "placed" or not cfg.args.pack:
         return {}
     from distattn.schedule import ahead
-    from distattn.schedule.placement import _place_cached
-    from distattn.sharding import placement, solve_ahead
+    from distattn.sharding import placement, placement_source, solve_ahead
 
     stride = cfg.args.batch_size * cfg.dp_size  # samples per step, over the replicas
     # the run's first step asks for the next AHEAD batches; every later step for the one AHEAD on (the rest are asked)
@@ -59,12 +58,11 @@ def placements(job, dataset, batch, step: int, first: int) -> dict:
         solve_ahead(cu, n, job.group, window=window, workers=AHEAD)
     cu, n, window = placement_args(job.model, *batch, cfg.sp_size)
     warm = ahead.ready()  # a worker still importing the library leaves this batch to an inline solve
-    t0, served, solves = time.perf_counter(), ahead.served(), _place_cached.cache_info().misses
-    placement(cu, n, job.group, window=window)
+    t0 = time.perf_counter()
+    with placement_source() as where:
+        placement(cu, n, job.group, window=window)
     wait = time.perf_counter() - t0
-    source = "ahead" if ahead.served() > served else "inline" if _place_cached.cache_info().misses > solves \
-        else "cached"
-    return {"placement_wait_s": wait, "placement_source": source, "placement_workers_ready": warm}
+    return {"placement_wait_s": wait, "placement_source": where["source"], "placement_workers_ready": warm}
 
 
 def placed_documents(cfg, inputs) -> dict:

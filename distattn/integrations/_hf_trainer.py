@@ -45,7 +45,7 @@ from distattn.integrations._hf_router import (balancing_loss, balancing_sums, mo
 from distattn.integrations._hf_techniques import (TrainerTechniques, apply_techniques, reduce_over_group,
                                                   refuse_ignored_fsdp)
 from distattn.integrations._hf_tiling import global_mean
-from distattn.sharding import _world
+from distattn.sharding import _world, placement_source
 
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer"]
 
@@ -266,15 +266,10 @@ class SequenceParallelMixin:
             if self.schedule == "placed" else None
         if request is None:
             return shard_inputs(batch, self.sequence_parallel_group, **kw)
-        from distattn.schedule import ahead
-        from distattn.schedule.placement import _place_cached
-
-        served, solves = ahead.served(), _place_cached.cache_info().misses
         window = self._placement_window(request[1] * self.sequence_parallel_size)
-        out = shard_inputs(batch, self.sequence_parallel_group, window=window, **kw)
-        source = "ahead" if ahead.served() > served else "inline" if _place_cached.cache_info().misses > solves \
-            else "cached"
-        self.placement_sources[source] += 1
+        with placement_source() as where:
+            out = shard_inputs(batch, self.sequence_parallel_group, window=window, **kw)
+        self.placement_sources[where["source"]] += 1
         return out
 
     def train(self, *args, **kwargs):
