@@ -19,6 +19,12 @@ fallback is a causal solve, unchanged), and every mask stops early. ``--no-bound
 for when the timeline itself changed since the sweep (the backward's head of the local pair, ``Plan.head_task``,
 moved every plan's step, most down, some up: the sweep no longer bounds today); with ``--max-seeds 200`` every seed is
 re-solved and the row is exact, with today's median.
+``--latency-us L``: a what-if, NVLink's per-message latency ``L`` microseconds instead of the preset's 3 (an assumption:
+no measurement of it exists here); each seed is solved for that link and timed on it, with no early stop, and "sweep
+worst" is the log's (or sweep's) figure at 3 us. How much of a worst seed's excess the latency holds::
+
+    python bench/placement_worst.py --log bench/results/placement-sim/worst-64-all.log --world 64 --mask causal \
+        --max-seeds 8 --latency-us 0
 
 Per setting (docs, P, mask) of the sweep, NVLink, the library's placement (causal: ``placed``; windowed: ``placed,
 window weighed``, solved for the window), on the per-pair timeline (``distattn.schedule.timeline``) over perfect
@@ -28,6 +34,7 @@ balance. Modelled, not measured; no GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -61,12 +68,23 @@ def sweep_rows(path: Path, worlds) -> dict:
     return {k: sorted(v, key=lambda x: (-x[0], x[1])) for k, v in out.items()}
 
 
-def solve(docs: str, p: int, mask: str, seed: int, n: int) -> tuple[float, int, float, float, str]:
+def nvlink(latency: float | None = None) -> Cluster:
+    """The NVLink preset; ``latency`` (s per message, ``None``: the preset's) a what-if of another per-message latency
+    (the placement is then solved for it, and timed on it)."""
+    cluster = Cluster.preset("nvlink")
+    if latency is None:
+        return cluster
+    link = dataclasses.replace(cluster.intra, latency=latency)
+    return dataclasses.replace(cluster, intra=link, inter=link)
+
+
+def solve(docs: str, p: int, mask: str, seed: int, n: int,
+          latency: float | None = None) -> tuple[float, int, float, float, str]:
     """Today's library placement of one seed: (step over perfect balance, group, partials="input" what-if, CPU s of
-    the uncached solve, the layout's note)."""
+    the uncached solve, the layout's note); ``latency``: :func:`nvlink`'s what-if."""
     win = (-1, -1) if mask == "causal" else (int(mask.split()[1]), 0)
     spec = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
-    cluster, shapes = Cluster.preset("nvlink"), Shapes(seq_per_rank=n, **SHAPES)
+    cluster, shapes = nvlink(latency), Shapes(seq_per_rank=n, **SHAPES)
     t = time.thread_time()
     layout = _place_cached.__wrapped__(spec, p, n, None, cluster)
     t = time.thread_time() - t
@@ -89,6 +107,8 @@ def one(job) -> dict:
     (docs, p, mask), seeds, n, cap, *rest = job
     bound = rest[0] if rest else True  # the sweep's figures bound today's (causal): stop once the bound closes
     every = len(rest) > 1 and rest[1]  # figures of a solver this one only adds candidates to: windowed bound too
+    latency = rest[2] if len(rest) > 2 else None  # the what-if of another per-message latency: no bound holds
+    bound = bound and latency is None
     exact, found, worse = (mask == "causal" or every) and bound, [], []
     rounding = 5e-4 if every else ROUNDING  # a log holds 3 decimals
     for i, (old, seed) in enumerate(seeds):
@@ -97,7 +117,7 @@ def one(job) -> dict:
         if i >= cap:
             exact = False
             break
-        ratio, group, half, t, note = solve(docs, p, mask, seed, n)
+        ratio, group, half, t, note = solve(docs, p, mask, seed, n, latency)
         found.append((ratio, seed, group, half, old, t))
         if ratio > old + rounding:
             worse.append(f"{seed}: {old:.3f} -> {ratio:.3f}")
@@ -132,9 +152,12 @@ def main(argv=None) -> None:
     ap.add_argument("--log", type=Path, help="the seeds' figures from an earlier run's per-seed log (module docstring)")
     ap.add_argument("--no-bound", action="store_true",
                     help="re-solve the worst --max-seeds seeds, no early stop (the timeline changed since the sweep)")
+    ap.add_argument("--latency-us", type=float,
+                    help="what-if: NVLink's per-message latency in microseconds (the preset: 3); no early stop")
     args = ap.parse_args(argv)
     rows = log_rows(args.log, set(args.world)) if args.log else sweep_rows(args.sweep, set(args.world))
-    jobs = [(key, seeds, args.seq_per_rank, args.max_seeds, not args.no_bound, args.log is not None)
+    latency = None if args.latency_us is None else args.latency_us * 1e-6
+    jobs = [(key, seeds, args.seq_per_rank, args.max_seeds, not args.no_bound, args.log is not None, latency)
             for key, seeds in sorted(rows.items())
             if (not args.docs or key[0] in args.docs) and (not args.mask or key[2] in args.mask)]
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -143,10 +166,13 @@ def main(argv=None) -> None:
     only = "".join(f" --{k} " + " ".join(f"'{x}'" if " " in x else x for x in v)
                    for k, v in (("docs", args.docs), ("mask", args.mask)) if v)
     only += " --no-bound" if args.no_bound else ""
+    only += f" --latency-us {args.latency_us:g}" if latency is not None else ""
     source = f"--log {args.log}" if args.log else f"--sweep {args.sweep}"
+    what_if = "" if latency is None else f" with {args.latency_us:g} us per message (a what-if; the preset: 3 us)"
     lines = [f"`python bench/placement_worst.py {source} --world {' '.join(map(str, args.world))} "
-             f"--max-seeds {args.max_seeds}{only}`: NVLink, {args.seq_per_rank} tokens per rank, LLaMA-3-8B attention "
-             f"shapes; the library's placement over perfect balance on the per-pair timeline. Modelled, not measured.",
+             f"--max-seeds {args.max_seeds}{only}`: NVLink{what_if}, {args.seq_per_rank} tokens per rank, "
+             f"LLaMA-3-8B attention shapes; the library's placement over perfect balance on the per-pair timeline. "
+             f"Modelled, not measured.",
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in results]
     text = "\n".join(lines) + "\n"

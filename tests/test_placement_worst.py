@@ -112,3 +112,22 @@ def test_the_ib_window_bench_picks_the_least_step_per_seed(tmp_path, capsys):
     assert 1.0 <= worst <= median <= best
     found = ib.one(("longtail:2048", 8, 0, 512, 256))
     assert set(found["steps"]) == {"ring", "balanced", "zigzag", "placed"}
+
+
+def test_the_latency_what_if_solves_for_its_link_and_never_stops_early(tmp_path):
+    """``--latency-us``: every link of the NVLink preset with that per-message latency (the rest the preset's); the
+    seeds are solved for it and timed on it, so the sweep's figures (at the preset's 3 us) bound nothing: a causal
+    setting is re-solved up to the cap. On this seed the solve for the free link is no slower than at 3 us."""
+    base, free = pw.nvlink(), pw.nvlink(0.0)
+    assert base == pw.Cluster.preset("nvlink") and base.intra.latency == 3e-6
+    assert free.intra.latency == free.inter.latency == 0.0
+    assert (free.intra.bandwidth, free.gpus_per_node, free.flops) == (base.intra.bandwidth, base.gpus_per_node,
+                                                                      base.flops)
+    today = {s: pw.solve(DOCS, P, "causal", s, N)[0] for s in range(3)}
+    path = tmp_path / "s.csv"
+    _sweep(path, today)
+    seeds = pw.sweep_rows(path, {P})[(DOCS, P, "causal")]
+    row = pw.one(((DOCS, P, "causal"), seeds, N, 20, True, False, 0.0))
+    assert row["re-solved"] == 3 and row["exact"] == "yes: all 3 re-solved"
+    assert pw.one(((DOCS, P, "causal"), seeds, N, 20, True, False))["re-solved"] == 1  # the bound, at 3 us
+    assert pw.solve(DOCS, P, "causal", 0, N, 0.0)[0] <= today[0] + 1e-9
