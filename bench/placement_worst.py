@@ -19,9 +19,11 @@ fallback is a causal solve, unchanged), and every mask stops early. ``--no-bound
 for when the timeline itself changed since the sweep (the backward's head of the local pair, ``Plan.head_task``,
 moved every plan's step, most down, some up: the sweep no longer bounds today); with ``--max-seeds 200`` every seed is
 re-solved and the row is exact, with today's median.
-``--latency-us L``: a what-if, NVLink's per-message latency ``L`` microseconds instead of the preset's 3 (an assumption:
-no measurement of it exists here); each seed is solved for that link and timed on it, with no early stop, and "sweep
-worst" is the log's (or sweep's) figure at 3 us. How much of a worst seed's excess the latency holds::
+``--breakdown``: and, per setting, where its worst seed's step goes (:func:`breakdown`: the busiest rank's compute,
+free links, no latency, as is). ``--latency-us L``: a what-if, NVLink's per-message latency ``L`` microseconds
+instead of the preset's 3 (an assumption: no measurement of it exists here); each seed is solved for that link and
+timed on it, with no early stop, and "sweep worst" is the log's (or sweep's) figure at 3 us. How much of a worst
+seed's excess the latency holds::
 
     python bench/placement_worst.py --log bench/results/placement-sim/worst-64-all.log --world 64 --mask causal \
         --max-seeds 8 --latency-us 0
@@ -49,7 +51,7 @@ from bench.placement_compare import load  # noqa: E402
 from bench.placement_sweep import SHAPES  # noqa: E402
 from distattn.schedule import MaskSpec, Shapes  # noqa: E402
 from distattn.schedule.cli import document_lengths  # noqa: E402
-from distattn.schedule.cluster import Cluster  # noqa: E402
+from distattn.schedule.cluster import Cluster, Link  # noqa: E402
 from distattn.schedule.masked import make_masked_plan  # noqa: E402
 from distattn.schedule.placement import _place_cached  # noqa: E402
 from distattn.schedule.timeline import step_timeline  # noqa: E402
@@ -93,6 +95,21 @@ def solve(docs: str, p: int, mask: str, seed: int, n: int,
             step_timeline(plan, shapes, cluster, partials="input")["ratio"], t, layout.note)
 
 
+def breakdown(docs: str, p: int, mask: str, seed: int, n: int, latency: float | None = None) -> str:
+    """Where one seed's step goes: its placement (solved as :func:`solve` does) timed with the busiest rank's compute
+    alone (a bound of any order of that plan), on free links (no bytes, no latency: the plan's order), with the link's
+    bandwidth and no latency, and as is, each over perfect balance: ``"busiest / free / no latency / as is"``."""
+    win = (-1, -1) if mask == "causal" else (int(mask.split()[1]), 0)
+    spec = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
+    cluster, shapes = nvlink(latency), Shapes(seq_per_rank=n, **SHAPES)
+    plan = make_masked_plan.__wrapped__(p, "placed", spec, n, _place_cached.__wrapped__(spec, p, n, None, cluster))
+    free = Link(name="free", bandwidth=float("inf"), latency=0.0)
+    links = (dataclasses.replace(cluster, intra=free, inter=free), nvlink(0.0), cluster)
+    step = step_timeline(plan, shapes, cluster)
+    return " / ".join(f"{x:.3f}" for x in [step["busiest"] / step["perfect"]] +
+                      [step_timeline(plan, shapes, c)["ratio"] for c in links])
+
+
 def log_rows(path: Path, worlds) -> dict:
     """:func:`sweep_rows` from a per-seed log of this script (the figure after the arrow: that run's solver)."""
     out = {}
@@ -108,6 +125,7 @@ def one(job) -> dict:
     bound = rest[0] if rest else True  # the sweep's figures bound today's (causal): stop once the bound closes
     every = len(rest) > 1 and rest[1]  # figures of a solver this one only adds candidates to: windowed bound too
     latency = rest[2] if len(rest) > 2 else None  # the what-if of another per-message latency: no bound holds
+    split = len(rest) > 3 and rest[3]  # the worst seed's breakdown (busiest / free / no latency / as is)
     bound = bound and latency is None
     exact, found, worse = (mask == "causal" or every) and bound, [], []
     rounding = 5e-4 if every else ROUNDING  # a log holds 3 decimals
@@ -136,7 +154,9 @@ def one(job) -> dict:
             "re-solved": len(found),
             "solve CPU s (max / median)": f"{max(f[5] for f in found):.1f} / "
                                            f"{float(np.median([f[5] for f in found])):.1f}",
-            "slower than the sweep": "; ".join(worse) or "none"}
+            "slower than the sweep": "; ".join(worse) or "none",
+            **({"worst seed: busiest rank / free links / no latency / as is":
+                breakdown(docs, p, mask, top[1], n, latency)} if split else {})}
 
 
 def main(argv=None) -> None:
@@ -152,12 +172,15 @@ def main(argv=None) -> None:
     ap.add_argument("--log", type=Path, help="the seeds' figures from an earlier run's per-seed log (module docstring)")
     ap.add_argument("--no-bound", action="store_true",
                     help="re-solve the worst --max-seeds seeds, no early stop (the timeline changed since the sweep)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="and the worst seed's step: its busiest rank alone, free links, no latency (one solve more)")
     ap.add_argument("--latency-us", type=float,
                     help="what-if: NVLink's per-message latency in microseconds (the preset: 3); no early stop")
     args = ap.parse_args(argv)
     rows = log_rows(args.log, set(args.world)) if args.log else sweep_rows(args.sweep, set(args.world))
     latency = None if args.latency_us is None else args.latency_us * 1e-6
-    jobs = [(key, seeds, args.seq_per_rank, args.max_seeds, not args.no_bound, args.log is not None, latency)
+    jobs = [(key, seeds, args.seq_per_rank, args.max_seeds, not args.no_bound, args.log is not None, latency,
+             args.breakdown)
             for key, seeds in sorted(rows.items())
             if (not args.docs or key[0] in args.docs) and (not args.mask or key[2] in args.mask)]
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -167,6 +190,7 @@ def main(argv=None) -> None:
                    for k, v in (("docs", args.docs), ("mask", args.mask)) if v)
     only += " --no-bound" if args.no_bound else ""
     only += f" --latency-us {args.latency_us:g}" if latency is not None else ""
+    only += " --breakdown" if args.breakdown else ""
     source = f"--log {args.log}" if args.log else f"--sweep {args.sweep}"
     what_if = "" if latency is None else f" with {args.latency_us:g} us per message (a what-if; the preset: 3 us)"
     lines = [f"`python bench/placement_worst.py {source} --world {' '.join(map(str, args.world))} "

@@ -114,10 +114,10 @@ def test_the_ib_window_bench_picks_the_least_step_per_seed(tmp_path, capsys):
     assert set(found["steps"]) == {"ring", "balanced", "zigzag", "placed"}
 
 
-def test_the_latency_what_if_solves_for_its_link_and_never_stops_early(tmp_path):
+def test_the_latency_what_if_solves_for_its_link_and_never_stops_early(tmp_path, monkeypatch):
     """``--latency-us``: every link of the NVLink preset with that per-message latency (the rest the preset's); the
     seeds are solved for it and timed on it, so the sweep's figures (at the preset's 3 us) bound nothing: a causal
-    setting is re-solved up to the cap. On this seed the solve for the free link is no slower than at 3 us."""
+    setting is re-solved up to the cap, each solve asked at that latency."""
     base, free = pw.nvlink(), pw.nvlink(0.0)
     assert base == pw.Cluster.preset("nvlink") and base.intra.latency == 3e-6
     assert free.intra.latency == free.inter.latency == 0.0
@@ -127,7 +127,25 @@ def test_the_latency_what_if_solves_for_its_link_and_never_stops_early(tmp_path)
     path = tmp_path / "s.csv"
     _sweep(path, today)
     seeds = pw.sweep_rows(path, {P})[(DOCS, P, "causal")]
+    asked, solve = [], pw.solve
+
+    def spy(*args):
+        asked.append(args[5:])
+        return solve(*args)
+
+    monkeypatch.setattr(pw, "solve", spy)
     row = pw.one(((DOCS, P, "causal"), seeds, N, 20, True, False, 0.0))
-    assert row["re-solved"] == 3 and row["exact"] == "yes: all 3 re-solved"
+    assert row["re-solved"] == 3 and row["exact"] == "yes: all 3 re-solved" and asked == [(0.0,)] * 3
     assert pw.one(((DOCS, P, "causal"), seeds, N, 20, True, False))["re-solved"] == 1  # the bound, at 3 us
-    assert pw.solve(DOCS, P, "causal", 0, N, 0.0)[0] <= today[0] + 1e-9
+    assert asked[3:] == [(None,)]
+    assert solve(DOCS, P, "causal", 0, N, 0.0)[0] < today[0]  # the latency reaches the timeline
+
+
+def test_the_breakdown_orders_what_each_cost_adds():
+    """``--breakdown``: the worst seed's step with its busiest rank's compute alone, on free links, with bandwidth and
+    no latency, and as is: each a bound of the next (the timeline only grows with its costs); as is, the solve's."""
+    ratio = pw.solve(DOCS, P, "causal", 1, N)[0]
+    parts = [float(x) for x in pw.breakdown(DOCS, P, "causal", 1, N).split(" / ")]
+    assert len(parts) == 4 and parts[-1] == float(f"{ratio:.3f}")
+    assert all(a <= b + 1e-9 for a, b in zip(parts, parts[1:])) and parts[0] >= 1.0
+    assert parts[-1] > parts[2]  # the preset's latency costs this seed something
