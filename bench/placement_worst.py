@@ -84,25 +84,27 @@ def solve(docs: str, p: int, mask: str, seed: int, n: int,
           latency: float | None = None) -> tuple[float, int, float, float, str]:
     """Today's library placement of one seed: (step over perfect balance, group, partials="input" what-if, CPU s of
     the uncached solve, the layout's note); ``latency``: :func:`nvlink`'s what-if."""
+    layout, plan, cluster, shapes, t = _solved(docs, p, mask, seed, n, latency)
+    return (step_timeline(plan, shapes, cluster)["ratio"], layout.group,
+            step_timeline(plan, shapes, cluster, partials="input")["ratio"], t, layout.note)
+
+
+def _solved(docs: str, p: int, mask: str, seed: int, n: int, latency: float | None):
+    """One seed's placement solved uncached: ``(layout, its plan, the cluster, the shapes, CPU s of the solve)``."""
     win = (-1, -1) if mask == "causal" else (int(mask.split()[1]), 0)
     spec = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
     cluster, shapes = nvlink(latency), Shapes(seq_per_rank=n, **SHAPES)
     t = time.thread_time()
     layout = _place_cached.__wrapped__(spec, p, n, None, cluster)
     t = time.thread_time() - t
-    plan = make_masked_plan.__wrapped__(p, "placed", spec, n, layout)
-    return (step_timeline(plan, shapes, cluster)["ratio"], layout.group,
-            step_timeline(plan, shapes, cluster, partials="input")["ratio"], t, layout.note)
+    return layout, make_masked_plan.__wrapped__(p, "placed", spec, n, layout), cluster, shapes, t
 
 
 def breakdown(docs: str, p: int, mask: str, seed: int, n: int, latency: float | None = None) -> str:
     """Where one seed's step goes: its placement (solved as :func:`solve` does) timed with the busiest rank's compute
     alone (a bound of any order of that plan), on free links (no bytes, no latency: the plan's order), with the link's
     bandwidth and no latency, and as is, each over perfect balance: ``"busiest / free / no latency / as is"``."""
-    win = (-1, -1) if mask == "causal" else (int(mask.split()[1]), 0)
-    spec = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
-    cluster, shapes = nvlink(latency), Shapes(seq_per_rank=n, **SHAPES)
-    plan = make_masked_plan.__wrapped__(p, "placed", spec, n, _place_cached.__wrapped__(spec, p, n, None, cluster))
+    _, plan, cluster, shapes, _ = _solved(docs, p, mask, seed, n, latency)
     free = Link(name="free", bandwidth=float("inf"), latency=0.0)
     links = (dataclasses.replace(cluster, intra=free, inter=free), nvlink(0.0), cluster)
     step = step_timeline(plan, shapes, cluster)
