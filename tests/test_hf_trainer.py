@@ -174,15 +174,20 @@ def _placed_run(out):
 def _placement_requests():
     """What the trainer hands to the workers (``placement_request``: documents, tokens per rank) against what
     ``shard_inputs`` then places (its ``cu_seq_lens``, this rank's tokens), for a flattened batch and a batch padded
-    with an attention mask, of an odd number of real tokens (so both are padded to a multiple of P)."""
-    from distattn.integrations._hf_data import placement_request, shard_inputs
+    with an attention mask, of an odd number of real tokens (so both are padded to a multiple of P); and the stream's
+    tokens ``placed_tokens`` reads off the batch (the window's input) against the tokens ``shard_inputs`` placed."""
+    import torch.distributed as dist
+
+    from distattn.integrations._hf_data import placed_tokens, placement_request, shard_inputs
 
     features = document_data(12)
     k = next(k for k in range(1, 13) if sum(len(f["input_ids"]) for f in features[:k]) % 2)
     requests = []
     for batch in (flatten(features[:k]), pad_right(features[:k])):
         out = shard_inputs(batch, schedule="placed")
-        requests.append((placement_request(batch), (out["cu_seq_lens"].tolist(), out["input_ids"].shape[1])))
+        n = out["input_ids"].shape[1]
+        requests.append((placement_request(batch) + (placed_tokens(batch),),
+                         (out["cu_seq_lens"].tolist(), n, n * dist.get_world_size())))
     return requests
 
 

@@ -115,9 +115,10 @@ def test_boundaries_that_disagree_with_the_positions_are_refused():
 def test_a_dense_batch_is_refused_on_the_placement():
     """``schedule="placed"`` places packed documents; dense rows have none to place (they run on "balanced" or
     "zigzag"), and ``placement_request`` asks no worker to solve them."""
-    from distattn.integrations._hf_data import placement_request, shard_inputs
+    from distattn.integrations._hf_data import placed_tokens, placement_request, shard_inputs
 
     ids = torch.arange(12).reshape(2, 6)
     with pytest.raises(ValueError, match="places packed documents"):
         shard_inputs({"input_ids": ids, "labels": ids.clone()}, schedule="placed")
     assert placement_request({"input_ids": ids, "labels": ids.clone()}) is None
+    assert placed_tokens({"input_ids": ids, "labels": ids.clone()}) is None

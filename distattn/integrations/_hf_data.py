@@ -36,7 +36,7 @@ from distattn.sharding import layout as _layout
 from distattn.topology import split as _split_group
 
 __all__ = ["shard_inputs", "check_same_batches", "sequence_multiple", "ReplicaSampler", "replica_of_ranks",
-           "documents_kwargs", "placement_request"]
+           "documents_kwargs", "placement_request", "placed_tokens"]
 
 IGNORE_INDEX = -100
 _HASH_MASK = (1 << 63) - 1  # 63 bits, so that -h is an int64 too
@@ -171,17 +171,34 @@ def placement_request(batch, group=None, pad_id: int = 0) -> tuple[list[int], in
     padding included: a flattened batch's is a document of its own, a padded batch's documents end before it): the
     arguments it gives ``distattn.sharding.placement``, for ``solve_ahead``. ``None`` for a batch it would refuse
     (dense rows)."""
+    kind, total = _placed_stream(batch, group)
+    if kind is None:
+        return None
+    ids, multiple = batch["input_ids"], sequence_multiple(group, "placed")
+    if kind == "padded":
+        cu = pack_padded(ids, batch["attention_mask"], multiple_of=multiple, pad_id=pad_id).cu_seqlens
+    else:
+        cu = cu_seqlens_from_position_ids(_pad_flattened(ids, ids, batch["position_ids"], multiple, pad_id)[2])
+    return [int(c) for c in cu], total // _world(group)[1]
+
+
+def placed_tokens(batch, group=None) -> int | None:
+    """The tokens of the stream ``shard_inputs(batch, group, schedule="placed")`` places, its padding included (what
+    the window it is placed for depends on), from the batch's shape and mask alone; ``None`` for dense rows."""
+    return _placed_stream(batch, group)[1]
+
+
+def _placed_stream(batch, group) -> tuple[str | None, int | None]:
+    """``("padded" | "flattened", the placed stream's tokens)`` of a batch ``shard_inputs`` places, ``(None, None)``
+    for dense rows: a padded batch's real tokens packed (``pack_padded``), a flattened one with a padding document
+    (``_pad_flattened``), each up to the group's multiple."""
     ids, mask, positions = batch.get("input_ids"), batch.get("attention_mask"), batch.get("position_ids")
     multiple = sequence_multiple(group, "placed")
     if mask is not None and not bool(mask.bool().all()):  # its documents end before the stream's padding
-        packed = pack_padded(ids, mask, multiple_of=multiple, pad_id=pad_id)
-        cu, total = packed.cu_seqlens, packed.input_ids.shape[0]
-    elif positions is not None and _restarts(positions) and ids.shape[0] == 1:  # its padding is a document
-        _, _, padded = _pad_flattened(ids, ids, positions, multiple, pad_id)
-        cu, total = cu_seqlens_from_position_ids(padded), padded.shape[1]
-    else:
-        return None
-    return [int(c) for c in cu], int(total) // _world(group)[1]
+        return "padded", max(-(-int(mask.bool().sum()) // multiple), 1) * multiple  # pack_sequences' total
+    if positions is not None and _restarts(positions) and ids.shape[0] == 1:  # its padding is a document
+        return "flattened", -(-ids.shape[1] // multiple) * multiple
+    return None, None
 
 
 def _shard_rows(ids, *, labels, mask, positions, group, schedule: str, pad_id: int, window=(-1, -1)) -> dict:

@@ -39,7 +39,8 @@ from transformers import Trainer, TrainerCallback
 
 from distattn.integrations._hf_attention import placement_window, use_distattn
 from distattn.integrations._hf_data import (IGNORE_INDEX, ReplicaSampler, bounded_all_reduce, check_same_batches,
-                                            documents_kwargs, placement_request, replica_of_ranks, shard_inputs)
+                                            documents_kwargs, placed_tokens, placement_request, replica_of_ranks,
+                                            shard_inputs)
 from distattn.integrations._hf_router import (balancing_loss, balancing_sums, model_aux_mismatch, outputs_router_logits,
                                               refuse_other_losses, router_loss_terms)
 from distattn.integrations._hf_techniques import (TrainerTechniques, apply_techniques, reduce_over_group,
@@ -262,11 +263,10 @@ class SequenceParallelMixin:
         """``shard_inputs`` with this trainer's schedule; ``"placed"``: on the placement for the model's window,
         taken from a worker when it was solved ahead (counted in ``placement_sources``)."""
         kw = dict(schedule=self.schedule, pad_id=self.pad_id, token_mask=token_mask)
-        request = placement_request(batch, self.sequence_parallel_group, self.pad_id) \
-            if self.schedule == "placed" else None
-        if request is None:
+        total = placed_tokens(batch, self.sequence_parallel_group) if self.schedule == "placed" else None
+        if total is None:
             return shard_inputs(batch, self.sequence_parallel_group, **kw)
-        window = self._placement_window(request[1] * self.sequence_parallel_size)
+        window = self._placement_window(total)
         with placement_source() as where:
             out = shard_inputs(batch, self.sequence_parallel_group, window=window, **kw)
         self.placement_sources[where["source"]] += 1
