@@ -174,7 +174,6 @@ def test_arguments_are_checked_here():
         solve_ahead(_spec("uniform:8192", 8, 1), 8, 0)
 
 
-
 def test_a_worker_whose_caller_ended_exits_quietly():
     """A training process that ends (or dies) while its worker still solves: the worker's answer meets a closed pipe,
     and it exits 0 without a traceback on the job's stderr (it printed a BrokenPipeError one). The worker's serve
