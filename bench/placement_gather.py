@@ -19,8 +19,11 @@ per stage, ``log_R w`` stages, instead of ``w - 1`` messages (radix 2: recursive
   default: the bytes of a second gather charged, a pessimistic count).
 
 Every other document keeps today's pairs and the candidate's step order; the rounds are extra steps of the plan,
-inserted ``first`` (right after the local pair), ``spread`` over the plan, or ``tail`` (the small rounds first, the
-largest after ``prefetch`` of the other steps). The timeline (``distattn.schedule.timeline``) runs them as it runs any
+inserted ``first`` (right after the local pair), ``spread`` over the plan, or ``tail`` (the rounds first but the
+last, which goes after ``prefetch`` of the other steps). A rank receives a round's block only where it sees keys in it
+or forwards it in a later stage. The rounds are steps of every rank: one outside them idles there, and its fetch
+depth counts those steps (``--compact``: a bound where they would not, every fetch posted as many steps further ahead
+as there are rounds). The timeline (``distattn.schedule.timeline``) runs them as it runs any
 step: a round meets its peer, rounds of a kind queue on their side stream, a compute waits for its round. Left out:
 the adds of the reduction (as the absorbs are), kernel launches. Per seed: today's solve, then the gathered what-if
 on the deals the solver times (its groups and windowed shares, ``--groups``) with every order and insertion, the
@@ -60,13 +63,17 @@ WHERE = ("first", "spread", "tail")
 
 @dataclasses.dataclass(frozen=True)
 class Gathered:
-    """The gathered part of a layout: per rank ``r`` and round ``i`` the work (visible pairs) and the k/v rows it
-    receives (``work[r, i]``, ``rows[r, i]``; rounds past a rank's windows hold ``-1`` rows: no round), and the
-    pair table of the rest (the gathered documents' tokens as documents of one token each)."""
+    """The gathered part of a layout: per rank ``r`` and round ``x`` the work (visible pairs) and the k/v rows it
+    receives (``work[r, x]``, ``rows[r, x]``; 0 rows: no receive, for a rank outside the round's windows or one that
+    neither sees nor forwards the block), from ``partner[r, x]``, and the pair table of the rest (the gathered
+    documents' tokens as documents of one token each)."""
 
     work: np.ndarray
     rows: np.ndarray
     partner: np.ndarray
+    block: np.ndarray
+    """the first rank of the block whose rows ``partner`` holds by round ``x`` (``size[x]`` ranks)"""
+    size: np.ndarray
     rest: object
     docs: int
 
@@ -106,6 +113,7 @@ def gather(spec: MaskSpec, p: int, n: int, layout, min_ranks: int, radix_bits: i
     work = np.zeros((p, len(rounds)), dtype=np.int64)
     rows = np.zeros((p, len(rounds)), dtype=np.int64)
     partner = np.zeros((p, len(rounds)), dtype=np.int64)
+    block_of = np.zeros((p, len(rounds)), dtype=np.int64)
     inside = np.array([[window[d][0] <= r < window[d][0] + window[d][1] for d in picked] for r in range(p)])
     wins = np.array([window[d][1] for d in picked])
     for x, (lo, width, t) in enumerate(rounds):
@@ -115,12 +123,15 @@ def gather(spec: MaskSpec, p: int, n: int, layout, min_ranks: int, radix_bits: i
         for r in range(p):
             block = partner[r, x] // size * size  # what the partner holds by now: its block of 2^lo ranks
             docs = inside[r] & (wins > size)
-            rows[r, x] = int(held[np.asarray(picked)[docs], block:block + size].sum())
             work[r, x] = int(g[r, block:block + size].sum())
+            block_of[r, x] = block
+            if work[r, x] or (wins[docs] > size * radix).any():  # needed here, or forwarded in a later stage
+                rows[r, x] = int(held[np.asarray(picked)[docs], block:block + size].sum())
     off = g.sum(axis=1) - work.sum(axis=1)
     assert not off.any(), f"gathered work outside the rounds: {off[off != 0][:4]}"
     assert (work[rows == 0] == 0).all()
-    return Gathered(work, rows, partner, rest, len(picked))
+    sizes = np.asarray([1 << lo for lo, _, _ in rounds])
+    return Gathered(work, rows, partner, block_of, sizes, rest, len(picked))
 
 
 def plans(gathered: Gathered, p: int, n: int, layout, full_local: np.ndarray, where: str):
@@ -150,6 +161,7 @@ def plans(gathered: Gathered, p: int, n: int, layout, full_local: np.ndarray, wh
     costs = np.concatenate((cost, gathered.work[r_idx, i_idx])) / n ** 2
     keys = np.concatenate((np.where(local, -1, rest.seen), gathered.rows[r_idx, i_idx]))
     n_steps = int(step.max()) + 1
+    assert len(np.unique(step * p + start)) == len(step), "a rank with two tasks in one step"
     table = RunTable.build(n_steps, step, start, start + 1, 0, dkv, costs, keys)
     plan = Plan(world_size=p, causal=True, schedule="placed", run_table=table, chunk=n, layout=layout)
     flipped = {int((n_steps - 1 - s) * p + r) for s, r in zip(round_step[i_idx].tolist(), r_idx.tolist())}
@@ -177,11 +189,13 @@ def backward_fetch_dropped(codes: set, p: int):
         tl.transfer_spans = original
 
 
-def timed(plan, flipped, shapes, cluster, kept: bool, p: int) -> tuple[float, float]:
-    """``(forward + backward makespan, perfect)`` of a gathered plan."""
-    fwd = phase_timeline(plan, "forward", shapes, cluster)
+def timed(plan, flipped, shapes, cluster, kept: bool, p: int, extra: int = 0) -> tuple[float, float]:
+    """``(forward + backward makespan, perfect)`` of a gathered plan; ``extra``: fetches that many steps further
+    ahead (``--compact``)."""
+    depth = plan.prefetch + extra
+    fwd = phase_timeline(plan, "forward", shapes, cluster, prefetch=depth)
     with backward_fetch_dropped(flipped if kept else set(), p):
-        bwd = phase_timeline(plan, "backward", shapes, cluster)
+        bwd = phase_timeline(plan, "backward", shapes, cluster, prefetch=depth)
     return fwd.makespan + bwd.makespan, fwd.perfect + bwd.perfect
 
 
@@ -198,7 +212,8 @@ def candidates(spec, p, n, cluster, today, groups):
     return out
 
 
-def study(docs: str, p: int, mask: str, seed: int, n: int, groups, min_ranks, radices, kept: bool) -> dict:
+def study(docs: str, p: int, mask: str, seed: int, n: int, groups, min_ranks, radices, kept: bool,
+          compact: bool = False) -> dict:
     """One seed: today's placement over perfect balance, and the fastest gathered what-if over the deals of
     :func:`candidates`, the ``min_ranks`` and ``radices`` (bits), every order and insertion, and how it was dealt."""
     if mask != "causal":
@@ -221,7 +236,8 @@ def study(docs: str, p: int, mask: str, seed: int, n: int, groups, min_ranks, ra
                     cand = dataclasses.replace(lay, order=order, prefetch=PREFETCHES[-1],
                                                return_depth=RETURN_DEPTHS[-1], head=True, backward="reversed")
                     gplan, flipped = plans(g, p, n, cand, full_local, where)
-                    t, perfect = timed(gplan, flipped, shapes, cluster, kept, p)
+                    t, perfect = timed(gplan, flipped, shapes, cluster, kept, p,
+                                       g.rows.shape[1] if compact else 0)
                     assert abs(perfect - base["perfect"]) <= 1e-9 * perfect, (perfect, base["perfect"])
                     timed_ += 1
                     if t / perfect < best[0]:
@@ -245,11 +261,14 @@ def main(argv=None) -> None:
     ap.add_argument("--min-ranks", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--radix-bits", type=int, nargs="+", default=[1, 2, 3],
                     help="log2 of the gather's radix (1: recursive doubling; log2 w: every rank direct)")
+    ap.add_argument("--compact", action="store_true",
+                    help="a bound: every fetch posted as many steps further ahead as there are rounds (the rounds' "
+                         "steps, empty on ranks outside them, no longer eat the prefetch depth)")
     ap.add_argument("--kept", action="store_true", help="the forward's gathered k/v kept for the backward")
     args = ap.parse_args(argv)
     for seed in args.seeds:
         r = study(args.docs, args.world, "causal", seed, args.seq_per_rank, args.groups or [args.world],
-                  args.min_ranks, args.radix_bits, args.kept)
+                  args.min_ranks, args.radix_bits, args.kept, args.compact)
         print(r, flush=True)
 
 

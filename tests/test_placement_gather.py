@@ -18,7 +18,7 @@ from distattn.schedule.pairs import pair_table  # noqa: E402
 from distattn.schedule.timeline import phase_timeline  # noqa: E402
 
 P, N = 8, 256
-# a document over ranks 1..6 (aligned window: all 8), one over ranks 0..1, short ones elsewhere
+# a document over ranks 1..6 (aligned window: all 8), one over ranks 0..1 and one over 6..7, short ones elsewhere
 SPEC = MaskSpec(causal=True, window=(-1, -1), cu_seqlens=(0, 100, 300, 1700, 1800, 1900, 2048))
 LAYOUT = Layout("placed", P, group=P, placement=tuple(((r * N, (r + 1) * N),) for r in range(P)))
 
@@ -35,20 +35,45 @@ def _held(spec, layout):
 
 
 @pytest.mark.parametrize("radix_bits", [1, 2, 3])
-def test_every_rank_receives_every_other_ranks_rows_once_and_all_its_work(radix_bits):
-    """Any radix: over the rounds a rank of a gathered document's window receives each other rank's rows of that
-    document exactly once (an all-gather), each round's fetches are a permutation of the ranks that take part, and
-    the rounds' work plus the local pair's is the rank's work in the full pair table."""
-    g = pg.gather(SPEC, P, N, LAYOUT, min_ranks=3, radix_bits=radix_bits)
-    assert g is not None and g.docs == 1  # only the long document spans 3 ranks or more
-    held = _held(SPEC, LAYOUT)[2]
-    for r in range(P):
-        assert g.rows[r].sum() == held.sum() - held[r]
+@pytest.mark.parametrize("min_ranks", [2, 3])
+def test_every_rank_receives_each_block_it_needs_once_and_all_its_work(radix_bits, min_ranks):
+    """Any radix, nested windows (``min_ranks=2`` also gathers the documents on ranks 0-1 and 6-7, windows of 2):
+    each round's fetches are a permutation of the ranks that take part; a rank forwards only rows it holds by
+    then, receives no rank's rows twice, every rank whose gathered keys it sees among them, and a round's rows are its
+    block's rows of the rank's gathered documents; the rounds' work plus the local pair's and the rest's is the rank's
+    work in the full pair table."""
+    g = pg.gather(SPEC, P, N, LAYOUT, min_ranks=min_ranks, radix_bits=radix_bits)
+    gathered_docs = [2] if min_ranks == 3 else [1, 2, 3]
+    assert g is not None and g.docs == len(gathered_docs)
+    assert g.rows.shape[1] == sum((1 << w) - 1 for w in [min(radix_bits, 3 - lo) for lo in range(0, 3, radix_bits)])
+    held = _held(SPEC, LAYOUT)
+    windows = {1: range(0, 2), 2: range(0, 8), 3: range(6, 8)}
+    full = pair_table(SPEC, P, N, LAYOUT, cache=False)
+    sees = np.zeros((P, P), dtype=np.int64)  # the gathered documents' work of each pair
+    sees[full.q, full.kv] += full.work
+    sees[g.rest.q, g.rest.kv] -= g.rest.work
     for x in range(g.rows.shape[1]):
         on = g.rows[:, x] > 0
         assert len(set(g.partner[on, x].tolist())) == on.sum()  # no rank sends twice in a round
-    assert g.rows.shape[1] == sum((1 << w) - 1 for w in [min(radix_bits, 3 - lo) for lo in range(0, 3, radix_bits)])
-    full = pair_table(SPEC, P, N, LAYOUT, cache=False)
+    has = [{r} for r in range(P)]  # the ranks whose rows each rank holds, round by round
+    for x in range(g.rows.shape[1]):
+        now = [set(h) for h in has]
+        for r in np.flatnonzero(g.rows[:, x] > 0):  # a rank forwards only rows it holds by then
+            members = range(g.block[r, x], g.block[r, x] + g.size[x])
+            mine = [d for d in gathered_docs if r in windows[d]]
+            assert {j for j in members if held[mine, j].sum()} <= has[g.partner[r, x]]
+            now[r] |= set(members)
+        has = now
+    for r in range(P):
+        got = []
+        for x in np.flatnonzero(g.rows[r] > 0):
+            members = range(g.block[r, x], g.block[r, x] + g.size[x])
+            assert g.partner[r, x] in members and r not in members
+            mine = [d for d in gathered_docs if r in windows[d]]
+            assert g.rows[r, x] == held[mine][:, members.start:members.stop].sum()
+            got += list(members)
+        assert len(got) == len(set(got))
+        assert {j for j in range(P) if j != r and sees[r, j] > 0} <= set(got)
     per_rank = np.bincount(full.q, weights=full.work, minlength=P)
     local = np.zeros(P)
     local[full.q[full.q == full.kv]] = full.work[full.q == full.kv]
