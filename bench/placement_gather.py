@@ -47,10 +47,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.placement_worst import _solved  # noqa: E402
+from bench.placement_worst import _solved, spec_of  # noqa: E402
 from distattn.schedule import MaskSpec  # noqa: E402
 from distattn.schedule import timeline as tl  # noqa: E402
-from distattn.schedule.cli import document_lengths  # noqa: E402
 from distattn.schedule.layouts import ORDERS, PREFETCHES, RETURN_DEPTHS  # noqa: E402
 from distattn.schedule.masked import matched_steps, rotation_steps  # noqa: E402
 from distattn.schedule.pairs import _pieces, pair_table  # noqa: E402
@@ -78,8 +77,11 @@ class Gathered:
     docs: int
 
 
-def gather(spec: MaskSpec, p: int, n: int, layout, min_ranks: int, radix_bits: int = 1) -> Gathered | None:
-    """The documents of ``layout`` on ``min_ranks`` ranks or more, gathered (module docstring); ``None``: none."""
+def gather(spec: MaskSpec, p: int, n: int, layout, min_ranks: int, radix_bits: int = 1,
+           tables: dict | None = None) -> Gathered | None:
+    """The documents of ``layout`` on ``min_ranks`` ranks or more, gathered (module docstring); ``None``: none.
+    ``tables``: the layout's pair tables kept across calls (the full one, and the rest's per set of documents)."""
+    tables = {} if tables is None else tables
     cu = np.asarray(spec.documents(p * n), dtype=np.int64)
     start, stop, owner, _, doc_lo, _ = _pieces(spec, p, n, layout)
     doc = np.searchsorted(cu, doc_lo, side="right") - 1
@@ -96,12 +98,15 @@ def gather(spec: MaskSpec, p: int, n: int, layout, min_ranks: int, radix_bits: i
             window[d] = (on[0] // w * w, w)
     if not picked:
         return None
-    bounds = [cu]
-    for d in picked:  # the gathered documents' tokens as one-token documents: no pair of the rest sees them
-        bounds.append(np.arange(cu[d], cu[d + 1] + 1, dtype=np.int64))
-    rest_cu = np.unique(np.concatenate(bounds))
-    rest_spec = dataclasses.replace(spec, cu_seqlens=tuple(int(x) for x in rest_cu))
-    full, rest = pair_table(spec, p, n, layout, cache=False), pair_table(rest_spec, p, n, layout, cache=False)
+    if tuple(picked) not in tables:
+        bounds = [cu]
+        for d in picked:  # the gathered documents' tokens as one-token documents: no pair of the rest sees them
+            bounds.append(np.arange(cu[d], cu[d + 1] + 1, dtype=np.int64))
+        rest_cu = tuple(int(x) for x in np.unique(np.concatenate(bounds)))
+        tables[tuple(picked)] = pair_table(dataclasses.replace(spec, cu_seqlens=rest_cu), p, n, layout, cache=False)
+    if "full" not in tables:
+        tables["full"] = pair_table(spec, p, n, layout, cache=False)
+    full, rest = tables["full"], tables[tuple(picked)]
     g = np.zeros((p, p), dtype=np.int64)  # the gathered documents' work of each pair (r, j)
     g[full.q, full.kv] += full.work
     g[rest.q, rest.kv] -= rest.work
@@ -220,15 +225,16 @@ def study(docs: str, p: int, mask: str, seed: int, n: int, groups, min_ranks, ra
         raise ValueError(f"mask={mask!r}: the what-if gathers whole documents, for causal masks only")
     today, plan, cluster, shapes, _ = _solved(docs, p, mask, seed, n, None)
     base = tl.step_timeline(plan, shapes, cluster)
-    spec = MaskSpec(causal=True, window=(-1, -1), cu_seqlens=_cu(docs, p, n, seed))
+    spec = spec_of(docs, p, mask, seed, n)
     best, timed_ = (float("inf"),), 0
     for lay in candidates(spec, p, n, cluster, today, groups):
-        full = pair_table(spec, p, n, lay, cache=False)
+        tables = {"full": pair_table(spec, p, n, lay, cache=False)}  # one table per deal, every gather reads it
+        full = tables["full"]
         full_local = np.zeros(p, dtype=np.int64)
         on = full.q == full.kv
         full_local[full.q[on]] = full.work[on]
         for m, radix in [(m, x) for m in min_ranks for x in radices]:
-            g = gather(spec, p, n, lay, m, radix)
+            g = gather(spec, p, n, lay, m, radix, tables)
             if g is None:
                 continue
             for order in ORDERS:
@@ -245,10 +251,6 @@ def study(docs: str, p: int, mask: str, seed: int, n: int, groups, min_ranks, ra
                                                   where=where, docs_gathered=g.docs, deal=lay.note.split(";")[0]))
     return {"docs": docs, "P": p, "seed": seed, "today": round(base["ratio"], 3), "gathered": round(best[0], 3),
             "plans timed": timed_, **(best[1] if len(best) > 1 else {})}
-
-
-def _cu(docs, p, n, seed):
-    return document_lengths(docs, p * n, seed=seed)
 
 
 def main(argv=None) -> None:

@@ -89,10 +89,15 @@ def solve(docs: str, p: int, mask: str, seed: int, n: int,
             step_timeline(plan, shapes, cluster, partials="input")["ratio"], t, layout.note)
 
 
+def spec_of(docs: str, p: int, mask: str, seed: int, n: int) -> MaskSpec:
+    """The mask of one seed of a setting: its documents over ``p * n`` tokens, causal or ``"window W"``."""
+    win = (-1, -1) if mask == "causal" else (int(mask.split()[1]), 0)
+    return MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
+
+
 def _solved(docs: str, p: int, mask: str, seed: int, n: int, latency: float | None):
     """One seed's placement solved uncached: ``(layout, its plan, the cluster, the shapes, CPU s of the solve)``."""
-    win = (-1, -1) if mask == "causal" else (int(mask.split()[1]), 0)
-    spec = MaskSpec(causal=True, window=win, cu_seqlens=document_lengths(docs, p * n, seed=seed))
+    spec = spec_of(docs, p, mask, seed, n)
     cluster, shapes = nvlink(latency), Shapes(seq_per_rank=n, **SHAPES)
     t = time.thread_time()
     layout = _place_cached.__wrapped__(spec, p, n, None, cluster)
