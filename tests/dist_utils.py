@@ -164,7 +164,7 @@ def solver_depths(prefetch: int | None = None, return_depth: int | None = None, 
     ``stream_deal=False``, without the stream deal (``distattn.schedule.streams``, ``STREAM_CLASSES``), for examples
     pinned under the solver's former candidates; its cache is emptied on the way in and out, so no solve leaks
     across the change."""
-    import distattn.schedule.placement as pl
+    import distattn.schedule.solver as pl
 
     saved = pl.PREFETCHES, pl.RETURN_DEPTHS, pl.WINDOW_CHUNKS, pl.STREAM_CLASSES
     pl._place_cached.cache_clear()

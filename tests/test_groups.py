@@ -233,7 +233,7 @@ def test_the_solver_keeps_evened_groups_where_faster(docs, seed):
 def test_the_solver_evens_the_groups_up_to_even_max_ranks(monkeypatch):
     """The evened cuts are timed up to ``EVEN_MAX_RANKS`` ranks and not beyond (at P = 64 and 256 they won 2 of 229
     solves for up to 1.9x the solve time, ``bench/results/placement-sim/EVEN-8-64.md``)."""
-    import distattn.schedule.placement as pl
+    import distattn.schedule.solver as pl
     from distattn.schedule.cluster import Cluster
 
     calls = []

@@ -320,3 +320,50 @@ def test_returns_on_their_own_stream(schedule):
     free = dataclasses.replace(Cluster(), intra=free_link, inter=free_link)
     assert step_timeline(plan, shapes, free)["makespan"] == step_timeline(plan, shapes, free,
                                                                           return_stream=False)["makespan"]
+
+
+@pytest.mark.parametrize("docs, p, window, link", [("pile:4", 8, (-1, -1), "nvlink"),
+                                                   ("longtail:2048", 16, (4096, 0), "ib"),
+                                                   ("uniform:8192", 16, (-1, -1), "ib")])
+def test_owner_bounds_hold_for_every_order_depth_and_backward(docs, p, window, link):
+    """``owner_bounds`` (what the solver drops a deal by before building its plans) is at most the makespan of every
+    plan of the deal's pairs: each order, prefetch and return depth, backward way and head; and some plan comes within
+    5% of it (the busiest rank's compute or its fetches), so it is not a loose constant either."""
+    from distattn.schedule.layouts import ORDERS
+    from distattn.schedule.masked import masked_plan_of
+    from distattn.schedule.pairs import pair_table
+    from distattn.schedule.placement import _place_cached
+    from distattn.schedule.timeline import owner_bounds
+
+    n = 4096
+    cluster = Cluster.preset(link) if link == "nvlink" else Cluster.preset(link, gpus_per_node=4)
+    spec = MaskSpec(causal=True, window=window, cu_seqlens=document_lengths(docs, p * n, seed=5))
+    layouts = [_place_cached.__wrapped__(spec, p, n, k, cluster, share=share) for k in (2, p) for share in (None, .25)]
+    tightest = []
+    for lay in [x for x in layouts if x is not None and x.kind == "placed"]:
+        table = pair_table(spec, p, n, lay, cache=False)
+        low = owner_bounds(table, n, SHAPES, cluster)
+        for order in ORDERS:
+            for prefetch, keep, head, backward in ((1, 1, True, "reversed"), (6, 4, False, "forward"),
+                                                   (3, 2, True, "forward"), (6, 4, True, "reversed")):
+                cand = dataclasses.replace(lay, order=order, prefetch=prefetch, return_depth=keep, head=head,
+                                           backward=backward)
+                plan = masked_plan_of(p, "placed", spec, n, cand, table)
+                spans = [phase_timeline(plan, phase, SHAPES, cluster).makespan for phase in ("forward", "backward")]
+                assert all(s >= b * (1 - 1e-12) for s, b in zip(spans, low)), (lay.note, order, spans, low)
+                tightest.append(min(s / b for s, b in zip(spans, low)))
+    assert len(tightest) >= 40 and min(tightest) < 1.05, min(tightest)
+
+
+def test_stop_at_stops_only_a_timeline_that_reaches_it():
+    """``stop_at`` above the makespan changes nothing; at or below it the makespan is reported as ``inf``."""
+    mask = MaskSpec(causal=True, cu_seqlens=document_lengths("longtail:2048", 8 * 4096, seed=2))
+    plan = make_plan(8, True, "placed", mask=mask, chunk=4096)
+    cluster = Cluster.preset("nvlink")
+    for phase in ("forward", "backward"):
+        full = phase_timeline(plan, phase, SHAPES, cluster)
+        above = phase_timeline(plan, phase, SHAPES, cluster, stop_at=full.makespan * (1 + 1e-9))
+        assert np.array_equal(above.finish, full.finish) and np.array_equal(above.exposed, full.exposed)
+        for stop in (full.makespan, 0.5 * full.makespan):
+            cut = phase_timeline(plan, phase, SHAPES, cluster, stop_at=stop)
+            assert cut.makespan == float("inf") and np.allclose(cut.busy, full.busy)

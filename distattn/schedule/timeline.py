@@ -67,7 +67,7 @@ from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster
 from distattn.schedule.plan import PHASES, Plan, _check_phase
 from distattn.schedule.wire import Shapes, payload_bytes, transfer_spans
 
-__all__ = ["PhaseTimeline", "phase_timeline", "timeline", "step_timeline", "rank_events"]
+__all__ = ["PhaseTimeline", "phase_timeline", "timeline", "step_timeline", "rank_events", "owner_bounds"]
 
 
 @dataclass(frozen=True)
@@ -116,36 +116,43 @@ class _Rounds:
         self.bounds = np.searchsorted(self.step, np.arange(n_steps + 1))
         g = cluster.gpus_per_node
         inter = (self.src * stride) // g != (self.dst * stride) // g
+        cells = n_steps * p
+        at_src, at_dst = self.step * p + self.src, self.step * p + self.dst  # (step, rank) cells, flat
         self.dur = np.zeros((n_steps, p))
-        self.has = np.zeros((n_steps, p), dtype=bool)
         for link, on in ((cluster.intra, ~inter), (cluster.inter, inter)):
             if not on.any():
                 continue
-            sent, recv, msgs = (np.zeros((n_steps, p)) for _ in range(3))
-            st, sr, ds, sz = self.step[on], self.src[on], self.dst[on], size[on].astype(np.float64)
-            np.add.at(sent, (st, sr), sz)
-            np.add.at(recv, (st, ds), sz)
-            np.add.at(msgs, (st, sr), 1.0)
-            np.add.at(msgs, (st, ds), 1.0)
+            sz = size[on].astype(np.float64)  # bincount sums in the messages' order, as np.add.at did
+            sent, recv = (np.bincount(at[on], weights=sz, minlength=cells).reshape(n_steps, p)
+                          for at in (at_src, at_dst))
+            msgs = np.bincount(at_src[on], minlength=cells) + np.bincount(at_dst[on], minlength=cells)
+            msgs = msgs.reshape(n_steps, p)
             self.dur = np.maximum(self.dur, np.maximum(sent, recv) / link.bandwidth + msgs * link.latency)
-            self.has |= msgs > 0
+        sends, recvs = (np.bincount(at, minlength=cells).reshape(n_steps, p) for at in (at_src, at_dst))
+        self.has = (sends + recvs) > 0
+        # a round where no rank sends twice (or receives twice) meets its peers by plain indexing, not np.maximum.at
+        self.single = (sends.max(axis=1, initial=0) <= 1) & (recvs.max(axis=1, initial=0) <= 1)
+        self.none = np.full(p, -np.inf)
+        self.none.flags.writeable = False  # the end of a round without messages, shared (read-only)
 
     def run(self, t: int, ready: np.ndarray, side: np.ndarray) -> np.ndarray:
         """End time per rank of round ``t`` (``-inf`` where the rank has no message); ``ready``: the compute
         point each rank's round waits for; updates ``side`` (the side streams' free times) in place."""
-        end = np.full(len(side), -np.inf)
-        if t < 0 or t >= len(self.dur):
-            return end
+        if t < 0 or t >= len(self.dur) or self.bounds[t] == self.bounds[t + 1]:
+            return self.none
         lo, hi = self.bounds[t], self.bounds[t + 1]
-        if lo == hi:
-            return end
         has = self.has[t]
         own = np.maximum(ready, side)  # the rank reaches the round
         src, dst = self.src[lo:hi], self.dst[lo:hi]
         meet = np.maximum(own[src], own[dst])  # a message starts when both ends are there
         start = own.copy()
-        np.maximum.at(start, src, meet)
-        np.maximum.at(start, dst, meet)
+        if self.single[t]:  # each rank sends at most once and receives at most once: no index repeats
+            start[src] = np.maximum(start[src], meet)
+            start[dst] = np.maximum(start[dst], meet)
+        else:
+            np.maximum.at(start, src, meet)
+            np.maximum.at(start, dst, meet)
+        end = np.full(len(side), -np.inf)
         end[has] = start[has] + self.dur[t][has]
         side[has] = end[has]
         return end
@@ -153,9 +160,10 @@ class _Rounds:
 
 def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cluster(), partials: str = "fp32",
                    stride: int = 1, prefetch: int | None = None, return_stream: bool = True,
-                   slots: int | str | None = "executor") -> PhaseTimeline:
+                   slots: int | str | None = "executor", stop_at: float = float("inf")) -> PhaseTimeline:
     """One phase of ``plan`` on the per-pair timeline (module docstring; ``prefetch`` and ``slots`` other than the
-    plan's and ``return_stream=False`` are what-ifs)."""
+    plan's and ``return_stream=False`` are what-ifs). ``stop_at``: stop as soon as a compute ends at or after it (the
+    makespan reaches it; a search drops such a candidate): the makespan is then reported as ``inf``."""
     _check_phase(phase)
     plan = plan.run_order(phase)  # the order the phase runs its steps in (the backward: reversed)
     prefetch = plan.prefetch if prefetch is None else prefetch
@@ -186,25 +194,55 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     host = zero.copy()  # when the host gets past its latest wait (a wait blocks it until the round is done)
     ends = {}  # ("F" | "R", t): end per rank (-inf: no round)
     exposed = np.zeros(p)
+    never, active = fetch.none, cost > 0  # no round: -inf; the steps a rank computes
     for t in range(prefetch):
         ends[("F", t)] = fetch.run(t, zero, side)
     for t in range(n_steps):
-        # posted at compute t - 1's point, once the host is past step t - 1's waits
-        last = None if slots is None else t + prefetch - slots  # the compute that last read F(t + prefetch)'s slot
-        gate = computed[last] if last is not None and last >= 0 else zero  # buffer reuse
-        ends[("F", t + prefetch)] = fetch.run(t + prefetch, np.maximum(gate, host), side)
-        f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 1 - keep), np.full(p, -np.inf))
+        if t + prefetch < n_steps:  # posted at compute t - 1's point, once the host is past step t - 1's waits
+            last = None if slots is None else t + prefetch - slots  # the compute that last read the slot it reuses
+            gate = computed[last] if last is not None and last >= 0 else zero  # buffer reuse
+            ends[("F", t + prefetch)] = fetch.run(t + prefetch, np.maximum(gate, host), side)
+        f_end, r_old = ends.pop(("F", t)), ends.get(("R", t - 1 - keep), never)
         host = np.maximum(host, f_end)  # wait F(t)
-        start = np.maximum.reduce([done[1], f_end, r_old, host])
-        waited = np.clip(start - done[1], 0.0, None)  # the compute stream's gap before step t
-        exposed += np.where(cost[t] > 0, np.minimum(waited, _own(fetch, t) + _own(back, t - 1 - keep)), 0.0)
-        end = np.where(cost[t] > 0, start + cost[t], done[1])
+        start = np.maximum(np.maximum(done[1], f_end), np.maximum(r_old, host))
+        waited = start - done[1]  # the compute stream's gap before step t (>= 0: start is at least done[1])
+        exposed += np.where(active[t], np.minimum(waited, _own(fetch, t) + _own(back, t - 1 - keep)), 0.0)
+        end = np.where(active[t], start + cost[t], done[1])
+        if end.max(initial=-np.inf) >= stop_at:
+            return PhaseTimeline(phase, np.full(p, np.inf), cost.sum(axis=0) + head, exposed)
         done = [done[1], end]
         computed.append(end)
         host = np.maximum(host, ends.get(("R", t - keep), zero))  # wait R(t - keep)
         ends[("R", t)] = back.run(t, np.maximum(end, host), back_side)
     finish = np.maximum.reduce([done[1]] + [ends.get(("R", n_steps - 1 - i), zero) for i in range(keep + 1)])
     return PhaseTimeline(phase, finish, cost.sum(axis=0) + head, exposed)
+
+
+def owner_bounds(table, n: int, shapes: Shapes, cluster: Cluster, stride: int = 1) -> tuple[float, float]:
+    """Lower bounds ``(forward, backward)`` of the makespans of every plan of owner tasks over the pairs of ``table``
+    (``distattn.schedule.pairs.PairTable``, ``n`` tokens per rank; a placed plan in any order, depth, backward or
+    head) on this timeline: a rank computes its tasks one after another, and a compute waits for the fetch round that
+    brings its keys, each fetch round running after the one before it on the side stream and lasting at least the
+    bytes the rank receives in it over the link's bandwidth plus the link's latency per message it receives. So a
+    rank's makespan is at least its compute and at least the sum of the fetch rounds it receives in (per link); the
+    bounds are the busiest rank's. (The return rounds are left out: a rank that computes nothing after absorbing a
+    partial does not wait for it before its finish on this timeline.) Order-free: a search can drop a deal whose
+    bound already loses before it builds any of the deal's plans."""
+    p, q, kv, seen = table.world_size, table.q, table.kv, table.seen
+    m = shapes.seq_per_rank
+    per_work = 4 * shapes.batch * m * m * shapes.heads_q * shapes.head_dim / cluster.flops / n ** 2
+    busy = np.bincount(q, weights=table.work * per_work, minlength=p)  # the forward's compute per rank
+    off = q != kv
+    q, kv, seen = q[off], kv[off], seen[off]
+    row = payload_bytes("kv", "forward", shapes) // n  # k/v bytes per row borrowed (the backward's fetch: the same)
+    inter = (q * stride) // cluster.gpus_per_node != (kv * stride) // cluster.gpus_per_node
+    fetch = np.zeros(p)
+    for link, on in ((cluster.intra, ~inter), (cluster.inter, inter)):
+        if on.any():
+            recv = np.bincount(q[on], weights=(row * seen[on]).astype(np.float64), minlength=p)
+            fetch = np.maximum(fetch, recv / link.bandwidth + np.bincount(q[on], minlength=p) * link.latency)
+    return (float(np.maximum(busy, fetch).max(initial=0.0)),
+            float(np.maximum(BWD_FLOP_FACTOR * busy, fetch).max(initial=0.0)))
 
 
 def _head(plan: Plan, cost: np.ndarray) -> np.ndarray:
