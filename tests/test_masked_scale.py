@@ -254,7 +254,8 @@ def test_masked_plans_are_the_plans_built_before():
     documents on every group size its climb timed); 1 (mask 10) since it times every candidate fetching 6 steps ahead
     and absorbing 4 steps later; 1 (mask 36) since it times the windowed deal in mirrored chunks too
     (``WINDOW_CHUNKS``); 2 (masks 69 and 148) since under a left window it times the stream deal
-    (``distattn.schedule.streams``)."""
+    (``distattn.schedule.streams``); 5 (masks 6, 21, 87, 112 and 124) since the timeline's finish counts the host's
+    last waits (a round a rank only sends in, a partial it absorbs after its last compute), each faster on it."""
     want = json.loads(DIGESTS.read_text())
     got = _all_digests()
     assert got.keys() == want.keys()

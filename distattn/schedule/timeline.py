@@ -214,35 +214,44 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
         computed.append(end)
         host = np.maximum(host, ends.get(("R", t - keep), zero))  # wait R(t - keep)
         ends[("R", t)] = back.run(t, np.maximum(end, host), back_side)
-    finish = np.maximum.reduce([done[1]] + [ends.get(("R", n_steps - 1 - i), zero) for i in range(keep + 1)])
+    # a rank is done when its last compute and its last wait are: the host waited for every round it takes part in
+    # (a round it only sends in, a partial it absorbs after its last compute) and waits for the last returns here
+    finish = np.maximum.reduce([done[1], host] + [ends.get(("R", n_steps - 1 - i), zero) for i in range(keep + 1)])
     return PhaseTimeline(phase, finish, cost.sum(axis=0) + head, exposed)
 
 
 def owner_bounds(table, n: int, shapes: Shapes, cluster: Cluster, stride: int = 1) -> tuple[float, float]:
     """Lower bounds ``(forward, backward)`` of the makespans of every plan of owner tasks over the pairs of ``table``
     (``distattn.schedule.pairs.PairTable``, ``n`` tokens per rank; a placed plan in any order, depth, backward or
-    head) on this timeline: a rank computes its tasks one after another, and a compute waits for the fetch round that
-    brings its keys, each fetch round running after the one before it on the side stream and lasting at least the
-    bytes the rank receives in it over the link's bandwidth plus the link's latency per message it receives. So a
-    rank's makespan is at least its compute and at least the sum of the fetch rounds it receives in (per link); the
-    bounds are the busiest rank's. (The return rounds are left out: a rank that computes nothing after absorbing a
-    partial does not wait for it before its finish on this timeline.) Order-free: a search can drop a deal whose
-    bound already loses before it builds any of the deal's plans."""
+    head) on this timeline. A rank computes its tasks one after another; the rounds of one kind it takes part in run
+    one after another on that kind's side stream, each lasting at least the larger of the bytes it sends and receives
+    in it over the link's bandwidth, plus the link's latency per message at this rank; and the rank is done only when
+    its host has waited for every one of them. So a rank's makespan is at least its compute, at least the sum of its
+    fetch rounds (a pair's key rows, from the kv rank to the query rank) and, in the backward, of its return rounds
+    (the dk/dv partials back), per link; the bounds are the busiest rank's. Order-free: a search can drop a deal whose
+    bounds already lose before it builds any of the deal's plans."""
     p, q, kv, seen = table.world_size, table.q, table.kv, table.seen
     m = shapes.seq_per_rank
     per_work = 4 * shapes.batch * m * m * shapes.heads_q * shapes.head_dim / cluster.flops / n ** 2
     busy = np.bincount(q, weights=table.work * per_work, minlength=p)  # the forward's compute per rank
     off = q != kv
     q, kv, seen = q[off], kv[off], seen[off]
-    row = payload_bytes("kv", "forward", shapes) // n  # k/v bytes per row borrowed (the backward's fetch: the same)
     inter = (q * stride) // cluster.gpus_per_node != (kv * stride) // cluster.gpus_per_node
-    fetch = np.zeros(p)
-    for link, on in ((cluster.intra, ~inter), (cluster.inter, inter)):
-        if on.any():
-            recv = np.bincount(q[on], weights=(row * seen[on]).astype(np.float64), minlength=p)
-            fetch = np.maximum(fetch, recv / link.bandwidth + np.bincount(q[on], minlength=p) * link.latency)
+
+    def rounds(kind: str, phase: str) -> np.ndarray:
+        row = payload_bytes(kind, phase, shapes) // n  # bytes per row borrowed: k/v in, or the fp32 dk/dv back
+        out = np.zeros(p)
+        for link, on in ((cluster.intra, ~inter), (cluster.inter, inter)):
+            if on.any():
+                size = (row * seen[on]).astype(np.float64)
+                ends = [np.bincount(x[on], weights=size, minlength=p) for x in (q, kv)]
+                msgs = np.bincount(q[on], minlength=p) + np.bincount(kv[on], minlength=p)
+                out = np.maximum(out, np.maximum(*ends) / link.bandwidth + msgs * link.latency)
+        return out
+
+    fetch = rounds("kv", "forward")  # the backward fetches the same rows, as many bytes
     return (float(np.maximum(busy, fetch).max(initial=0.0)),
-            float(np.maximum(BWD_FLOP_FACTOR * busy, fetch).max(initial=0.0)))
+            float(np.maximum.reduce([BWD_FLOP_FACTOR * busy, fetch, rounds("dkv", "backward")]).max(initial=0.0)))
 
 
 def _head(plan: Plan, cost: np.ndarray) -> np.ndarray:
