@@ -340,13 +340,16 @@ def test_plan_too_large_is_refused_with_its_size():
         pairs_mod._pair_table_cached.cache_clear()
 
 
-def test_pairs_bound_refuses_clearly_and_merging_chunks_changes_nothing(monkeypatch):
-    """Chunks merged as they come (memory O(pairs)) give the same table; past :data:`MAX_PAIRS` a clear refusal."""
+@pytest.mark.parametrize("window", [(300, 0), (-1, -1)])
+def test_pairs_bound_refuses_clearly_and_merging_chunks_changes_nothing(monkeypatch, window):
+    """Chunks merged as they come (memory O(pairs)) give the same table; past :data:`MAX_PAIRS` a clear refusal. A
+    window: chunks of (query piece, key piece) combinations; causal without one: of (document, query rank) groups,
+    each entry a key piece the group sees (fewer rows per chunk: the chunks merged once, at the end)."""
     from distattn.schedule import MaskSpec
     from distattn.schedule import pairs as pairs_mod
     from distattn.schedule.placement import _place_cached
 
-    spec = MaskSpec(causal=True, cu_seqlens=(0, 700, 701, 1500, 2048))
+    spec = MaskSpec(causal=True, window=window, cu_seqlens=(0, 700, 701, 1500, 2048))
     layout = _place_cached.__wrapped__(spec, 8, 256, 8)  # blocks of 64 over one group of 8: ~4x more combinations
     pairs_mod._pair_table_cached.cache_clear()
     want = pairs_mod.pair_table(spec, 8, 256, layout)
@@ -357,7 +360,7 @@ def test_pairs_bound_refuses_clearly_and_merging_chunks_changes_nothing(monkeypa
     merge = pairs_mod._merge
     monkeypatch.setattr(pairs_mod, "_merge", lambda parts: merges.append(len(parts)) or merge(parts))
     got = pairs_mod.pair_table(spec, 8, 256, layout)
-    assert len(merges) > 1, merges
+    assert (len(merges) > 1) if window != (-1, -1) else (merges[0] > 1), merges  # merged along the way / chunked
     for name in ("q", "kv", "work", "a", "b", "offsets"):
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
     pairs_mod._pair_table_cached.cache_clear()
