@@ -2,6 +2,8 @@
 
     python bench/solve_ahead.py --out bench/results/placement-sim/SOLVE-AHEAD.md
     git worktree add /tmp/base ee65b2b && python bench/solve_ahead.py --before /tmp/base --out <file>
+    git worktree add /tmp/base544 544df82 && python bench/solve_ahead.py --before /tmp/base544 \
+        --out bench/results/placement-sim/SOLVE-SPEED.md
 
 Part 1, the solve: CPU seconds of one uncached solve (``distattn.schedule.placement``, the library's placement on
 NVLink, 4096 tokens per rank) on the worst seeds of ``bench/results/placement-sim`` at P = 16, 64 and 256, with the
@@ -34,8 +36,11 @@ CASES = [("uniform:8192", 16, "causal", 3), ("uniform:8192", 16, "window 4096", 
          ("longtail:2048", 16, "window 4096", 7), ("uniform:8192", 64, "causal", 188),
          ("uniform:8192", 64, "window 4096", 83), ("longtail:2048", 64, "causal", 94),
          ("longtail:2048", 64, "window 4096", 94), ("pile:4", 64, "causal", 102), ("pile:4", 64, "window 4096", 52),
-         ("longtail:2048", 256, "causal", 162), ("pile:4", 256, "window 4096", 197)]
-"""(docs, P, mask, seed): the worst or named seeds of WINDOW-CHUNKS.md, WORST-8-64.md and WORST-256.md."""
+         ("longtail:2048", 256, "causal", 162), ("pile:4", 256, "window 4096", 197),
+         ("longtail:2048", 256, "causal", 191), ("pile:4", 256, "causal", 169),
+         ("longtail:2048", 256, "window 4096", 32), ("pile:4", 256, "window 4096", 1)]
+"""(docs, P, mask, seed): the worst or named seeds of WINDOW-CHUNKS.md, WORST-8-64.md and WORST-256.md, and the worst
+of WORST-256-ALL.md and WORST-256-WINDOW-ALL.md."""
 
 SOLVE = r"""
 import hashlib, json, sys, time

@@ -147,7 +147,12 @@ windowed against 5.1 s, ``WINDOW-CHUNKS.md``). The same candidates now cost 1.3-
 every case timed (a pair table's sums and row unions from one sort, the placed plan's steps as arrays, the matched
 steps on bit masks, and an order whose forward plus its busiest rank's backward compute cannot beat the step to beat
 not timed backward): 0.1-0.6 s at P = 16, 0.4-2.6 s on the worst seeds at P = 64 and 8-11 s at P = 256
-(``bench/results/placement-sim/SOLVE-AHEAD.md``). A training loop need not wait for it: :func:`solve_ahead` hands the
+(``bench/results/placement-sim/SOLVE-AHEAD.md``). Since 544df82 again with the same layout on every case timed (a deal
+whose ``distattn.schedule.timeline.owner_bounds`` already lose builds no plan, a timeline stops once it reaches the step
+to beat, a causal pair table is built per document and query rank, and beyond :data:`FALLBACK_MAX_RANKS` a windowed
+solve no longer solves the documents-only placement too): 0.1-0.7 s at P = 16, 0.3-1.3 s on the worst seeds at P = 64,
+5.0-7.9 s causal and 3.5-7.1 s windowed on the worst at P = 256, 1.4-1.7x and 2.6-4.1x less CPU there
+(``bench/results/placement-sim/SOLVE-SPEED.md``). A training loop need not wait for it: :func:`solve_ahead` hands the
 next batches' solves to worker processes while the step runs (``distattn.schedule.ahead``; ``launch/train.py``
 asks two batches ahead). Pure Python + numpy.
 """
@@ -218,8 +223,12 @@ WINDOW_CHUNKS = (False, True)
 (``distattn.schedule.windows``: a chunk's queries see of an earlier rank only its first chunk, so a window's pairs
 borrow about a quarter fewer keys; the Pile at P = 64, seed 118: 1.231x -> 1.161x of perfect balance on NVLink)."""
 FALLBACK_MAX_RANKS = 32
-"""A windowed solve also times the documents-only placement (the causal solve of the same documents) on its windowed
-plan up to this many ranks, and not beyond: TODO."""
+"""A windowed solve also times the documents-only placement (the causal solve of the same documents, a whole second
+solve) on its windowed plan up to this many ranks, and not beyond. It was kept on 9 of the 1200 windowed seeds at P = 8
+and 16 (``bench/results/placement-sim/streams-8-16.log``), on 1 of 600 at P = 64 (uniform:8192, seed 43, 1.0405x of
+perfect balance; solved without it 1.0400x, ``streams-uniform-64.log``, ``streams-64.log``) and on none of 400 at
+P = 256 (``worst-256-window-all.log``), where it took half the solve's CPU or more (longtail seed 32: 21.3 s -> 11.1 s
+without it; the Pile seed 197: 14.1 s -> 3.4 s; the same layouts)."""
 
 
 def block_size(n: int) -> int | None:
