@@ -210,7 +210,7 @@ def _pair_table_cached(spec, p: int, n: int, layout) -> PairTable:
             f"shorter documents or a window, or the dense plans (no cu_seqlens)")
     if l_ >= big and r_ == 0:  # causal in whole documents: per (document, query rank), not per query piece
         groups = _causal_groups(pieces, k0)
-        count, rows = groups[2], lambda qs: _causal_entries(qs, groups, pieces, p)
+        count, rows = groups[0], lambda qs: _causal_entries(qs, groups, pieces, p)
     else:
         rows = lambda qs: _combinations(qs, k0, count, pieces, (l_, r_, big), p)  # noqa: E731
     parts, held = [], 0
@@ -292,16 +292,19 @@ def _combinations(qs: slice, k0, count, pieces, window: tuple[int, int, int], p:
 def _causal_groups(pieces, k0):
     """A causal mask in whole documents: every query piece sees every key piece of its document up to itself, so the
     key pieces a query rank's rows see in a document are those up to the rank's last piece there. The pieces grouped
-    by (document, owner): ``(member, group_end, count, first, last)``, the members (piece indices) sorted by group then
-    position, each group's end in them, its entries (key pieces seen: ``last - first + 1``), its document's first
-    piece and its own last piece."""
-    owner = pieces[2]
+    by (document, owner): ``(count, first, last, keys, suffix)``: per group its entries (the key pieces it sees,
+    ``last - first + 1``), its document's first piece and its own last piece; per member (sorted by group, then
+    position) ``group * pieces + piece``, and the rows of the group's members from it on."""
+    start, stop, owner = pieces[:3]
     member = np.lexsort((np.arange(len(owner)), owner, k0))  # by document (its first piece), owner, position
     cut = np.flatnonzero((k0[member][1:] != k0[member][:-1]) | (owner[member][1:] != owner[member][:-1])) + 1
     group_end = np.append(cut, len(member))  # past each group's members
+    group = np.repeat(np.arange(len(group_end)), np.diff(group_end, prepend=0))  # each member's group
+    size = (stop - start)[member]
+    cum = np.cumsum(size)
     last = member[group_end - 1]
     first = k0[last]
-    return member, group_end, last - first + 1, first, last
+    return last - first + 1, first, last, group * len(start) + member, cum[group_end - 1][group] - cum + size
 
 
 def _causal_entries(gs: slice, groups, pieces, p: int):
@@ -309,20 +312,14 @@ def _causal_entries(gs: slice, groups, pieces, p: int):
     :func:`_combinations`: one entry per (group, key piece seen), the key piece's work against every query piece of
     the group at or after it (the piece itself: its causal triangle)."""
     start, stop, owner, base = pieces[:4]
-    member, group_end, count, first, last = groups
+    count, first, last, keys, suffix = groups
     m = count[gs]
     g = np.repeat(np.arange(gs.start, gs.stop, dtype=np.int64), m)  # the group of each entry
     v = np.repeat(first[gs] - np.cumsum(m) + m, m) + np.arange(int(m.sum()), dtype=np.int64)  # its key piece
-    size = (stop - start)[member]
-    cum = np.cumsum(size)
-    suffix = cum[group_end - 1][np.repeat(np.arange(len(group_end)), np.diff(group_end, prepend=0))] - cum + size
-    # the group's first member at or after v (one exists: v <= the group's last piece), by (group, position) keys
-    at = np.searchsorted(np.repeat(np.arange(len(group_end)), np.diff(group_end, prepend=0)) * len(start) + member,
-                         g * len(start) + v, side="left")
+    at = np.searchsorted(keys, g * len(start) + v, side="left")  # the group's first member at or after v (one is)
     kv_len = stop[v] - start[v]
-    q_owner = owner[last[g]]
-    work = kv_len * suffix[at] - np.where(member[at] == v, kv_len * (kv_len - 1) // 2, 0)
-    return _reduce(q_owner * p + owner[v], work, start[v] + base[v], stop[v] + base[v], ranges=True)
+    work = kv_len * suffix[at] - np.where(keys[at] == g * len(start) + v, kv_len * (kv_len - 1) // 2, 0)
+    return _reduce(owner[last[g]] * p + owner[v], work, start[v] + base[v], stop[v] + base[v], ranges=True)
 
 
 def _band_count(qa, qb, ka, kb, c):
