@@ -1,7 +1,7 @@
 """Placements solved ahead: the next batch's placement in worker processes while this batch's step runs.
 
-The placement solver (``distattn.schedule.placement``) takes 0.1-3 s of CPU per batch at 16-64 ranks and up to ~10 s
-at 256 (``bench/results/placement-sim/SOLVE-AHEAD.md``), on the training loop's own thread, before the step can start:
+The placement solver (``distattn.schedule.placement``) takes 0.1-1.3 s of CPU per batch at 16-64 ranks and up to ~8 s
+at 256 (``bench/results/placement-sim/SOLVE-SPEED.md``), on the training loop's own thread, before the step can start:
 every batch is a new solve. :func:`submit` hands a solve to a worker process, and ``place`` takes its result
 (:func:`take`, waiting only for what is left of it) when the step asks for that placement. The worker runs the same
 pure-Python solve on the same arguments, the cluster resolved in the caller, so the layout is the one the caller would
