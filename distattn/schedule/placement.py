@@ -1,4 +1,5 @@
 """The work-balanced placement of a packed stream: which blocks of which documents each rank holds.
+
 Contiguous and zigzag shards balance dense causal work, but a packed stream of documents of varied length is
 another mask: the ranks holding long documents' late tokens do most of the work. :func:`place` solves, from the
 mask alone (``cu_seqlens``, causal, window; no tensors, no communication, so every rank derives the same answer),
