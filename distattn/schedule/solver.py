@@ -1,7 +1,8 @@
 """The placement solver (``distattn.schedule.placement.place`` is its cached entry): candidate layouts of a packed
 stream dealt, each one's plan timed on the per-pair timeline, the fastest kept.
 
-``k`` is chosen by the plan it produces: for each divisor of ``P``, smallest first, the solver deals the blocks, builds
+The group size ``k`` (``distattn.schedule.placement``: groups of ``k`` ranks, each group's blocks dealt to its ranks)
+is chosen by the plan it produces: for each divisor of ``P``, smallest first, the solver deals the blocks, builds
 the placed plan (``distattn.schedule.masked``) and times one training step of it on the per-pair timeline
 (``distattn.schedule.timeline``: the executor's own synchronisation, each message on its link) on the cluster
 ``schedule="auto"`` assumes (``DISTATTN_LINK`` / ``DISTATTN_GPUS_PER_NODE``, ``distattn.schedule.cluster``), with
