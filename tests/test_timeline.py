@@ -328,7 +328,7 @@ def test_returns_on_their_own_stream(schedule):
 def test_owner_bounds_hold_for_every_order_depth_and_backward(docs, p, window, link):
     """``owner_bounds`` (what the solver drops a deal by before building its plans) is at most the makespan of every
     plan of the deal's pairs: each order, prefetch and return depth, backward way and head; and some plan comes within
-    5% of it (the busiest rank's compute or its fetches), so it is not a loose constant either."""
+    5% of it (the busiest rank's compute or its rounds), so it is not a loose constant either."""
     from distattn.schedule.layouts import ORDERS
     from distattn.schedule.masked import masked_plan_of
     from distattn.schedule.pairs import pair_table
