@@ -195,6 +195,7 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
     ends = {}  # ("F" | "R", t): end per rank (-inf: no round)
     exposed = np.zeros(p)
     never, active = fetch.none, cost > 0  # no round: -inf; the steps a rank computes
+    stops = stop_at < np.inf  # else no per-step check (the search's bound only)
     for t in range(prefetch):
         ends[("F", t)] = fetch.run(t, zero, side)
     for t in range(n_steps):
@@ -208,7 +209,7 @@ def phase_timeline(plan: Plan, phase: str, shapes: Shapes, cluster: Cluster = Cl
         waited = start - done[1]  # the compute stream's gap before step t (>= 0: start is at least done[1])
         exposed += np.where(active[t], np.minimum(waited, _own(fetch, t) + _own(back, t - 1 - keep)), 0.0)
         end = np.where(active[t], start + cost[t], done[1])
-        if end.max(initial=-np.inf) >= stop_at:
+        if stops and end.max(initial=-np.inf) >= stop_at:
             return PhaseTimeline(phase, np.full(p, np.inf), cost.sum(axis=0) + head, exposed)
         done = [done[1], end]
         computed.append(end)
