@@ -107,8 +107,10 @@ def _forward_group(ex: Executor, q, k, v, cfg: DistAttnConfig, *, last: bool):
     def fetch_payload(tr):
         return wire.rows([k, v], ex.key_rows(tr.dst, tr.src)) if tr.kind == "kv" else [wire(q)]
 
-    def fetch_buffers(tr):
-        return [empty_like_shard(k), empty_like_shard(v)] if tr.kind == "kv" else [empty_like_shard(q)]
+    def fetch_buffers(tr, rows):
+        if tr.kind == "kv":
+            return [empty_like_shard(k, rows=rows), empty_like_shard(v, rows=rows)]
+        return [empty_like_shard(q)]
 
     def compute(task: Task, inbox):
         bufs = next(iter(inbox.values()), None)  # a task fetches at most one payload
@@ -126,7 +128,7 @@ def _forward_group(ex: Executor, q, k, v, cfg: DistAttnConfig, *, last: bool):
     part = torch.float32 if cfg.partials == "fp32" else q.dtype
     ex.run(compute, fetch_payload, fetch_buffers,
            return_payload=lambda partial: [ex.partial(partial.out, q), partial.lse],
-           return_buffers=lambda tr: [empty_like_shard(q, part), stats_buffer(q)],
+           return_buffers=lambda tr, rows: [empty_like_shard(q, part), stats_buffer(q)],
            absorb=absorb, confirm=last)
     return kernels.finalize(state, q.dtype)
 
@@ -168,9 +170,9 @@ def _backward_group(ex: Executor, dout, q, k, v, lse, delta, cfg: DistAttnConfig
             return wire.rows([k, v], ex.key_rows(tr.dst, tr.src))
         return [wire(q), wire(dout), wire(lse), wire(delta)]
 
-    def fetch_buffers(tr):
+    def fetch_buffers(tr, rows):
         if tr.kind == "kv":
-            return [empty_like_shard(k), empty_like_shard(v)]
+            return [empty_like_shard(k, rows=rows), empty_like_shard(v, rows=rows)]
         return [empty_like_shard(q), empty_like_shard(q), stats_buffer(q), stats_buffer(q)]
 
     def compute(task: Task, inbox, rows=None):
@@ -194,10 +196,10 @@ def _backward_group(ex: Executor, dout, q, k, v, lse, delta, cfg: DistAttnConfig
 
     part = torch.float32 if cfg.partials == "fp32" else None
 
-    def return_buffers(tr):
+    def return_buffers(tr, rows):
         if tr.kind == "dq":
             return [empty_like_shard(q, part or q.dtype)]
-        return [empty_like_shard(k, part or k.dtype), empty_like_shard(v, part or v.dtype)]
+        return [empty_like_shard(k, part or k.dtype, rows=rows), empty_like_shard(v, part or v.dtype, rows=rows)]
 
     def absorb(tr, bufs):
         if tr.kind == "dq":

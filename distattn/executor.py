@@ -26,6 +26,7 @@ from distattn.comm import DistAttnError, PeerExchange
 from distattn.communicators import describe, open_call
 from distattn.config import DistAttnConfig
 from distattn.schedule import Task, Transfer, head_groups, head_rows, local_bounds
+from distattn.schedule.pool import slot_rows, transfer_rows
 
 __all__ = ["Executor", "WireCopies", "empty_like_shard", "stats_buffer", "guarded", "packed_bounds", "TRACE"]
 
@@ -111,13 +112,7 @@ class Executor:
 
     def rows(self, tr: Transfer) -> int | None:
         """Rows of the k/v rows (``kv``) or dk/dv partial (``dkv``) that ``tr`` carries; ``None``: other kinds."""
-        if tr.kind == "kv":
-            ranges = self.key_rows(tr.dst, tr.src)
-        elif tr.kind == "dkv":
-            ranges = self.key_rows(tr.src, tr.dst)
-        else:
-            return None
-        return sum(b - a for a, b in ranges)
+        return transfer_rows(self.plan, tr)
 
     def borrowed(self, task: Task) -> tuple[tuple[int, int], ...] | None:
         """The kv rows ``task`` computes with when they are borrowed (an owner task on another rank's k/v: its
@@ -196,16 +191,21 @@ class Executor:
         the first use and reused ``prefetch + 1`` steps later (``Plan.prefetch``: double buffering at depth 1; a
         return slot ``Plan.return_depth + 1`` steps later). Reuse
         is safe: a slot is posted again only after the step that read it was enqueued, and the side stream waits for
-        that point (``PeerExchange``). A k/v slice or dk/dv partial of fewer rows than the shard (:meth:`rows`) is
-        received into the front of the whole-shard buffers, viewed with its own shape, so the pool never grows past
-        ``prefetch + 1`` fetch slots (and ``return_depth + 1`` return slots) of whole shards.
+        that point (``PeerExchange``). A set of k/v or dk/dv buffers holds the most rows any round of the phase
+        receives there (``distattn.schedule.pool.slot_rows``: a whole shard on dense plans, the key rows a pair
+        borrows on placed ones), and a message of fewer rows (:meth:`rows`) is received into its front, viewed with
+        its own shape, so the pool never grows past ``prefetch + 1`` fetch slots (and ``return_depth + 1`` return
+        slots) of whole shards, and a placed plan's past what ``distattn.schedule.pool.deepest`` admitted.
         """
         sends = [(tr.dst, payload(tr)) for tr in ops[0]]
         inbox = {}
         for i, tr in enumerate(ops[1]):
             key = (slot, tr.kind, i)
             if key not in self._pool:
-                self._pool[key] = buffers(tr)
+                which, phase, at = slot
+                depth = self.plan.prefetch if which == "fetch" else self.plan.return_depth
+                sized = slot_rows(self.plan.run_order(phase), self.rank, phase, which, depth + 1)
+                self._pool[key] = buffers(tr, sized[(at, tr.kind, i)])
             inbox[tr] = _front_rows(self._pool[key], self.rows(tr))
         self.comm.post(slot, sends, [(tr.src, bufs) for tr, bufs in inbox.items()])
         return inbox
@@ -330,9 +330,11 @@ def _trace(phase: str, kind: str, step: int, ops) -> None:
                           tuple(sorted(tr.src for tr in recvs)))))
 
 
-def empty_like_shard(like: torch.Tensor, dtype=None, heads=None) -> torch.Tensor:
+def empty_like_shard(like: torch.Tensor, dtype=None, heads=None, rows: int | None = None) -> torch.Tensor:
+    """An empty ``(b, n, h, d)`` tensor shaped like ``like``; ``rows``: ``rows`` sequence rows instead of ``n``."""
     b, n, h, d = like.shape
-    return torch.empty(b, n, h if heads is None else heads, d, dtype=dtype or like.dtype, device=like.device)
+    return torch.empty(b, n if rows is None else rows, h if heads is None else heads, d, dtype=dtype or like.dtype,
+                       device=like.device)
 
 
 def packed_bounds(lo, hi, ranges: tuple[tuple[int, int], ...]):

@@ -104,13 +104,15 @@ def _measure_deeper(rank, world, cases, depth, keep=1):
 
 
 @pytest.mark.parametrize("depth,keep,world,cu", [(2, 1, 4, [0, 500, 512]), (3, 3, 5, [0, 620, 640]),
-                                                 (1, 2, 4, [0, 500, 512])])
+                                                 (1, 2, 4, [0, 500, 512]), (8, 6, 10, [0, 1200, 1280])])
 def test_executor_buffers_equal_the_replay_fetching_steps_ahead(depth, keep, world, cu):
     """A placed plan fetching ``depth`` steps ahead (``Layout.prefetch``, as deep as the placement solver finds it
     faster) holds ``depth + 1`` fetch slots of receive buffers, and absorbing its partials ``keep`` steps after their
-    round (``Layout.return_depth``) ``keep + 1`` return slots and ``keep`` steps' sent partials: the replay counts them
-    as the executor allocates them, and its peak lies above the same plan's at depth 1 on some rank (a third slot is
-    live beside the other two). A long document over the ranks: a step per rank, every slot used and one reused."""
+    round (``Layout.return_depth``) ``keep + 1`` return slots and ``keep`` steps' sent partials, each buffer set as
+    large as the most rows its slot receives (``distattn.schedule.pool.slot_rows``; at 10 ranks, 8 and 6 deep, as the
+    solver deepens plans whose pairs borrow few rows): the replay counts them as the executor allocates them, and its
+    peak lies above the same plan's at depth 1 on some rank (a third slot is live beside the other two). A long
+    document over the ranks: a step per rank, every slot used and one reused."""
     import dataclasses
 
     from distattn.memory.executor import executor_peak
@@ -137,38 +139,48 @@ def test_executor_buffers_equal_the_replay_fetching_steps_ahead(depth, keep, wor
 
 
 def test_the_planner_counts_the_deepest_prefetch_and_returns_of_a_placed_plan():
-    """``attention_buffers("placed", ...)`` (what ``--memory auto`` weighs for packed documents) adds the deepest
-    prefetch the solver may choose: 5 more fetch rounds in flight, each with whole-shard k/v receive buffers and k/v
-    send copies, and in the backward the deepest return depth: 3 more return rounds held, each with whole-shard dk/dv
-    receive buffers and the dk/dv partial it sends (fp32, or the input's dtype); a placed plan forced to both depths
-    (a long document over 9 ranks: 10 steps, so every slot is reused) holds no more on any rank, in either phase."""
+    """``attention_buffers("placed", ...)`` (what ``--memory auto`` weighs for packed documents) adds what a placed plan
+    may hold beyond the balanced plan's: its fetch rounds up to ``FETCH_SHARDS`` whole k/v shards of receive buffers and
+    as many of sends in flight (5 more rounds than a plan one step ahead, each with whole-shard k/v receive buffers and
+    k/v send copies), and in the backward its return rounds up to ``RETURN_SHARDS`` (3 more rounds, each with
+    whole-shard dk/dv receive buffers and the dk/dv partial it sends, fp32 or the input's dtype). A placed plan at the
+    deepest depths ``distattn.schedule.pool.deepest`` admits holds no more on any rank, in either phase: 10 documents
+    in one group of 16 ranks (16 steps, so every slot is reused), at 6 and 4 (the deepest whole-shard buffers admit)
+    and at the deeper depths its pairs' key slices admit (10 and 6)."""
     import dataclasses
 
     from distattn.memory.executor import attention_buffers, executor_peak
     from distattn.schedule import MaskSpec
-    from distattn.schedule.layouts import PREFETCHES, RETURN_DEPTHS
     from distattn.schedule.masked import make_masked_plan
-    from distattn.schedule.placement import place
+    from distattn.schedule.placement import _place_cached
+    from distattn.schedule.pool import FETCH_SHARDS, RETURN_SHARDS, deepest
 
-    world, n, mask = 9, 128, MaskSpec(causal=True, cu_seqlens=(0, 1100, 1152))
-    lay = place(mask, world, n)
-    deepest = dataclasses.replace(lay, prefetch=PREFETCHES[-1], return_depth=RETURN_DEPTHS[-1])
-    plan = make_masked_plan(world, "placed", mask, n, deepest)
-    assert plan.num_steps() >= PREFETCHES[-1] + 2
+    world, n = 16, 512
+    mask = MaskSpec(causal=True, cu_seqlens=(0, 286, 1181, 2042, 2555, 4189, 6181, 6739, 7769, 7780, 8192))
+    lay = _place_cached(mask, world, n, world)
+    deep = deepest(make_masked_plan(world, "placed", mask, n, lay))
+    assert deep[0] > FETCH_SHARDS - 1 and deep[1] > RETURN_SHARDS - 1, deep  # small slices: deeper than 6 and 4
     shape = dict(batch=B, heads=HQ, kv_heads=HKV, head_dim=D, dtype=torch.bfloat16)
-    for phase, partials in [(ph, pa) for ph in ("forward", "backward") for pa in ("fp32", "input")]:
-        bound = attention_buffers("placed", world, n, phase=phase, partials=partials, groups=1, copied=(),
-                                  outputs=False, **shape)
-        assert bound.parts["deeper prefetch (placed)"] == (PREFETCHES[-1] - 1) * 4 * B * n * HKV * D * 2
-        returns = bound.parts.get("deeper returns (placed)", 0)
-        assert returns == (0 if phase == "forward" else
-                           (RETURN_DEPTHS[-1] - 1) * 4 * B * n * HKV * D * (4 if partials == "fp32" else 2))
-        base = attention_buffers("balanced", world, n, phase=phase, partials=partials, groups=1, copied=(),
-                                 outputs=False, **shape)
-        assert bound.total == base.total + bound.parts["deeper prefetch (placed)"] + returns
-        peak = executor_peak(plan, n=n, phase=phase, partials=partials, groups=1, copied=(), **shape)
-        assert peak.total <= bound.total, (phase, partials, peak, bound)
-        shallow = executor_peak(make_masked_plan(world, "placed", mask, n, dataclasses.replace(deepest,
-                                return_depth=1)), n=n, phase=phase, partials=partials, groups=1, copied=(), **shape)
-        if phase == "backward":  # the deeper returns hold more: the replay counts them
-            assert peak.total > shallow.total, (partials, peak, shallow)
+    for depths in ((FETCH_SHARDS - 1, RETURN_SHARDS - 1), deep):
+        deepest_lay = dataclasses.replace(lay, prefetch=depths[0], return_depth=depths[1])
+        plan = make_masked_plan(world, "placed", mask, n, deepest_lay)
+        assert plan.num_steps() >= max(depths) + 2
+        for phase, partials in [(ph, pa) for ph in ("forward", "backward") for pa in ("fp32", "input")]:
+            bound = attention_buffers("placed", world, n, phase=phase, partials=partials, groups=1, copied=(),
+                                      outputs=False, **shape)
+            assert bound.parts["deeper prefetch (placed)"] == (FETCH_SHARDS - 2) * 4 * B * n * HKV * D * 2
+            returns = bound.parts.get("deeper returns (placed)", 0)
+            assert returns == (0 if phase == "forward" else
+                               (RETURN_SHARDS - 2) * 4 * B * n * HKV * D * (4 if partials == "fp32" else 2))
+            base = attention_buffers("balanced", world, n, phase=phase, partials=partials, groups=1, copied=(),
+                                     outputs=False, **shape)
+            assert bound.total == base.total + bound.parts["deeper prefetch (placed)"] + returns
+            for rank in range(world):
+                peak = executor_peak(plan, n=n, phase=phase, partials=partials, groups=1, copied=(), rank=rank,
+                                     **shape)
+                assert peak.total <= bound.total, (depths, phase, partials, rank, peak, bound)
+            shallow = executor_peak(make_masked_plan(world, "placed", mask, n, dataclasses.replace(
+                deepest_lay, return_depth=1)), n=n, phase=phase, partials=partials, groups=1, copied=(), **shape)
+            peak = executor_peak(plan, n=n, phase=phase, partials=partials, groups=1, copied=(), **shape)
+            if phase == "backward":  # the deeper returns hold more: the replay counts them
+                assert peak.total > shallow.total, (partials, peak, shallow)

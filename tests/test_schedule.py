@@ -254,10 +254,10 @@ def test_only_a_placed_layout_keeps_the_plans_order_in_the_backward():
     assert Layout("placed", 1, placement=(((0, 4),),), backward="forward").backward == "forward"
 
 
-@pytest.mark.parametrize("field,deepest", [("prefetch", 6), ("return_depth", 4)])
+@pytest.mark.parametrize("field,deepest", [("prefetch", 12), ("return_depth", 8)])
 def test_only_a_placed_layout_fetches_ahead_or_absorbs_later(field, deepest):
     """``Layout.prefetch`` (``Plan.prefetch``) and ``Layout.return_depth`` (``Plan.return_depth``): 1 for every plan, up
-    to 6 and 4 only for a placed layout (the solver's)."""
+    to 12 and 8 only for a placed layout (the solver's, as deep as its buffers admit: ``distattn.schedule.pool``)."""
     from distattn.schedule.layouts import PREFETCHES, RETURN_DEPTHS, Layout
 
     assert {"prefetch": PREFETCHES, "return_depth": RETURN_DEPTHS}[field] == tuple(range(1, deepest + 1))

@@ -100,7 +100,8 @@ def test_the_solver_keeps_the_stream_deal_where_it_is_faster():
     """longtail:2048 at P = 64, seed 101, window 4096, NVLink: the worst of 200 windowed seeds before the stream deal
     (documents cut by work on groups of 2 ranks, 1.211x of perfect balance on the per-pair timeline,
     ``bench/results/placement-sim/WORST-64-ALL.md``); with it, in two groups of 32 ranks, 1.051x (1.072x over the
-    whole stream)."""
+    whole stream; since the solver times candidates up to 12 steps ahead and 8 later where their buffers admit it,
+    ``distattn.schedule.pool.deepest``, 1.042x)."""
     from distattn.schedule.build import placement_mask
     from distattn.schedule.cluster import Cluster
     from distattn.schedule.masked import make_masked_plan
@@ -115,7 +116,7 @@ def test_the_solver_keeps_the_stream_deal_where_it_is_faster():
     assert "the stream deal" in lay.note and lay.group == 32, lay.note
     shapes = Shapes(seq_per_rank=n, heads_q=32, heads_kv=8, head_dim=128)
     ratio = step_timeline(make_masked_plan.__wrapped__(p, "placed", mask, n, lay), shapes, cluster)["ratio"]
-    assert ratio == pytest.approx(1.051, abs=0.002)
+    assert ratio == pytest.approx(1.042, abs=0.002)
 
 
 N = 24  # tokens per rank: blocks of 8

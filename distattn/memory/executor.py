@@ -5,12 +5,13 @@ The executors (``dist_attn_forward``/``dist_attn_backward``) allocate, beyond th
 * forward: the carried state's fp32 ``out`` (its ``lse`` is the output's); backward: ``delta`` (fp32
   ``(b, h_q, n)``) and the fp32 accumulators ``dq, dk, dv`` of the whole shard (cast to the input dtype once, at
   the end: the outputs);
-* the receive pool (``distattn.executor.Executor.post``): one set of whole-shard buffers per ``(slot, kind, order in
-  the round)`` the plan ever uses, made at first use and kept to the end of the call; the fetch slots alternate over
-  ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, up to ``t % 7`` where the placement solver deepened it; the
-  return slots over ``return_depth + 1``, ``Plan.return_depth``), so a rank that fetches k/v at one step and queries at
-  another of the same slot holds both kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32 by default)
-  is received into a buffer of the query shard's size;
+* the receive pool (``distattn.executor.Executor.post``): one set of buffers per ``(slot, kind, order in the round)``
+  the plan ever uses, made at first use and kept to the end of the call, a k/v or dk/dv set as large as the most rows
+  its slot receives (``distattn.schedule.pool.slot_rows``; whole shards on dense plans); the fetch slots alternate over
+  ``prefetch + 1`` (``Plan.prefetch``: ``t % 2`` at depth 1, up to ``t % 13`` where the placement solver deepened it;
+  the return slots over ``return_depth + 1``, ``Plan.return_depth``), so a rank that fetches k/v at one step and
+  queries at another of the same slot holds both kinds, and a helper's partial (``out``/``dq`` of ``h_q`` heads, fp32
+  by default) is received into a buffer of the query shard's size;
 * the partials a task computes (a helper's fp32 state or ``dq``; an owner's fp32 ``dk, dv`` of the borrowed slice,
   ``partials="input"``: plus their cast copies), alive until their send round is waited for, ``Plan.return_depth``
   steps later (one, but where the placement solver deepened it), and the next step's partial is made before that
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from distattn.schedule import MaskSpec, Plan, head_groups, make_plan
-from distattn.schedule.layouts import PREFETCHES, RETURN_DEPTHS
+from distattn.schedule.pool import FETCH_SHARDS, RETURN_SHARDS, slot_rows
 
 __all__ = ["ExecutorPeak", "executor_peak", "attention_buffers", "ATTENTION_SCHEDULES"]
 
@@ -191,23 +192,26 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
             whole_copy("dout", sz.q())
         return []
 
-    def fetch_buffers(tr) -> int:
+    def fetch_buffers(tr, rows) -> int:
         if tr.kind == "kv":
-            return 2 * sz.kv()
+            return 2 * sz.kv(rows)
         return sz.q() if fwd else 2 * sz.q() + 2 * sz.stats
 
-    def return_buffers(tr) -> int:
+    def return_buffers(tr, rows) -> int:
         if tr.kind == "out":
             return sz.q(itemsize=sz.part) + sz.stats
-        return sz.q(itemsize=sz.part) if tr.kind == "dq" else 2 * sz.kv(itemsize=sz.part)
+        return sz.q(itemsize=sz.part) if tr.kind == "dq" else 2 * sz.kv(rows, itemsize=sz.part)
 
     def post(slot, ops, payload, buffers):
-        """Receive buffers new to the pool; the round holds what it sends until it is waited for."""
+        """Receive buffers new to the pool, each of the most rows its set receives in the phase
+        (``distattn.schedule.pool.slot_rows``); the round holds what it sends until it is waited for."""
         held = payload if isinstance(payload, list) else [h for tr in ops[0] for h in payload(tr)]
         for i, tr in enumerate(ops[1]):
             if (slot, tr.kind, i) not in pool:
                 pool.add((slot, tr.kind, i))
-                lv.alloc("receive pool", buffers(tr))
+                which, at = slot
+                sized = slot_rows(plan, rank, phase, which, (depth if which == "fetch" else keep) + 1)
+                lv.alloc("receive pool", buffers(tr, sized[(at, tr.kind, i)]))
         rounds[slot] = held
 
     def wait(slot):
@@ -248,7 +252,7 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
     def rows_of(task):
         return count(task.q_chunk, task.kv_chunk)
 
-    steps, depth = plan.num_steps(), plan.prefetch
+    steps, depth, keep = plan.num_steps(), plan.prefetch, plan.return_depth
 
     def fetch(t):
         post(("fetch", t % (depth + 1)), plan.rank_ops(t, rank, phase, "fetch"), fetch_payload, fetch_buffers)
@@ -261,7 +265,6 @@ def _pass(lv: _Live, plan: Plan, rank: int, phase: str, sz: _Sizes, partials: st
         compute(head)
     stay: list[int] = []  # what the variable ``produced`` keeps of the last partial beyond what travels
     returned: list[tuple] = []  # (step, slot) of the return rounds posted, not yet absorbed
-    keep = plan.return_depth
     for t in range(steps):
         where = f"{phase} {label}step {t} of {steps}, rank {rank}"
         lv.where = f"{where}: the next step's fetch posted"
@@ -353,13 +356,13 @@ def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int,
     times one of a reference length and the peak falls at the same event: the plan is replayed once at
     ``_REF_TOKENS`` tokens per rank and scaled (exact for even ``n``), so the planner's search replays each plan once.
 
-    ``"placed"`` (packed documents; its dense stand-in is the balanced plan) also counts the deepest prefetch the
-    placement solver may choose (``Layout.prefetch`` up to ``PREFETCHES[-1]``): per fetch round more in flight, one
-    more set of whole-shard k/v receive buffers and the k/v send copies of that round (part ``"deeper prefetch
-    (placed)"``), and, in the backward, the deepest return depth (``Layout.return_depth`` up to
-    ``RETURN_DEPTHS[-1]``): per return round held beyond the first, one more set of whole-shard dk/dv receive buffers
-    and the dk/dv partial that round sends, in the partials' dtype (``"deeper returns (placed)"``; a placed plan has
-    owner tasks only: its forward returns nothing), so a plan the solver deepens never holds more than the planner
+    ``"placed"`` (packed documents; its dense stand-in is the balanced plan) also counts what the placement solver
+    lets a deeper plan hold (``distattn.schedule.pool.deepest``): fetch rounds up to ``FETCH_SHARDS`` whole k/v shards
+    of receive buffers and as many of sends in flight, that is 5 more sets of whole-shard k/v receive buffers and k/v
+    send copies than a plan one step ahead (part ``"deeper prefetch (placed)"``: what fetching 6 steps ahead held with
+    whole-shard buffers), and, in the backward, return rounds up to ``RETURN_SHARDS``: 3 more sets of whole-shard dk/dv
+    receive buffers and the dk/dv partials sent, in the partials' dtype (``"deeper returns (placed)"``; a placed plan
+    has owner tasks only: its forward returns nothing), so a plan the solver deepens never holds more than the planner
     counted for them.
     """
     if groups is None:  # the executor decides at the real length
@@ -371,10 +374,10 @@ def attention_buffers(schedule: str, sp: int, n: int, *, batch: int, heads: int,
     scale = lambda nbytes: nbytes * n // _REF_TOKENS  # noqa: E731
     parts = {k: scale(v) for k, v in ref.parts.items()}
     if schedule == "placed":  # k and v received, k and v sent, per round in flight beyond the first
-        parts["deeper prefetch (placed)"] = ((PREFETCHES[-1] - 1) * 4 * batch * n * (kv_heads // groups) * head_dim
+        parts["deeper prefetch (placed)"] = ((FETCH_SHARDS - 2) * 4 * batch * n * (kv_heads // groups) * head_dim
                                              * dtype.itemsize)
         if phase == "backward":  # dk and dv received, dk and dv sent, per return round held beyond the first
             part = 4 if partials == "fp32" else dtype.itemsize
-            parts["deeper returns (placed)"] = ((RETURN_DEPTHS[-1] - 1) * 4 * batch * n * (kv_heads // groups)
+            parts["deeper returns (placed)"] = ((RETURN_SHARDS - 2) * 4 * batch * n * (kv_heads // groups)
                                                 * head_dim * part)
     return ExecutorPeak(sum(parts.values()), parts, ref.moment, ref.rank)

@@ -56,15 +56,21 @@ solver's plans of the time, shares of 0.15-0.4 did about alike on 46 packed seed
 ones (the Pile at P = 8, seed 160: 1.105x -> 1.017x of perfect balance; uniform:8192 at P = 16, seed 95: 1.085x ->
 1.061x); 0.5 and more leave too little of the pair to hide the last return. Rows, not keys, are split
 (``distattn.schedule.plan.head_rows``): the two parts write disjoint dq rows and both add into dk, dv."""
-PREFETCHES = (1, 2, 3, 4, 5, 6)
+PREFETCHES = tuple(range(1, 13))
 """How many steps ahead the executor posts a step's fetch (``Layout.prefetch``; ``distattn.executor.Executor._run``).
 Up to 6 since the Pile's worst windowed seeds at P = 16 (modelled, on the per-pair timeline): their evened groups
 balance the work to 1.005x, and what was left was fetches exposed behind short steps (seed 149: 1.125x of perfect
 balance fetching 4 steps ahead and absorbing 3 steps later, 1.045x at 6 and 4;
-``bench/results/placement-sim/DEEPER-8-16.md``)."""
-RETURN_DEPTHS = (1, 2, 3, 4)
+``bench/results/placement-sim/DEEPER-8-16.md``). Up to 12 since each receive buffer holds only the rows its slot
+receives (``distattn.schedule.pool``): a plan whose pairs borrow slices of the shards fetches deeper for the bytes a
+plan 6 steps ahead held in whole shards, and the solver deepens a plan only that far (``pool.deepest``). At P = 64 the
+worst seeds' fetch rounds, about as long as their compute, then travel behind more of it (longtail seed 7: 1.139x ->
+1.099x; ``bench/results/placement-sim/DEEPER-POOL.md``)."""
+RETURN_DEPTHS = tuple(range(1, 9))
 """How many steps after posting a step's return round the executor waits for it and absorbs the partials it received
-(``Layout.return_depth``; ``distattn.executor.Executor._run``): 1, every plan's, or up to 4 for a placed layout. A round
+(``Layout.return_depth``; ``distattn.executor.Executor._run``): 1, every plan's, or up to 8 for a placed layout (4
+until its buffers were sized by the rows they receive; deeper than 4 only as far as ``distattn.schedule.pool.deepest``
+admits). A round
 needs both of its ends, so a rank that waits for its returns one step later cannot run more than about two steps ahead
 of the peers whose partials it takes or sends; under the packed documents' uneven pairs that chain holds ranks back
 where no rank is overloaded (the Pile at P = 16, seed 55, on the per-pair timeline: 1.154x of perfect balance with 1,
@@ -98,15 +104,17 @@ class Layout:
     solver's per-pair timeline finds it faster."""
     prefetch: int = 1
     """How many steps ahead the executor posts a step's fetch (:data:`PREFETCHES`; the receive buffers of
-    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, up to 6: the shallowest
-    depth that no deeper one makes faster on the solver's per-pair timeline by
+    ``prefetch + 1`` fetch rounds are alive at once): 1, every plan's, or, ``"placed"`` only, up to 12 (deeper than 6 as
+    far as ``distattn.schedule.pool.deepest`` admits): the shallowest depth that no deeper one makes faster on the
+    solver's per-pair timeline by
     :data:`~distattn.schedule.placement.DEEPER` per extra set of receive buffers (``distattn.memory.executor`` counts
     them)."""
     return_depth: int = 1
     """How many steps after posting a step's return round the executor absorbs it (:data:`RETURN_DEPTHS`; the receive
-    buffers of ``return_depth + 1`` return rounds alternate): 1, every plan's, or, ``"placed"`` only, up to 4: the
-    shallowest depth that no deeper one makes faster on the solver's per-pair timeline by
-    :data:`~distattn.schedule.placement.DEEPER` per extra set of buffers (``distattn.memory.executor`` counts them)."""
+    buffers of ``return_depth + 1`` return rounds alternate): 1, every plan's, or, ``"placed"`` only, up to 8 (deeper
+    than 4 as far as ``distattn.schedule.pool.deepest`` admits): the shallowest depth that no deeper one makes faster
+    on the solver's per-pair timeline by :data:`~distattn.schedule.placement.DEEPER` per extra set of buffers
+    (``distattn.memory.executor`` counts them)."""
     head: bool = True
     """Whether a rank computes :data:`HEAD` of its local pair's work before the backward's first step
     (``Plan.head_task``): ``True``, every plan's, or, ``"placed"`` only, ``False`` (the local pair whole at the

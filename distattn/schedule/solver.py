@@ -92,12 +92,13 @@ window 4096: 4 of 200 seeds kept no head, 1 the plan's order, 195 both the rever
 times fetching up to 6 steps ahead and absorbing up to 4 steps later, all 2400 seeds at P = 8 and 16 keep both,
 ``bench/results/placement-sim/DEEPER-8-16.md``).
 
-Every candidate is timed with the executor fetching 6 steps ahead (``Layout.prefetch``, the deepest of
-:data:`~distattn.schedule.layouts.PREFETCHES`: the executor posts each step's fetch ``depth`` steps before that step
-computes, over ``depth + 1`` sets of receive buffers) and absorbing its partials 4 steps after their round
-(``Layout.return_depth``, the deepest of :data:`~distattn.schedule.layouts.RETURN_DEPTHS`, over ``return_depth + 1``
-sets of return buffers); the layout chosen is then timed at prefetch depths 1 to 5 and takes the shallowest that no
-deeper depth beats by :data:`DEEPER` per extra set of buffers, then likewise at return depths 1 to 3. A fetch round
+Every candidate is timed with the executor fetching as many steps ahead (``Layout.prefetch``, up to 12:
+:data:`~distattn.schedule.layouts.PREFETCHES`; the executor posts each step's fetch ``depth`` steps before that step
+computes, over ``depth + 1`` sets of receive buffers) and absorbing its partials as many steps after their round
+(``Layout.return_depth``, up to 8, :data:`~distattn.schedule.layouts.RETURN_DEPTHS`, over ``return_depth + 1`` sets of
+return buffers) as its buffers admit (``distattn.schedule.pool.deepest``: at most the bytes of 6 and 4 with
+whole-shard buffers); the layout chosen is then timed at the shallower depths and takes the shallowest that no
+deeper depth beats by :data:`DEEPER` per extra set of buffers, then likewise the return depth. A fetch round
 reuses the buffers the compute before its posting read, so it cannot start before that compute is done on both ends: a
 busy sender holds its peers back, and posting the round further ahead gives it more computes to travel behind. Timing
 only the winner deeper (the solver before) chose among candidates by their step at depth 1, where a deal whose order
@@ -169,6 +170,7 @@ from distattn.schedule.cluster import BWD_FLOP_FACTOR, Cluster, cluster_from_env
 from distattn.schedule.deal import deal
 from distattn.schedule.groups import RowWork, assign_groups, even_groups, group_loads
 from distattn.schedule.layouts import BACKWARDS, ORDERS, PREFETCHES, RETURN_DEPTHS, Layout
+from distattn.schedule.pool import deepest
 from distattn.schedule.masked import masked_plan_of
 from distattn.schedule.pairs import pair_table
 from distattn.schedule.streams import STREAM_CLASSES
@@ -202,7 +204,7 @@ PIECES = 0.5
 cut again every that many rows, ``distattn.schedule.groups.cut_by_work``): under a window a document's
 first piece of equal work is long and light, and a group it fills is left short of work."""
 DEEPER = 0.002
-"""The chosen layout, timed with the executor fetching 1 to 6 steps ahead (``Layout.prefetch``,
+"""The chosen layout, timed with the executor fetching 1 to 12 steps ahead (``Layout.prefetch``,
 :data:`~distattn.schedule.layouts.PREFETCHES`: one more set of receive buffers each, and a fetch posted that much
 earlier), takes the shallowest depth that no deeper one makes shorter on the per-pair timeline by at least this share
 per extra set of buffers (a gain, not a rounding difference, pays for the memory)."""
@@ -343,9 +345,11 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         if low_f + low_b >= bound:  # no order of this deal can win: none is built
             return float("inf"), None
         for order in ORDERS:
-            cand = dataclasses.replace(lay, order=order, prefetch=PREFETCHES[-1], return_depth=RETURN_DEPTHS[-1],
-                                       head=True)  # at the deepest depths
+            cand = dataclasses.replace(lay, order=order, head=True)
             plan = masked_plan_of(p, "placed", spec, n, cand, table)
+            fetch, keep = deepest(plan, PREFETCHES, RETURN_DEPTHS)  # at the deepest depths its buffers admit
+            cand = dataclasses.replace(cand, prefetch=fetch, return_depth=keep)
+            plan = dataclasses.replace(plan, layout=cand)
             forward = phase_timeline(plan, "forward", shapes, cluster, stride=stride,
                                      stop_at=(bound - low_b) * (1 + 1e-12))  # inf: this order cannot win
             fwd = forward.makespan
@@ -431,6 +435,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     # the candidates were timed at the deepest depths: the prefetch depth, then the return depth, each the shallowest
     # that no deeper one beats by DEEPER per extra set of receive buffers
     for field, depths in (("prefetch", PREFETCHES), ("return_depth", RETURN_DEPTHS)):
+        depths = tuple(d for d in depths if d <= getattr(best, field))  # up to the depth it was timed at
         times = {depths[-1]: best_time}
         for depth in depths[:-1]:
             shallower = dataclasses.replace(plan, layout=dataclasses.replace(best, **{field: depth}))
