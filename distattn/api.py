@@ -212,7 +212,7 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
             2-D group, choose before sharding: ``distattn.choose_schedule``).
         backend: (distattn) kernel backend, ``"triton"``/``"torch"``/``None``.
         return_lse: (distattn) also return this rank's ``lse (b, h_q, n)`` fp32.
-        overlap: (distattn) prefetch the next step's chunks (a placed plan's: up to 6 steps ahead, ``Plan.prefetch``)
+        overlap: (distattn) prefetch the next step's chunks (a placed plan's: up to 12 steps ahead, ``Plan.prefetch``)
             while computing (``False`` only for ablations).
         timeout: (distattn) seconds any one wait inside the call (and inside its backward) may take, > 0;
             ``None``: the ``DISTATTN_TIMEOUT`` environment variable, else 300.

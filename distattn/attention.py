@@ -8,7 +8,7 @@ says, step by step, which (query chunk, kv chunk) pair every rank computes:
 * a *helper* task (someone's queries, this rank's kv — DistFlashAttn's load balancing, Sec. 3.1): fetch
   their queries, compute a partial ``(out, lse)`` in fp32 and send it back; the owner merges it.
 
-The fetches of step ``t + 1`` (``t + Plan.prefetch``: a placed plan may fetch up to 6 steps ahead) are posted before
+The fetches of step ``t + 1`` (``t + Plan.prefetch``: a placed plan may fetch up to 12 steps ahead) are posted before
 step ``t`` computes (``overlap=True``), so communication hides behind compute; partial results of step ``t`` are waited
 for one step later, just before they are merged. Backward mirrors the forward with the final ``out``/``lse``: owner
 tasks add into this rank's ``dq`` and send ``dk, dv`` partials (fp32) back to the kv owner; helper tasks add into this

@@ -106,3 +106,17 @@ def test_the_solver_deepens_only_as_far_as_the_budget_admits():
         with solver_depths(prefetch=6, return_depth=4):
             old = _place_cached(mask, 16, 512)
         assert old.prefetch <= 6 and old.return_depth <= 4
+
+
+def test_the_pool_bytes_bench_counts_within_the_planners_bound():
+    """``bench/pool_bytes.py``'s row: a solved placement's depths within those admitted, its pools and sends in flight
+    within the budget (7 / 5 whole shards), and the executor's backward peak on its worst rank within what the memory
+    planner counts for a placed call."""
+    from bench.pool_bytes import row
+
+    cells = [c.strip() for c in row("longtail:2048", 8, "window 1024", 3, 1024).strip("|").split("|")]
+    (depth, admitted), pools = ([tuple(map(int, cells[i].split(" / "))) for i in (3, 4)],
+                                [tuple(map(float, cells[i].split(" / "))) for i in (5, 6)])
+    assert all(d <= a for d, a in zip(depth, admitted))
+    assert max(pools[0]) <= FETCH_SHARDS and max(pools[1]) <= RETURN_SHARDS
+    assert int(cells[9]) <= int(cells[10])

@@ -20,7 +20,7 @@ held equal to :func:`slot_rows` by ``tests/test_pool.py``. Pure Python + numpy.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import weakref
 
 import numpy as np
 
@@ -49,12 +49,22 @@ def transfer_rows(plan: Plan, tr: Transfer) -> int | None:
     return plan.chunk if ranges is None else sum(b - a for a, b in ranges)
 
 
-@functools.lru_cache(maxsize=512)
+_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per plan: {(rank, phase, which, slots): rows}
+
+
 def slot_rows(plan: Plan, rank: int, phase: str, which: str, slots: int) -> dict:
     """``{(slot index, kind, i): rows}``: for each receive buffer set of ``rank``'s pool, the most rows a round of
     ``phase`` (``which``: its fetches or its returns, alternating over ``slots``) receives there as its ``i``-th
     message; ``rows`` is ``None`` for kinds that travel whole (:func:`transfer_rows`). ``plan``: as the phase runs it
-    (``Plan.run_order``)."""
+    (``Plan.run_order``). Memoized on the plan while it lives (every layer's call of a batch reads it back)."""
+    memo = _SLOTS.setdefault(plan, {})
+    key = (rank, phase, which, slots)
+    if key not in memo:
+        memo[key] = _slot_rows(plan, rank, phase, which, slots)
+    return memo[key]
+
+
+def _slot_rows(plan: Plan, rank: int, phase: str, which: str, slots: int) -> dict:
     out: dict = {}
     for t in range(plan.num_steps()):
         for i, tr in enumerate(plan.rank_ops(t, rank, phase, which)[1]):

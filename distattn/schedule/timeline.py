@@ -9,9 +9,9 @@ on one, return rounds on the other: ``distattn.comm.PeerExchange``)::
     for t in steps:  post F(t + depth)  (prefetch);  wait F(t);  compute(t);  wait R(t - keep), absorb;  post R(t)
     wait R(last - keep + 1) .. R(last), absorb
 
-with ``depth`` the plan's prefetch depth (``Plan.prefetch``: 1, or up to 6 where the placement solver found a deeper
-depth faster) and ``depth + 1`` fetch slots of receive buffers alternating, ``keep`` its return depth
-(``Plan.return_depth``: 1, or up to 4 likewise) and ``keep + 1`` return slots,
+with ``depth`` the plan's prefetch depth (``Plan.prefetch``: 1, or up to 12 where the placement solver found a deeper
+depth faster and its buffers admit it) and ``depth + 1`` fetch slots of receive buffers alternating, ``keep`` its
+return depth (``Plan.return_depth``: 1, or up to 8 likewise) and ``keep + 1`` return slots,
 
 with ``steps`` in the phase's order (``Plan.run_order``): the plan's steps in the forward, reversed in the backward
 (its local pair last, hiding the previous step's dk/dv return; its first fetch is the forward's last step's, one of
