@@ -212,7 +212,7 @@ def _deeper_worker(rank, world, n, order, depth, keep=1):
                 trace = executor.TRACE
             finally:
                 executor.TRACE = None
-            events = [e[:3] for ph, e in trace if ph == "forward"][:8]  # the first call's forward
+            events = [e[:3] for ph, e in trace if ph == "forward"][:depth + 4]  # the first call's forward
             if plan.num_steps() > depth:  # step depth's fetch is posted before step 0's is waited for
                 assert events.index(("post", "fetch", depth)) < events.index(("wait", "fetch", 0)), events
             backward = [e for ph, e in trace if ph == "backward"]
@@ -227,11 +227,12 @@ def _deeper_worker(rank, world, n, order, depth, keep=1):
 
 @pytest.mark.parametrize("world,order,depth,keep", [(4, "rotation", 2, 2), (5, "pairs-work", 3, 3),
                                                      (6, "rotation", 4, 1), (5, "rotation", 1, 3),
-                                                     (8, "ranks-work", 6, 4)])
+                                                     (8, "ranks-work", 6, 4), (10, "rotation", 8, 6)])
 def test_fetching_steps_ahead_against_reference(world, order, depth, keep):
     """A placed layout whose fetches the executor posts ``depth`` steps ahead (``Layout.prefetch``, as deep as the
     solver finds it faster) and whose partials it absorbs ``keep`` steps after their round (``Layout.return_depth``):
-    exact against fp64 with the byte counters equal to the plan's."""
+    exact against fp64 with the byte counters equal to the plan's; at 10 ranks 8 and 6 deep, past the whole-shard
+    depths, its receive buffers sized by the rows their slots receive (``distattn.schedule.pool.slot_rows``)."""
     results = run_distributed(_deeper_worker, world, 12, order, depth, keep, timeout=TIMEOUT_S)
     assert all(r == results[0] for r in results)  # one placement on every rank
 
