@@ -69,14 +69,13 @@ def main(argv=None) -> None:
              "| docs | mask | seed | depths (fetch / return) | admitted | fetch pool / sends in flight (shards) | "
              "return pool / partials in flight (shards) | receive pool, MiB | whole-shard pool at depths up to 6 / 4, "
              "MiB | backward peak, MiB | planner's placed bound, MiB |", "|" + "---|" * 11]
-    for case in args.cases:
+    print("\n".join(lines), flush=True)
+    for case in args.cases:  # the rows as they come, then the file
         docs, mask, seed = case.split(",")
         lines.append(row(docs, args.world, mask, int(seed), args.seq_per_rank))
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
     if args.out:
-        args.out.write_text(text)
-    print(text)
+        args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
