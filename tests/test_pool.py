@@ -15,7 +15,7 @@ import pytest
 from distattn.schedule import MaskSpec
 from distattn.schedule.layouts import BACKWARDS, ORDERS, PREFETCHES, RETURN_DEPTHS
 from distattn.schedule.masked import make_masked_plan
-from distattn.schedule.pool import FETCH_SHARDS, RETURN_SHARDS, deepest, pool_rows, slot_rows, transfer_rows
+from distattn.schedule.pool import FETCH_SHARDS, RETURN_SHARDS, _Rounds, deepest, pool_rows, slot_rows, transfer_rows
 from distattn.schedule.solver import _place_cached
 
 CU = (0, 286, 1181, 2042, 2555, 4189, 6181, 6739, 7769, 7780, 8192)
@@ -58,6 +58,10 @@ def test_pool_rows_equal_a_walk_of_every_rank(slots):
                 assert all(np.array_equal(a, b) for a, b in zip(fast, walked)), (plan.layout.order, phase, which)
                 several += any(len(view.rank_ops(t, r, phase, which)[1]) > 1 for t in range(view.num_steps())
                                for r in range(16))
+                # the same rounds read from the plan's own order, the steps reversed where the phase reverses them
+                flipped = view is not plan.run_order("forward")
+                same = _Rounds(plan.run_order("forward"), phase, which).rows(slots, reverse=flipped)
+                assert all(np.array_equal(a, b) for a, b in zip(same, fast)), (plan.layout.order, phase, which)
     assert several  # the case of several messages to a rank in a round was met
 
 

@@ -19,12 +19,11 @@ held equal to :func:`slot_rows` by ``tests/test_pool.py``. Pure Python + numpy.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import numpy as np
 
-from distattn.schedule.layouts import BACKWARDS, PREFETCHES, RETURN_DEPTHS
+from distattn.schedule.layouts import PREFETCHES, RETURN_DEPTHS
 from distattn.schedule.plan import Plan, Transfer
 from distattn.schedule.wire import transfer_spans
 
@@ -81,7 +80,9 @@ def pool_rows(plan: Plan, phase: str, which: str, slots: int) -> tuple[np.ndarra
 
 
 class _Rounds:
-    """One phase's fetch or return messages of every rank, as arrays, for :func:`pool_rows` at any depth."""
+    """One phase's fetch or return messages of every rank, as arrays, for :func:`pool_rows` at any depth; ``rows(slots,
+    reverse=True)``: the same rounds with the steps in reverse order (the backward's reversed view of a plan of owner
+    tasks, whose rounds are the same messages: :func:`deepest` reads both from one plan)."""
 
     def __init__(self, plan: Plan, phase: str, which: str):
         self.plan, self.phase, self.which = plan, phase, which
@@ -95,46 +96,52 @@ class _Rounds:
         # into its i-th buffer set; a plan with helper tasks (other kinds in a round) is walked rank by rank
         rt = plan.run_table
         self.walk = bool(np.any((rt.dkv == 0) & (rt.dq != 0)))
-        order = np.lexsort((self.src, self.dst, self.step))
-        cell = (self.step * p + self.dst)[order]
-        first = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]]) if len(cell) else np.zeros(0, np.int64)
-        self.i = np.empty(len(cell), dtype=np.int64)
-        self.i[order] = np.arange(len(cell)) - np.repeat(first, np.diff(np.r_[first, len(cell)]))
+        cell = self.step * p + self.dst
+        self.i = np.zeros(len(cell), dtype=np.int64)
+        if len(cell) and np.bincount(cell).max() > 1:  # several messages to a rank in a round: ordered by sender
+            order = np.lexsort((self.src, cell))
+            ordered = cell[order]
+            first = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+            self.i[order] = np.arange(len(cell)) - np.repeat(first, np.diff(np.r_[first, len(cell)]))
+        # upper bounds of any depth's pool and sends in flight, per slot: the largest message, the most sent in a round
+        self.largest = int(self.size.max(initial=0)) * (int(self.i.max(initial=0)) + 1)
+        self.round_sent = int(np.bincount(self.step * p + self.src, weights=self.size).max(initial=0)) if len(
+            cell) else 0
 
-    def rows(self, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    def rows(self, slots: int, reverse: bool = False) -> tuple[np.ndarray, np.ndarray]:
         p, n = self.plan.world_size, self.plan.chunk
         cells = -(-self.steps // slots) * slots  # whole cycles of slots, the last one padded with empty rounds
+        step = self.steps - 1 - self.step if reverse else self.step
         if self.walk:
+            assert not reverse, "a plan with helper tasks is walked in its own view"
             pool = np.array([sum(n if r is None else r for r in
                                  slot_rows(self.plan, rank, self.phase, self.which, slots).values())
                              for rank in range(p)], dtype=np.int64)
         else:  # a buffer set holds the largest message it receives over the rounds of its slot
             got = np.zeros((cells, p, int(self.i.max(initial=0)) + 1), dtype=np.int64)
-            got[self.step, self.dst, self.i] = self.size
+            got[step, self.dst, self.i] = self.size
             pool = got.reshape(-1, slots, *got.shape[1:]).max(axis=0).sum(axis=(0, 2))
         sent = np.zeros((cells + 1, p), dtype=np.int64)
-        np.add.at(sent, (self.step + 1, self.src), self.size)
+        np.add.at(sent, (step + 1, self.src), self.size)
         sent = np.cumsum(sent, axis=0)
         return pool, (sent[slots:] - sent[:-slots]).max(axis=0, initial=0)
+
+    def fits(self, slots: int, rows: int) -> bool:
+        """Whether every rank's pool and sends in flight over ``slots`` fit ``rows``, the steps either way."""
+        if slots * max(self.largest, self.round_sent) <= rows:  # bounds of both, whatever the order
+            return True
+        return all(max(int(x.max(initial=0)) for x in self.rows(slots, reverse)) <= rows for reverse in (False, True))
 
 
 def deepest(plan: Plan, prefetches=PREFETCHES, return_depths=RETURN_DEPTHS) -> tuple[int, int]:
     """``(prefetch, return depth)``: the deepest of ``prefetches`` and ``return_depths`` at which ``plan`` (a placed
     plan, at any depth) holds, on every rank, in the forward and in the backward either way
-    (``Layout.backward``), at most :data:`FETCH_SHARDS` whole k/v shards of fetch rows in its pool and as many in its
-    sends in flight, and :data:`RETURN_SHARDS` of dk/dv partial rows likewise. Depths that held at most that with
-    whole-shard buffers (6 and 4) are always admitted."""
-    n, lay = plan.chunk, plan.layout
-    ways = [(plan.run_order("forward"), "forward")] + [
-        (dataclasses.replace(plan, layout=dataclasses.replace(lay, backward=way)).run_order("backward"), "backward")
-        for way in BACKWARDS]
-
-    rounds = {which: [_Rounds(view, phase, which) for view, phase in ways if which == "fetch" or phase == "backward"]
-              for which in ("fetch", "return")}
-
-    def fits(which: str, depth: int, shards: int) -> bool:
-        return all(max(int(x.max(initial=0)) for x in r.rows(depth + 1)) <= shards * n for r in rounds[which])
-
-    fetch = next(d for d in reversed(prefetches) if d + 1 <= FETCH_SHARDS or fits("fetch", d, FETCH_SHARDS))
-    keep = next(d for d in reversed(return_depths) if d + 1 <= RETURN_SHARDS or fits("return", d, RETURN_SHARDS))
+    (``Layout.backward``: the plan's steps or their reverse), at most :data:`FETCH_SHARDS` whole k/v shards of fetch
+    rows in its pool and as many in its sends in flight, and :data:`RETURN_SHARDS` of dk/dv partial rows likewise.
+    Depths that held at most that with whole-shard buffers (6 and 4) are always admitted."""
+    n, view = plan.chunk, plan.run_order("forward")
+    fetches, returns = _Rounds(view, "forward", "fetch"), _Rounds(view, "backward", "return")
+    assert not fetches.walk, "deepest reads a placed plan (owner tasks only)"
+    fetch = next(d for d in reversed(prefetches) if d + 1 <= FETCH_SHARDS or fetches.fits(d + 1, FETCH_SHARDS * n))
+    keep = next(d for d in reversed(return_depths) if d + 1 <= RETURN_SHARDS or returns.fits(d + 1, RETURN_SHARDS * n))
     return fetch, keep
