@@ -88,10 +88,8 @@ class _Rounds:
         self.plan, self.phase, self.which = plan, phase, which
         p, n, self.steps = plan.world_size, plan.chunk, plan.num_steps()
         assert n, "pool_rows reads a plan of a mask's chunks (Plan.chunk)"
-        s = transfer_spans(plan, phase, which, {kind: n for kind in ("kv", "q", "out", "dkv", "dq")})
-        k = np.arange(int(s.length.sum()), dtype=np.int64) - np.repeat(np.cumsum(s.length) - s.length, s.length)
-        self.step, src, dst, self.size = (np.repeat(x, s.length) for x in (s.step, s.src, s.dst, s.size))
-        self.src, self.dst = src + k, dst + k
+        self.step, self.src, self.dst, self.size = transfer_spans(
+            plan, phase, which, {kind: n for kind in ("kv", "q", "out", "dkv", "dq")}).messages()  # rows, not bytes
         # the i-th message a rank receives in a round (Plan.rank_ops: one fetch, the returns by sender) is received
         # into its i-th buffer set; a plan with helper tasks (other kinds in a round) is walked rank by rank
         rt = plan.run_table

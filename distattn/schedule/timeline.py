@@ -97,19 +97,11 @@ class PhaseTimeline:
         return 1.0 - self.perfect / self.makespan if self.makespan else 0.0
 
 
-def _messages(plan: Plan, phase: str, which: str, sizes: dict):
-    """Every message of ``phase``'s fetches or returns as arrays ``(step, src, dst, bytes)`` (one per task)."""
-    s = transfer_spans(plan, phase, which, sizes)
-    k = np.arange(int(s.length.sum()), dtype=np.int64) - np.repeat(np.cumsum(s.length) - s.length, s.length)
-    rep = lambda a: np.repeat(a, s.length)  # noqa: E731
-    return rep(s.step), rep(s.src) + k, rep(s.dst) + k, rep(s.size)
-
-
 class _Rounds:
     """The messages of one kind of round (fetch or return), grouped by step, with each rank's duration per round."""
 
     def __init__(self, plan: Plan, phase: str, which: str, sizes: dict, cluster: Cluster, stride: int):
-        step, src, dst, size = _messages(plan, phase, which, sizes)
+        step, src, dst, size = transfer_spans(plan, phase, which, sizes).messages()  # one per task
         p, n_steps = plan.world_size, plan.num_steps()
         order = np.argsort(step, kind="stable")
         self.step, self.src, self.dst, size = step[order], src[order], dst[order], size[order]

@@ -119,6 +119,13 @@ class Spans:
     length: np.ndarray
     size: np.ndarray
 
+    def messages(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every message as arrays ``(step, src, dst, size)``, one entry per message (the spans unrolled)."""
+        k = np.arange(int(self.length.sum()), dtype=np.int64) - np.repeat(np.cumsum(self.length) - self.length,
+                                                                          self.length)
+        step, src, dst, size = (np.repeat(x, self.length) for x in (self.step, self.src, self.dst, self.size))
+        return step, src + k, dst + k, size
+
 
 def transfer_spans(plan: Plan, phase: str, which: str, sizes: dict) -> Spans:
     """The fetches (``which="fetch"``) or returns of every step of ``phase`` as :class:`Spans`, the same messages as
