@@ -157,25 +157,27 @@ def refused(fn) -> str:
 
 @contextlib.contextmanager
 def solver_depths(prefetch: int | None = None, return_depth: int | None = None, window_chunks: bool = True,
-                  stream_deal: bool = True):
+                  stream_deal: bool = True, even_loose: bool = True):
     """The placement solver timing prefetch depths ``1..prefetch`` and return depths ``1..return_depth`` only
     (``Layout.prefetch``, ``Layout.return_depth``; ``None``: up to the solver's deepest, ``PREFETCHES[-1]`` and
     ``RETURN_DEPTHS[-1]``) and, ``window_chunks=False``, the windowed deal in the snake only (``WINDOW_CHUNKS``),
-    ``stream_deal=False``, without the stream deal (``distattn.schedule.streams``, ``STREAM_CLASSES``), for examples
-    pinned under the solver's former candidates; its cache is emptied on the way in and out, so no solve leaks
+    ``stream_deal=False``, without the stream deal (``distattn.schedule.streams``, ``STREAM_CLASSES``),
+    ``even_loose=False``, without the looser evenings (``EVEN_LOOSE``), for examples pinned under the solver's former
+    candidates; its cache is emptied on the way in and out, so no solve leaks
     across the change."""
     import distattn.schedule.solver as pl
 
-    saved = pl.PREFETCHES, pl.RETURN_DEPTHS, pl.WINDOW_CHUNKS, pl.STREAM_CLASSES
+    saved = pl.PREFETCHES, pl.RETURN_DEPTHS, pl.WINDOW_CHUNKS, pl.STREAM_CLASSES, pl.EVEN_LOOSE
     pl._place_cached.cache_clear()
     pl.PREFETCHES = saved[0] if prefetch is None else tuple(range(1, prefetch + 1))
     pl.RETURN_DEPTHS = saved[1] if return_depth is None else tuple(range(1, return_depth + 1))
     pl.WINDOW_CHUNKS = saved[2] if window_chunks else (False,)
     pl.STREAM_CLASSES = saved[3] if stream_deal else ()
+    pl.EVEN_LOOSE = saved[4] if even_loose else ()
     try:
         yield
     finally:
-        pl.PREFETCHES, pl.RETURN_DEPTHS, pl.WINDOW_CHUNKS, pl.STREAM_CLASSES = saved
+        pl.PREFETCHES, pl.RETURN_DEPTHS, pl.WINDOW_CHUNKS, pl.STREAM_CLASSES, pl.EVEN_LOOSE = saved
         pl._place_cached.cache_clear()
 
 

@@ -231,21 +231,59 @@ def test_the_solver_keeps_evened_groups_where_faster(docs, seed):
 
 
 def test_the_solver_evens_the_groups_up_to_even_max_ranks(monkeypatch):
-    """The evened cuts are timed up to ``EVEN_MAX_RANKS`` ranks and not beyond (at P = 64 and 256 they won 2 of 229
-    solves for up to 1.9x the solve time, ``bench/results/placement-sim/EVEN-8-64.md``)."""
+    """The evened cuts are timed to :data:`EVEN` up to ``EVEN_MAX_RANKS`` ranks (at P = 64 and 256 they won 2 of 229
+    solves for up to 1.9x the solve time, ``bench/results/placement-sim/EVEN-8-64.md``), to the looser
+    ``EVEN_LOOSE`` up to ``EVEN_LOOSE_MAX_RANKS``, and not beyond."""
     import distattn.schedule.solver as pl
     from distattn.schedule.cluster import Cluster
 
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(args[3])  # the number of groups
+        calls.append(args[4])  # the tolerance
         return even_groups(*args, **kwargs)
 
     monkeypatch.setattr(pl, "even_groups", counted)
-    for p in (pl.EVEN_MAX_RANKS, 2 * pl.EVEN_MAX_RANKS):
+    assert pl.EVEN_MAX_RANKS * 2 == pl.EVEN_LOOSE_MAX_RANKS
+    for p in (pl.EVEN_MAX_RANKS, pl.EVEN_LOOSE_MAX_RANKS, 2 * pl.EVEN_LOOSE_MAX_RANKS):
         calls.clear()
         cu = document_lengths("longtail:256", p * 512, seed=3)
         pl._place_cached.__wrapped__(MaskSpec(causal=True, window=(512, 0), cu_seqlens=cu), p, 512, None,
                                      Cluster.preset("nvlink"))
-        assert bool(calls) == (p <= pl.EVEN_MAX_RANKS), (p, len(calls))
+        expected = ({pl.EVEN} if p <= pl.EVEN_MAX_RANKS else set()) | \
+                   (set(pl.EVEN_LOOSE) if p <= pl.EVEN_LOOSE_MAX_RANKS else set())
+        assert set(calls) == expected, (p, sorted(set(calls)))
+
+
+@pytest.mark.parametrize("tol", [0.02, 0.04])
+def test_a_looser_evening_stops_at_its_tolerance_in_fewer_pieces(tol):
+    """Evened only to within ``tol`` of the mean (``EVEN_LOOSE``), the Pile windowed at P = 64, seed 19 (groups of
+    one rank, documents cut by work, capped at 2048 tokens): every group within ``tol``, and fewer pieces, so fewer
+    pairs, than evened to within ``EVEN`` (0.5%)."""
+    from distattn.schedule.placement import EVEN
+
+    cu = document_lengths("pile:4", 64 * 4096, seed=19)
+    spec = MaskSpec(causal=True, window=(4096, 0), cu_seqlens=tuple(cu))
+    starts, lengths = np.asarray(cu[:-1]), np.diff(cu)
+    rows = RowWork(spec, lengths)
+    mean = rows.prefix(np.arange(len(lengths)), lengths).sum() / 64
+    pieces = assign_groups(starts, lengths, rows, 64, 4096, cut=mean, tokens=2048)
+    loose, tight = (even_groups(pieces, starts, rows, 64, t, "short") for t in (tol, EVEN))
+    assert group_loads(pieces, starts, rows, 64).max() / mean > 1 + tol
+    assert group_loads(loose, starts, rows, 64).max() / mean <= 1 + tol
+    assert group_loads(tight, starts, rows, 64).max() / mean <= 1 + EVEN
+    assert len(loose) < len(tight), (len(loose), len(tight))
+
+
+def test_the_solver_keeps_a_looser_evening_where_faster(monkeypatch):
+    """The Pile windowed at P = 64, seed 19: without the looser evenings the solver's best is 1.134x of perfect
+    balance (groups of one rank, capped cut pieces, not evened); with them it keeps the groups evened to within 4%
+    (exchanging the lightest pieces first), 1.073x, within the issue's 1.10x (``EVEN-LOOSE.md``)."""
+    import distattn.schedule.solver as pl
+
+    cu = document_lengths("pile:4", 64 * 4096, seed=19)
+    lay, ratio = _solved_windowed(cu, 64)
+    assert "the groups' work evened (short, to 0.04)" in lay.note and ratio < 1.08, (lay.note, ratio)
+    monkeypatch.setattr(pl, "EVEN_LOOSE", ())
+    before, slower = _solved_windowed(cu, 64)
+    assert "evened" not in before.note and slower > 1.13, (before.note, slower)

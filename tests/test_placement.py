@@ -446,8 +446,11 @@ def test_the_solver_runs_the_backward_the_fastest_of_its_three_ways(seed, backwa
     on every one of the 2400 seeds at P = 8 and 16 (``bench/results/placement-sim/DEEPER-8-16.md``: seed 65 at
     1.028x): ``deepest`` caps the depths the solver times at the former 4 and 3, under which seeds 37 and 168 keep the
     pair whole. Since the solver also times the stream deal (``distattn.schedule.streams``) it keeps that on these
-    seeds (seed 65: 1.019x, the head): the examples run without it (``dist_utils.solver_depths``)."""
-    with solver_depths(*deepest, stream_deal=False) if deepest else solver_depths(stream_deal=False):
+    seeds (seed 65: 1.019x, the head): the examples run without it (``dist_utils.solver_depths``), and without the
+    looser evenings (``EVEN_LOOSE``), which it keeps on each of them (seeds 37, 168, 65 at 4 and 3: 1.080x, 1.076x,
+    1.054x, the head; seed 65: 1.013x)."""
+    kept = dict(stream_deal=False, even_loose=False)
+    with solver_depths(*deepest, **kept) if deepest else solver_depths(**kept):
         _the_backward_the_fastest_of_its_three_ways(seed, backward, head, ratio, note)
 
 
@@ -502,8 +505,10 @@ def test_the_solver_fetches_steps_ahead_and_absorbs_later_where_it_pays(docs, p,
     runs without it (``dist_utils.solver_depths``). Since it times every candidate up to 12 steps ahead and 8 steps
     later, as deep as the candidate's receive buffers admit (``distattn.schedule.pool.deepest``; each seed here admits
     12 and 8 but seed 30, 6 and 4), and picks among the depths admitted: seed 42 absorbs 5 steps later (1.0240x, 1.0310x
-    at 6 and 4) and longtail seed 29 fetches 8 steps ahead, absorbing 5 steps later (1.0211x, 1.0383x at 6 and 4)."""
-    with solver_depths(stream_deal=False):
+    at 6 and 4) and longtail seed 29 fetches 8 steps ahead, absorbing 5 steps later (1.0211x, 1.0383x at 6 and 4).
+    Since the solver also times looser evenings (``EVEN_LOOSE``) it keeps one on longtail seed 29 (1.0145x, 7 and 5):
+    the examples run without them."""
+    with solver_depths(stream_deal=False, even_loose=False):
         _the_solver_fetches_steps_ahead_and_absorbs_later_where_it_pays(docs, p, window, seed, depth, keep, ratio)
 
 
@@ -550,9 +555,10 @@ def test_documents_cut_by_work_are_also_timed_on_other_groups_than_the_chosen():
     1.062x. Since it times fetching up to 6 steps ahead, seed 157 keeps mirrored chunks over 16 ranks; the example is
     seed 46: cut over groups of 4, 1.022x, where the plain deal over 4 gives 1.473x and over 8 1.109x (forced, as dealt:
     fetching 1 step ahead).
-    Since the solver also times the stream deal (``distattn.schedule.streams``) it keeps that on this seed: the example
-    runs without it (``dist_utils.solver_depths``)."""
-    with solver_depths(stream_deal=False):
+    Since the solver also times the stream deal (``distattn.schedule.streams``) and looser evenings (``EVEN_LOOSE``)
+    it keeps those on this seed (groups of one rank evened to within 2%: 1.018x): the example runs without them
+    (``dist_utils.solver_depths``)."""
+    with solver_depths(stream_deal=False, even_loose=False):
         _documents_cut_by_work_are_also_timed_on_other_groups_than_the_chosen()
 
 
@@ -589,8 +595,9 @@ def test_documents_cut_by_work_are_also_timed_in_pieces_of_half_a_groups_tokens(
     order "short"): 1.055x; the uncapped pieces evened alike are another placement. Since the solver also times the
     windowed deal in mirrored chunks (``WINDOW_CHUNKS``) it keeps that here: the example runs without it
     (``dist_utils.solver_depths``), and without the stream deal (``distattn.schedule.streams``), which it keeps too, and
-    with the depths of that time (up to 6 steps ahead and 4 later; deeper, the solver keeps another deal)."""
-    with solver_depths(prefetch=6, return_depth=4, window_chunks=False, stream_deal=False):
+    with the depths of that time (up to 6 steps ahead and 4 later; deeper, the solver keeps another deal), and without
+    the looser evenings (``EVEN_LOOSE``: it keeps the pieces evened to within 4%, 1.033x)."""
+    with solver_depths(prefetch=6, return_depth=4, window_chunks=False, stream_deal=False, even_loose=False):
         _documents_cut_by_work_are_also_timed_in_pieces_of_half_a_groups_tokens()
 
 
