@@ -233,25 +233,28 @@ def test_the_solver_keeps_evened_groups_where_faster(docs, seed):
 def test_the_solver_evens_the_groups_up_to_even_max_ranks(monkeypatch):
     """The evened cuts are timed to :data:`EVEN` up to ``EVEN_MAX_RANKS`` ranks (at P = 64 and 256 they won 2 of 229
     solves for up to 1.9x the solve time, ``bench/results/placement-sim/EVEN-8-64.md``), to the looser
-    ``EVEN_LOOSE`` up to ``EVEN_LOOSE_MAX_RANKS``, and not beyond."""
+    ``EVEN_LOOSE`` both ways up to ``EVEN_LOOSE_MAX_RANKS``, to the first of them one way up to
+    ``EVEN_WIDE_MAX_RANKS``, and not beyond."""
     import distattn.schedule.solver as pl
     from distattn.schedule.cluster import Cluster
 
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(args[4])  # the tolerance
+        calls.append((args[4], args[5]))  # the tolerance, the exchange order
         return even_groups(*args, **kwargs)
 
     monkeypatch.setattr(pl, "even_groups", counted)
-    assert pl.EVEN_MAX_RANKS * 2 == pl.EVEN_LOOSE_MAX_RANKS
-    for p in (pl.EVEN_MAX_RANKS, pl.EVEN_LOOSE_MAX_RANKS, 2 * pl.EVEN_LOOSE_MAX_RANKS):
+    both = [how[1] for how in pl.EVENED]
+    assert pl.EVEN_MAX_RANKS < pl.EVEN_LOOSE_MAX_RANKS < pl.EVEN_WIDE_MAX_RANKS
+    for p, expected in ((pl.EVEN_MAX_RANKS, {(t, o) for t in (pl.EVEN, *pl.EVEN_LOOSE) for o in both}),
+                        (pl.EVEN_LOOSE_MAX_RANKS, {(t, o) for t in pl.EVEN_LOOSE for o in both}),
+                        (pl.EVEN_WIDE_MAX_RANKS, {(pl.EVEN_LOOSE[0], both[0])}),
+                        (2 * pl.EVEN_WIDE_MAX_RANKS, set())):
         calls.clear()
-        cu = document_lengths("longtail:256", p * 512, seed=3)
-        pl._place_cached.__wrapped__(MaskSpec(causal=True, window=(512, 0), cu_seqlens=cu), p, 512, None,
+        cu = document_lengths("longtail:256", p * 128, seed=3)
+        pl._place_cached.__wrapped__(MaskSpec(causal=True, window=(128, 0), cu_seqlens=cu), p, 128, None,
                                      Cluster.preset("nvlink"))
-        expected = ({pl.EVEN} if p <= pl.EVEN_MAX_RANKS else set()) | \
-                   (set(pl.EVEN_LOOSE) if p <= pl.EVEN_LOOSE_MAX_RANKS else set())
         assert set(calls) == expected, (p, sorted(set(calls)))
 
 

@@ -69,7 +69,9 @@ the heaviest group and the lightest exchange equal numbers of tokens, densest pi
 within :data:`EVEN` of the mean), in each of its two exchange orders, up to :data:`EVEN_MAX_RANKS` ranks: the groups
 hold equal tokens, and longest-first leaves them of unequal work where the heavy pieces do not fall evenly (longtail at
 P = 16, seed 7: 1.133x -> 1.091x of perfect balance on groups of one rank where the climb chose 8; the Pile, seed 37:
-1.163x -> 1.085x).
+1.163x -> 1.085x), and up to :data:`EVEN_LOOSE_MAX_RANKS` (one way up to :data:`EVEN_WIDE_MAX_RANKS`) evened only to
+within :data:`EVEN_LOOSE` of the mean: fewer pieces move, so fewer pairs (the Pile windowed at P = 64, seed 19: 1.134x
+-> 1.073x).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
@@ -126,8 +128,9 @@ Cost: a deal, its pair table and one plan and timeline per order (:data:`~distat
 backward's twice) per group size tried (3-4 of them), per deal with a cut document's shortest piece first (in mirrored
 chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules x the snake or chunks, on one
 or two group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window,
-per cut (3 cuts, capped or not, and up to 32 ranks the capped ones evened two ways, on up to all the climb's group
-sizes) and per stream deal (2 class counts on the climb's group sizes and one group: at P = 64 the windowed solve's
+per cut (3 cuts, capped or not, and the capped ones evened two ways, to 0.5% up to 32 ranks and to 2% and 4% up to
+64 (at 2% one way up to 256), on up to all the climb's group sizes: 1.3-1.5x the windowed solve at P = 64) and per
+stream deal (2 class counts on the climb's group sizes and one group: at P = 64 the windowed solve's
 median CPU 1.7-1.8 s -> 2.5-2.8 s, ``STREAMS.md``), and 8 timelines of the chosen layout at the shallower depths
 (on the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at
 P = 64 on NVLink, 1.0-2.1 s on InfiniBand
@@ -180,8 +183,8 @@ from distattn.schedule.windows import SHARES
 from distattn.schedule.wire import Shapes
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED",
-           "EVEN_MAX_RANKS", "EVEN_LOOSE", "EVEN_LOOSE_MAX_RANKS", "NEAR", "WIDER_MAX_RANKS", "WINDOW_CHUNKS", "DEEPER",
-           "FALLBACK_MAX_RANKS", "block_size"]
+           "EVEN_MAX_RANKS", "EVEN_LOOSE", "EVEN_LOOSE_MAX_RANKS", "EVEN_WIDE_MAX_RANKS", "NEAR", "WIDER_MAX_RANKS",
+           "WINDOW_CHUNKS", "DEEPER", "FALLBACK_MAX_RANKS", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -225,6 +228,9 @@ gains; a looser evening keeps most of the balance for fewer pairs (the Pile wind
 1.073x of perfect balance, ``bench/results/placement-sim/EVEN-LOOSE.md``)."""
 EVEN_LOOSE_MAX_RANKS = 64
 """Up to this many ranks the loosely evened cuts are timed (at P = 64: 1.3-1.5x the windowed solve's CPU)."""
+EVEN_WIDE_MAX_RANKS = 256
+"""Beyond :data:`EVEN_LOOSE_MAX_RANKS`, up to this many ranks, the first of :data:`EVEN_LOOSE` in the first exchange
+order of :data:`EVENED` only (longtail windowed at P = 256, seed 65: 1.107x -> 1.066x, for 1.1-1.35x the solve)."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
@@ -412,9 +418,9 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             best_time, best = t, lay
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
         # and every group size the climb timed
-        tols = [tol for tol, most in ((EVEN, EVEN_MAX_RANKS), *((t, EVEN_LOOSE_MAX_RANKS) for t in EVEN_LOOSE))
-                if p <= most]  # evened to within each of these shares of the mean
-        hows = ((False, None, EVEN), (True, None, EVEN), *((*how, tol) for tol in tols for how in EVENED))
+        evened = [(tol, EVENED) for tol in (EVEN,) * (p <= EVEN_MAX_RANKS) + EVEN_LOOSE * (p <= EVEN_LOOSE_MAX_RANKS)]
+        evened += [(EVEN_LOOSE[0], EVENED[:1])] if EVEN_LOOSE and EVEN_LOOSE_MAX_RANKS < p <= EVEN_WIDE_MAX_RANKS else []
+        hows = ((False, None, EVEN), (True, None, EVEN), *((*how, tol) for tol, ways in evened for how in ways))
         sizes = sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
         for kk, cut, capped, even, tol in [(kk, c, *how) for kk in sizes for c in CUTS for how in hows]:
             t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped, even=even, tolerance=tol),
