@@ -419,7 +419,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
         # and every group size the climb timed
         evened = [(tol, EVENED) for tol in (EVEN,) * (p <= EVEN_MAX_RANKS) + EVEN_LOOSE * (p <= EVEN_LOOSE_MAX_RANKS)]
-        evened += [(EVEN_LOOSE[0], EVENED[:1])] if EVEN_LOOSE and EVEN_LOOSE_MAX_RANKS < p <= EVEN_WIDE_MAX_RANKS else []
+        wide = EVEN_LOOSE and EVEN_LOOSE_MAX_RANKS < p <= EVEN_WIDE_MAX_RANKS  # one tolerance, one way
+        evened += [(EVEN_LOOSE[0], EVENED[:1])] if wide else []
         hows = ((False, None, EVEN), (True, None, EVEN), *((*how, tol) for tol, ways in evened for how in ways))
         sizes = sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
         for kk, cut, capped, even, tol in [(kk, c, *how) for kk in sizes for c in CUTS for how in hows]:
