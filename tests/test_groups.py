@@ -234,14 +234,14 @@ def test_the_solver_evens_the_groups_up_to_even_max_ranks(monkeypatch):
     """The evened cuts are timed to :data:`EVEN` up to ``EVEN_MAX_RANKS`` ranks (at P = 64 and 256 they won 2 of 229
     solves for up to 1.9x the solve time, ``bench/results/placement-sim/EVEN-8-64.md``), to the looser
     ``EVEN_LOOSE`` both ways up to ``EVEN_LOOSE_MAX_RANKS``, to the first of them one way up to
-    ``EVEN_WIDE_MAX_RANKS``, and not beyond."""
+    ``EVEN_WIDE_MAX_RANKS``, and not beyond; the looser ones on groups of at most ``EVEN_LOOSE_MAX_GROUP`` ranks."""
     import distattn.schedule.solver as pl
     from distattn.schedule.cluster import Cluster
 
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append((args[4], args[5]))  # the tolerance, the exchange order
+        calls.append((args[4], args[5], args[3]))  # the tolerance, the exchange order, the number of groups
         return even_groups(*args, **kwargs)
 
     monkeypatch.setattr(pl, "even_groups", counted)
@@ -255,7 +255,8 @@ def test_the_solver_evens_the_groups_up_to_even_max_ranks(monkeypatch):
         cu = document_lengths("longtail:256", p * 128, seed=3)
         pl._place_cached.__wrapped__(MaskSpec(causal=True, window=(128, 0), cu_seqlens=cu), p, 128, None,
                                      Cluster.preset("nvlink"))
-        assert set(calls) == expected, (p, sorted(set(calls)))
+        assert {call[:2] for call in calls} == expected, (p, sorted(set(calls)))
+        assert all(groups >= p // pl.EVEN_LOOSE_MAX_GROUP for tol, _, groups in calls if tol != pl.EVEN), calls
 
 
 @pytest.mark.parametrize("tol", [0.02, 0.04])

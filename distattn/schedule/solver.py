@@ -183,8 +183,8 @@ from distattn.schedule.windows import SHARES
 from distattn.schedule.wire import Shapes
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED",
-           "EVEN_MAX_RANKS", "EVEN_LOOSE", "EVEN_LOOSE_MAX_RANKS", "EVEN_WIDE_MAX_RANKS", "NEAR", "WIDER_MAX_RANKS",
-           "WINDOW_CHUNKS", "DEEPER", "FALLBACK_MAX_RANKS", "block_size"]
+           "EVEN_MAX_RANKS", "EVEN_LOOSE", "EVEN_LOOSE_MAX_RANKS", "EVEN_WIDE_MAX_RANKS", "EVEN_LOOSE_MAX_GROUP",
+           "NEAR", "WIDER_MAX_RANKS", "WINDOW_CHUNKS", "DEEPER", "FALLBACK_MAX_RANKS", "block_size"]
 
 BLOCK = 64
 """Target block size in tokens: a key tile of the kernels (see the module docstring)."""
@@ -226,11 +226,10 @@ EVEN_LOOSE = (0.02, 0.04)
 evening to :data:`EVEN` scatters pieces over many ranks, and at P = 64 the pairs it adds cost more than the balance
 gains; a looser evening keeps most of the balance for fewer pairs (the Pile windowed at P = 64, seed 19: 1.134x ->
 1.073x of perfect balance, ``bench/results/placement-sim/EVEN-LOOSE.md``)."""
-EVEN_LOOSE_MAX_RANKS = 64
-"""Up to this many ranks the loosely evened cuts are timed (at P = 64: 1.3-1.5x the windowed solve's CPU)."""
-EVEN_WIDE_MAX_RANKS = 256
-"""Beyond :data:`EVEN_LOOSE_MAX_RANKS`, up to this many ranks, the first of :data:`EVEN_LOOSE` in the first exchange
-order of :data:`EVENED` only (longtail windowed at P = 256, seed 65: 1.107x -> 1.066x, for 1.1-1.35x the solve)."""
+EVEN_LOOSE_MAX_RANKS, EVEN_WIDE_MAX_RANKS, EVEN_LOOSE_MAX_GROUP = 64, 256, 2
+"""The loosely evened cuts are timed up to ``EVEN_LOOSE_MAX_RANKS`` ranks, beyond that up to ``EVEN_WIDE_MAX_RANKS``
+to the first tolerance in the first exchange order only (longtail windowed at P = 256, seed 65: 1.107x -> 1.066x), and
+on groups of at most ``EVEN_LOOSE_MAX_GROUP`` ranks only (where they win: every seed of ``EVEN-LOOSE.md``)."""
 WIDER_MAX_RANKS = 1024
 """Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
 only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
@@ -423,7 +422,8 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
         evened += [(EVEN_LOOSE[0], EVENED[:1])] if wide else []
         hows = ((False, None, EVEN), (True, None, EVEN), *((*how, tol) for tol, ways in evened for how in ways))
         sizes = sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
-        for kk, cut, capped, even, tol in [(kk, c, *how) for kk in sizes for c in CUTS for how in hows]:
+        for kk, cut, capped, even, tol in [(kk, c, *how) for kk in sizes for c in CUTS for how in hows
+                                           if how[2] == EVEN or kk <= EVEN_LOOSE_MAX_GROUP]:
             t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped, even=even, tolerance=tol),
                              best_time * (1 - 1e-9))
             if t < best_time * (1 - 1e-9):
