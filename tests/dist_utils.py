@@ -185,7 +185,7 @@ def solver_depths(prefetch: int | None = None, return_depth: int | None = None, 
 def placed_forced(order: str | None = None, group: int | None = None, cut: float | None = None,
                   backward: str | None = None, prefetch: int | None = None, chunks: bool = False,
                   short_first: bool = False, head: float | None = None, return_depth: int | None = None,
-                  even: str | None = None, share: float | None = None):
+                  even: str | None = None, share: float | None = None, tolerance: float | None = None):
     """Inside a rank: every placement the solver returns (``distattn.schedule.placement``, through which the shards and
     the plan both go) runs its steps in ``order`` (``Layout.order``), its backward in ``backward``
     (``Layout.backward``; ``head``: its local pair's head first or not, ``Layout.head``), fetches
@@ -194,8 +194,9 @@ def placed_forced(order: str | None = None, group: int | None = None, cut: float
     ``group``, groups of that size instead of the solver's choice, their documents cut by work when ``cut`` is given
     (``distattn.schedule.groups``), dealt in mirrored chunks with ``chunks`` (``distattn.schedule.deal``), a cut
     document's shortest piece first with ``short_first``, the groups' work evened with ``even``
-    (``distattn.schedule.groups.even_groups``), over windows of that ``share`` (``distattn.schedule.windows``; with
-    ``chunks``, a long piece over its window in mirrored chunks)."""
+    (``distattn.schedule.groups.even_groups``; to within ``tolerance`` of the mean, ``None``: the solver's ``EVEN``),
+    over windows of that ``share`` (``distattn.schedule.windows``; with ``chunks``, a long piece over its window in
+    mirrored chunks)."""
     import distattn.schedule.placement as pl
 
     solve = pl._place_cached
@@ -203,6 +204,7 @@ def placed_forced(order: str | None = None, group: int | None = None, cut: float
     def forced(spec, p, n, grp=None, *args, **kwargs):
         if group is not None and p % group == 0 and p > 1 and not spec.dense:
             grp, kwargs = group, dict(kwargs, cut=cut, chunks=chunks, short_first=short_first, even=even, share=share)
+            kwargs.update({} if tolerance is None else {"tolerance": tolerance})
         lay = solve(spec, p, n, grp, *args, **kwargs)
         if lay.kind != "placed":
             return lay

@@ -69,9 +69,9 @@ the heaviest group and the lightest exchange equal numbers of tokens, densest pi
 within :data:`EVEN` of the mean), in each of its two exchange orders, up to :data:`EVEN_MAX_RANKS` ranks: the groups
 hold equal tokens, and longest-first leaves them of unequal work where the heavy pieces do not fall evenly (longtail at
 P = 16, seed 7: 1.133x -> 1.091x of perfect balance on groups of one rank where the climb chose 8; the Pile, seed 37:
-1.163x -> 1.085x), and up to :data:`EVEN_LOOSE_MAX_RANKS` (one way up to :data:`EVEN_WIDE_MAX_RANKS`) evened only to
-within :data:`EVEN_LOOSE` of the mean: fewer pieces move, so fewer pairs (the Pile windowed at P = 64, seed 19: 1.134x
--> 1.073x).
+1.163x -> 1.085x), and on groups of 1 or 2 ranks up to :data:`EVEN_LOOSE_MAX_RANKS` (one way up to
+:data:`EVEN_WIDE_MAX_RANKS`) evened only to within :data:`EVEN_LOOSE`: fewer pieces move, so fewer pairs (the Pile
+windowed at P = 64, seed 19: 1.134x -> 1.073x).
 
 Every candidate deal is timed in each order of :data:`~distattn.schedule.layouts.ORDERS` (``Layout.order``,
 ``distattn.schedule.masked``) and keeps its fastest: the groups' ring rotations, or steps as *matchings* (every step a
@@ -128,30 +128,27 @@ Cost: a deal, its pair table and one plan and timeline per order (:data:`~distat
 backward's twice) per group size tried (3-4 of them), per deal with a cut document's shortest piece first (in mirrored
 chunks or not, on one or two group sizes) and per windowed deal (5 shares x 3 block rules x the snake or chunks, on one
 or two group sizes, often cut short by the bound above or dealt alike by two shares, timed once) and, under a window,
-per cut (3 cuts, capped or not, and the capped ones evened two ways, to 0.5% up to 32 ranks and to 2% and 4% up to
-64 (at 2% one way up to 256), on up to all the climb's group sizes: 1.3-1.5x the windowed solve at P = 64) and per
-stream deal (2 class counts on the climb's group sizes and one group: at P = 64 the windowed solve's
-median CPU 1.7-1.8 s -> 2.5-2.8 s, ``STREAMS.md``), and 8 timelines of the chosen layout at the shallower depths
-(on the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is 0.9-1.4 s of CPU at
-P = 64 on NVLink, 1.0-2.1 s on InfiniBand
+per cut (3 cuts, capped or not, on up to all the climb's group sizes, the capped ones evened two ways to 0.5% up to 32
+ranks and, on groups of 1 and 2, to 2% and 4% up to 64 and 2% one way up to 256: 1.3-1.5x the windowed solve at P = 64,
+1.1-1.2x at P = 16, ``EVEN-LOOSE.md``) and per stream deal (2 class counts on the climb's group sizes and one group: at
+P = 64 the windowed solve's median CPU 1.7-1.8 s -> 2.5-2.8 s, ``STREAMS.md``), and 8 timelines of the chosen layout at
+the shallower depths (on the pair table its timing built, kept); at 4096 tokens per rank the median over 200 seeds is
+0.9-1.4 s of CPU at P = 64 on NVLink, 1.0-2.1 s on InfiniBand
 (``bench/results/placement-sim/SWEEP-200-p8-64.md``, solver time of a causal mask, on 2 cores with a second sweep job
 beside each solve, the solver of 447c42d; today's times the same candidates 6 steps ahead and absorbing 4 steps later,
 under a window more cuts, and the chunked and shortest-first deals: at most 1.9 s causal and 4.5 s windowed over the 200
 uniform seeds at P = 64, ``DEEPER-8-16.md``, a test suite beside; the depths cost no time: one solve alternated
 between depths 4 and 3 and depths 6 and 4 took 4.0-4.3 / 3.6-3.7 s, uniform seed 83; 1a8cda0's solver: 1.6 / 3.6 s, and
-7.4 s on the worst longtail and Pile seeds, ``WORST-8-64.md``, a test suite beside
-(1.5-3.8 / 3.6-8.6 s on the worst seeds before the return depth, an idle machine; 1.9-4.2 / 5.9-12.2 s before the
-chunked deals, CI beside); 1.0-1.4 / 1.1-2.2 s before the deeper prefetch, 0.7-1.1 / 0.7-2.0 s before the backward's two
-orders, 0.45-0.8 s before the matched orders), 1.8-2.5 s windowed before the backward's orders (median of 10 seeds,
-``COMPARE-200-cuts.md``), and up to 42 s (causal) / 40 s (windowed) on the worst seeds at P = 256 with the return depth
+7.4 s on the worst longtail and Pile seeds, ``WORST-8-64.md``, a test suite beside; earlier solvers' times are in
+the results beside them), and up to 42 s (causal) / 40 s (windowed) on the worst seeds at P = 256 with the return depth
 (``WORST-256.md``; 33 / 43 s with the solver of 447c42d, 30 / 49 s before it); before the windowed deal 3.4 s
 (NVLink) / 8.2 s (IB) at P = 4096 (``tests/test_masked_scale.py`` bounds the CLI's plans there in time and memory). At
 P = 8 and 16 the evened cuts add up to 1.8x (the worst windowed solve at P = 16: 1.0 s -> 1.8 s, a second job beside;
-``EVEN-8-64.md``); the windowed deal in chunks too doubles the windowed candidates (the worst P = 64 seeds: 9.5 s
-windowed against 5.1 s, ``WINDOW-CHUNKS.md``). The same candidates now cost 1.3-2.1x less CPU, the same layouts on
-every case timed (a pair table's sums and row unions from one sort, the placed plan's steps as arrays, the matched
-steps on bit masks, and an order whose forward plus its busiest rank's backward compute cannot beat the step to beat
-not timed backward): 0.1-0.6 s at P = 16, 0.4-2.6 s on the worst seeds at P = 64 and 8-11 s at P = 256
+``EVEN-8-64.md``), the looser ones another 1.1-1.2x; the windowed deal in chunks too doubles the windowed candidates
+(the worst P = 64 seeds: 9.5 s windowed against 5.1 s, ``WINDOW-CHUNKS.md``). The same candidates now cost 1.3-2.1x less
+CPU, the same layouts on every case timed (a pair table's sums and row unions from one sort, the placed plan's steps as
+arrays, the matched steps on bit masks, and an order whose forward plus its busiest rank's backward compute cannot beat
+the step to beat not timed backward): 0.1-0.6 s at P = 16, 0.4-2.6 s on the worst seeds at P = 64 and 8-11 s at P = 256
 (``bench/results/placement-sim/SOLVE-AHEAD.md``). Since 544df82 again with the same layout on every case timed (a deal
 whose ``distattn.schedule.timeline.owner_bounds`` already lose builds no plan, a timeline stops once it reaches the step
 to beat, a causal pair table is built per document and query rank, and beyond :data:`FALLBACK_MAX_RANKS` a windowed
@@ -216,11 +213,12 @@ EVEN = 0.005
 """Cut documents are also timed with the groups' work evened to within this share of their mean
 (``distattn.schedule.groups.even_groups``)."""
 EVENED = ((True, "dense"), (True, "short"))
-"""The evened cuts timed: capped pieces, each exchange order of ``distattn.schedule.groups.even_groups``."""
+"""The evened cuts timed: capped pieces, each exchange order of ``distattn.schedule.groups.even_groups`` (beyond
+:data:`EVEN_LOOSE_MAX_RANKS` the first only)."""
 EVEN_MAX_RANKS = 32
-"""The evened cuts are timed up to this many ranks: at P = 8 and 16 the solver kept them on 608 of the 1200 windowed
-solves of ``bench/results/placement-sim/EVEN-8-64.md``, at P = 64 on 1 of 216 (for 1.7x the solve time: uniform, at
-most 6.1 s against 3.6 s) and at P = 256 on 1 of 13 (up to 72 s against 38 s), none of them a worst seed."""
+"""The cuts evened to :data:`EVEN` are timed up to this many ranks: at P = 8 and 16 the solver kept them on 608 of the
+1200 windowed solves of ``bench/results/placement-sim/EVEN-8-64.md``, at P = 64 on 1 of 216 (for 1.7x the solve time:
+uniform, at most 6.1 s against 3.6 s) and at P = 256 on 1 of 13 (up to 72 s against 38 s), none of them a worst seed."""
 EVEN_LOOSE = (0.02, 0.04)
 """The evened cuts are also timed evened only to within these shares of the mean, up to :data:`EVEN_LOOSE_MAX_RANKS`:
 evening to :data:`EVEN` scatters pieces over many ranks, and at P = 64 the pairs it adds cost more than the balance
@@ -266,9 +264,9 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     (``distattn.schedule.groups``: pieces of at most ``cut`` of a rank's mean work; ``capped``: and of at most
     :data:`PIECES` of a group's tokens), ``share``, ``by`` the windowed deal (``distattn.schedule.windows``) and
     ``chunks``, ``short_first`` the mirrored chunks (``distattn.schedule.deal``) and a cut document's shortest piece
-    first (``distattn.schedule.groups``), ``even`` the groups' work evened in that exchange order
-    (``distattn.schedule.groups.even_groups``), ``streams`` the stream deal (``distattn.schedule.streams``); tests,
-    benches, diagnosis."""
+    first (``distattn.schedule.groups``), ``even`` the groups' work evened in that exchange order to within
+    ``tolerance`` of the mean (``distattn.schedule.groups.even_groups``), ``streams`` the stream deal
+    (``distattn.schedule.streams``); tests, benches, diagnosis."""
     if p == 1:
         return Layout("contiguous", 1, note="one rank: nothing to place")
     if spec.dense:
@@ -417,13 +415,15 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
             best_time, best = t, lay
     if rows.l < n * p:  # a left window: documents cut by work, over 1 and 2 ranks, the chosen groups and their halves
         # and every group size the climb timed
-        evened = [(tol, EVENED) for tol in (EVEN,) * (p <= EVEN_MAX_RANKS) + EVEN_LOOSE * (p <= EVEN_LOOSE_MAX_RANKS)]
-        wide = EVEN_LOOSE and EVEN_LOOSE_MAX_RANKS < p <= EVEN_WIDE_MAX_RANKS  # one tolerance, one way
-        evened += [(EVEN_LOOSE[0], EVENED[:1])] if wide else []
-        hows = ((False, None, EVEN), (True, None, EVEN), *((*how, tol) for tol, ways in evened for how in ways))
+        evened = [(EVEN, EVENED, False)] * (p <= EVEN_MAX_RANKS)  # (tolerance, exchange orders, a looser evening)
+        evened += [(tol, EVENED, True) for tol in EVEN_LOOSE] * (p <= EVEN_LOOSE_MAX_RANKS)
+        wide = EVEN_LOOSE_MAX_RANKS < p <= EVEN_WIDE_MAX_RANKS  # one tolerance, one way
+        evened += [(tol, EVENED[:1], True) for tol in EVEN_LOOSE[:1]] * wide
+        hows = ((False, None, EVEN, False), (True, None, EVEN, False),
+                *((*how, tol, loose) for tol, ways, loose in evened for how in ways))
         sizes = sorted(({1, 2, k // 2, k} | set(times)) & set(divisors))
-        for kk, cut, capped, even, tol in [(kk, c, *how) for kk in sizes for c in CUTS for how in hows
-                                           if how[2] == EVEN or kk <= EVEN_LOOSE_MAX_GROUP]:
+        for kk, cut, capped, even, tol in [(kk, c, *how[:3]) for kk in sizes for c in CUTS for how in hows
+                                           if not how[3] or kk <= EVEN_LOOSE_MAX_GROUP]:
             t, lay = fastest(dealt(kk, best_time / per_key * kk, cut=cut, capped=capped, even=even, tolerance=tol),
                              best_time * (1 - 1e-9))
             if t < best_time * (1 - 1e-9):
