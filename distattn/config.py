@@ -69,7 +69,8 @@ class DistAttnConfig:
             from distattn.schedule.cluster import cluster_from_env
 
             cluster = cluster_from_env()
-            fields["placement_cluster"] = f"{cluster.gpus_per_node} per node, {cluster.inter.name} across"
+            fields["placement_cluster"] = (f"{cluster.gpus_per_node} per node, {_link(cluster.intra)} inside, "
+                                           f"{_link(cluster.inter)} across")  # a links file's figures in full
         return fields
 
     def mask_spec(self) -> MaskSpec:
@@ -90,3 +91,9 @@ def _documents_fingerprint(cu_seqlens) -> str | None:
 
     digest = hashlib.blake2b(repr(tuple(cu_seqlens)).encode(), digest_size=8).hexdigest()
     return f"{len(cu_seqlens) - 1} documents, ends at {cu_seqlens[-1]}, #{digest}"
+
+
+def _link(link) -> str:
+    """A link as the agreement compares it: its name and its figures to the last bit (two links files may round
+    alike in their names and still time a placement apart)."""
+    return f"{link.name} ({link.bandwidth!r} B/s, {link.latency!r} s per message)"

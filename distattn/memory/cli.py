@@ -306,19 +306,17 @@ def _auto(args, model: ModelSpec, cluster: Cluster) -> str:
 def _attention_times(args, model: ModelSpec, seq: int):
     """``{schedule: cost-model Candidate}`` of one layer's attention at ``seq`` tokens on ``--gpus`` ranks (dense
     causal, bf16 inputs; NVLink inside nodes of ``--gpus-per-node``, ``DISTATTN_LINK``: ``ib`` (default) or
-    ``nvlink`` across); ``None`` on one GPU."""
+    ``nvlink`` across, or a links file, ``distattn.schedule.cluster.cluster_from_env``); ``None`` on one GPU."""
     if args.gpus == 1:
         return None
-    import os
-
-    from distattn.schedule.cost import Cluster as Links
+    from distattn.schedule.cluster import cluster_from_env
     from distattn.schedule.cost import choose
     from distattn.schedule.sim import Shapes
 
     lay = model.layer
     shapes = Shapes(batch=args.batch, seq_per_rank=seq // args.gpus, heads_q=lay.heads, heads_kv=lay.kv_heads,
                     head_dim=lay.head_dim, dtype_bytes=2)
-    links = Links.preset(os.environ.get("DISTATTN_LINK", "ib"), gpus_per_node=args.gpus_per_node)
+    links = cluster_from_env(gpus_per_node=args.gpus_per_node)
     choice = choose(args.gpus, shapes, causal=True, cluster=links, allow=set(ATTENTION_SCHEDULES), ulysses=1)
     return {c.schedule: c for c in choice.candidates if c.runnable}
 

@@ -13,7 +13,8 @@ zigzag; Ulysses x ring) on a cluster, and why the winner won (``distattn.schedul
     python -m distattn.schedule explain --world 16 --heads 32 --heads-kv 8 --head-dim 128 --seq-per-rank 4096 --link ib
 
 ``--link nvlink``: every link is NVLink (one NVLink domain); ``--link ib`` (default): NVLink inside a node of
-``--gpus-per-node`` GPUs, 100 Gb/s InfiniBand across.
+``--gpus-per-node`` GPUs, 100 Gb/s InfiniBand across (both assumed rates); ``--link links.json``: the links
+``bench/link_measure.py`` measured (``distattn.schedule.cluster.cluster_from_file``).
 
 ``--docs uniform:N`` draws document lengths uniformly from 1..N, ``longtail:M`` from a log-normal of median M
 (sigma 1.5: mostly short documents, a few very long ones), ``pile:B`` from the Pile's published mixture at ``B`` bytes
@@ -24,11 +25,13 @@ last document is cut); ``--seed`` fixes the draw.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 
 import numpy as np
 
-from distattn.schedule.cluster import Cluster
+from distattn.schedule.cluster import LINKS, cluster_from_env
 from distattn.schedule.corpora import pile_lengths
 from distattn.schedule.masks import MaskSpec
 from distattn.schedule.pairs import PlanTooLarge, out_of_memory
@@ -68,9 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Simulate the sequence-parallel plans; print a markdown table. "
                                                  "`python -m distattn.schedule explain --help`: the cost model.")
     _add_shape_args(parser, [2, 4, 8, 16, 32, 64])
-    parser.add_argument("--link", choices=("nvlink", "ib"), default=None,
-                        help="also the per-pair timeline's columns on this cluster (distattn.schedule.timeline)")
+    parser.add_argument("--link", type=_link_arg, default=None,
+                        help="also the per-pair timeline's columns on this cluster (distattn.schedule.timeline): "
+                             "nvlink, ib or a links file of bench/link_measure.py")
     return parser
+
+
+def _link_arg(value: str) -> str:
+    """``--link``: a preset (``nvlink``, ``ib``) or an existing links file."""
+    if value in LINKS or os.path.isfile(value):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither one of {tuple(LINKS)} nor a links file "
+                                     f"(bench/link_measure.py writes one)")
 
 
 def _add_shape_args(parser: argparse.ArgumentParser, world_default) -> None:
@@ -92,9 +104,10 @@ def build_explain_parser() -> argparse.ArgumentParser:
                                      description="Predict every candidate plan's time on a cluster; say why the "
                                                  "winner won (distattn.schedule.cost; assumed link and FLOP rates).")
     _add_shape_args(parser, [8])
-    parser.add_argument("--link", choices=("nvlink", "ib"), default="ib",
-                        help="nvlink: every link NVLink; ib: NVLink inside a node, 100 Gb/s InfiniBand across")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--link", type=_link_arg, default="ib",
+                        help="nvlink: every link NVLink; ib: NVLink inside a node, 100 Gb/s InfiniBand across; or "
+                             "a links file of bench/link_measure.py (the links measured)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: 8, or the links file's")
     parser.add_argument("--flops", type=float, default=None, help="attention FLOP/s per GPU (default: 350e12)")
     parser.add_argument("--partials", choices=("fp32", "input"), default="fp32")
     return parser
@@ -115,11 +128,12 @@ def _mask(args, p: int) -> MaskSpec | None:
 
 
 def explain_main(argv=None) -> None:
-    from distattn.schedule.cost import Cluster, choose
+    from distattn.schedule.cost import choose
 
     args = build_explain_parser().parse_args(argv)
     extra = {} if args.flops is None else {"flops": args.flops}
-    cluster = Cluster.preset(args.link, gpus_per_node=args.gpus_per_node, **extra)
+    gpus = args.gpus_per_node or (8 if args.link in LINKS else None)  # a links file: its own node size
+    cluster = dataclasses.replace(cluster_from_env(args.link, gpus), **extra)
     shapes = _shapes(args)
     for i, p in enumerate(args.world):
         choice = choose(p, shapes, causal=not args.non_causal, mask=_mask(args, p), cluster=cluster,
@@ -140,7 +154,7 @@ def _table(args) -> None:
     causal = not args.non_causal
     reports = []
     for p in args.world:
-        cluster = None if args.link is None else Cluster.preset(args.link)
+        cluster = None if args.link is None else cluster_from_env(args.link, 8 if args.link in LINKS else None)
         reports += [simulate(p, causal, s, shapes, mask=_mask(args, p), cluster=cluster) for s in SCHEDULES]
     print(f"<!-- {shapes} docs={args.docs} window={args.window} seed={args.seed} -->")
     print(format_table(reports))

@@ -3,15 +3,25 @@
 What the per-pair timeline (``distattn.schedule.timeline``), the placement solver and the cost model
 (``distattn.schedule.cost``, whose docstring states where the default rates come from) all read; kept apart so that
 each of them imports it from below. :func:`cluster_from_env` is the one reading of ``DISTATTN_LINK`` /
-``DISTATTN_GPUS_PER_NODE`` (``ib`` and 8 by default). Imports nothing of distattn. Pure Python.
+``DISTATTN_GPUS_PER_NODE`` (``ib`` and 8 by default).
+
+The presets' bandwidths and per-message latencies (:data:`LINKS`) are assumptions. ``bench/link_measure.py`` measures
+them on a cluster with the executor's own rounds (``distattn.comm.PeerExchange``: one batch of sends and receives to
+``m`` peers) and fits each kind of link (:func:`fit_link`) with the very formula the per-pair timeline charges a round,
+``max(bytes sent, bytes received) / bandwidth + latency * messages``; ``DISTATTN_LINK=<that file>`` then times every
+plan, the placement solver's candidates and ``schedule="auto"`` on the measured links (:func:`cluster_from_file`).
+Imports nothing of distattn. Pure Python.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass
 
-__all__ = ["Link", "LINKS", "Cluster", "BWD_FLOP_FACTOR", "H100_FA2_FLOPS", "cluster_from_env"]
+__all__ = ["Link", "LINKS", "Cluster", "BWD_FLOP_FACTOR", "H100_FA2_FLOPS", "cluster_from_env", "cluster_from_file",
+           "fit_link", "LINKS_FORMAT"]
 
 BWD_FLOP_FACTOR = 2.5  # FlashAttention backward: 5 matmuls of the forward's size vs 2 (dq, dk, dv, dp, recompute s)
 H100_FA2_FLOPS = 350e12  # assumed: FA2 forward on H100 SXM, bf16, head dim 128 (cost.py's docstring)
@@ -80,10 +90,84 @@ class Cluster:
 def cluster_from_env(link: str | None = None, gpus_per_node: int | None = None) -> Cluster:
     """The cluster the cost model and the placement assume; unset parts from ``DISTATTN_LINK`` (``ib`` default:
     NVLink inside a node of ``DISTATTN_GPUS_PER_NODE`` = 8 GPUs, 100 Gb/s InfiniBand across; ``nvlink``: one NVLink
-    domain)."""
-    if gpus_per_node is None:
-        gpus = os.environ.get("DISTATTN_GPUS_PER_NODE", "8")
+    domain; or the path of a links file ``bench/link_measure.py`` wrote: the links measured, :func:`cluster_from_file`,
+    its node size unless ``DISTATTN_GPUS_PER_NODE`` or ``gpus_per_node`` names one)."""
+    if gpus_per_node is None and "DISTATTN_GPUS_PER_NODE" in os.environ:
+        gpus = os.environ["DISTATTN_GPUS_PER_NODE"]
         if not gpus.isdigit() or int(gpus) < 1:
             raise ValueError(f"DISTATTN_GPUS_PER_NODE={gpus!r} must be a positive integer")
         gpus_per_node = int(gpus)
-    return Cluster.preset(link or os.environ.get("DISTATTN_LINK", "ib"), gpus_per_node=gpus_per_node)
+    link = link or os.environ.get("DISTATTN_LINK", "ib")
+    if link not in LINKS and (link.endswith(".json") or os.path.isfile(link)):
+        return cluster_from_file(link, gpus_per_node)
+    return Cluster.preset(link, gpus_per_node=8 if gpus_per_node is None else gpus_per_node)
+
+
+LINKS_FORMAT = "distattn-links/1"
+"""The ``format`` field of a links file (``bench/link_measure.py``)."""
+_MAX_BANDWIDTH, _MAX_LATENCY = 1e13, 0.1
+"""Bounds of a plausible measured link: 10 TB/s per direction (several times any GPU's), 100 ms per message."""
+
+
+def fit_link(name: str, messages, nbytes, seconds) -> Link:
+    """The link that charges rounds as the per-pair timeline does, fitted to measured rounds: least squares of
+    ``seconds[i] = latency * messages[i] + nbytes[i] / bandwidth`` (``messages``: sends plus receives of the rank in
+    the round, ``nbytes``: the larger of its bytes sent and received), with ``latency >= 0`` (a negative fit is
+    refitted through the origin). ``ValueError`` when the rounds do not resolve a positive bandwidth (every round the
+    same size, or times that fall with the bytes: measure sizes further apart) or the figures are not plausible."""
+    rows = [(float(m), float(b), float(t)) for m, b, t in zip(messages, nbytes, seconds, strict=True)]
+    if len(rows) < 2 or any(not all(map(math.isfinite, r)) or min(r) < 0 for r in rows):
+        raise ValueError(f"fit_link({name!r}): need at least 2 rounds of finite, non-negative figures, got {rows}")
+    smm = sum(m * m for m, _, _ in rows)
+    sbb = sum(b * b for _, b, _ in rows)
+    smb = sum(m * b for m, b, _ in rows)
+    smt = sum(m * t for m, _, t in rows)
+    sbt = sum(b * t for _, b, t in rows)
+    det = smm * sbb - smb * smb
+    latency, inverse = ((sbb * smt - smb * sbt) / det, (smm * sbt - smb * smt) / det) if det > 0 else (-1.0, 0.0)
+    if latency < 0:  # the bytes alone explain the times better: no latency
+        latency, inverse = 0.0, (sbt / sbb if sbb else 0.0)
+    if not inverse > 0:
+        raise ValueError(f"fit_link({name!r}): the rounds do not resolve a bandwidth (the time does not grow with the "
+                         f"bytes: {rows}); measure message sizes further apart")
+    bandwidth = 1.0 / inverse
+    if bandwidth > _MAX_BANDWIDTH or latency > _MAX_LATENCY:
+        raise ValueError(f"fit_link({name!r}): {bandwidth:.3g} B/s and {latency:.3g} s per message is not a plausible "
+                         f"link (at most {_MAX_BANDWIDTH:.0e} B/s, {_MAX_LATENCY} s): a timing error")
+    return Link(name=f"{name}: {bandwidth / 1e9:.3g} GB/s, {latency * 1e6:.3g} us per message", bandwidth=bandwidth,
+                latency=latency)
+
+
+def cluster_from_file(path: str, gpus_per_node: int | None = None) -> Cluster:
+    """The cluster of a links file (``bench/link_measure.py``): its measured ``intra`` link inside a node and
+    ``inter`` across (the ``ib`` preset where the file measured one node only, said in the link's name), its node
+    size unless ``gpus_per_node`` names another. ``ValueError`` naming the file and what is wrong with it."""
+    fix = f"measure again with `torchrun --nproc-per-node G bench/link_measure.py --out {path}`"
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"DISTATTN_LINK={path!r}: not a readable links file ({exc}); {fix}") from None
+    if not isinstance(data, dict) or data.get("format") != LINKS_FORMAT:
+        raise ValueError(f"DISTATTN_LINK={path!r}: not a links file of format {LINKS_FORMAT!r}; {fix}")
+
+    def link(key: str) -> Link | None:
+        entry = data.get(key)
+        if entry is None and key == "inter":
+            return None
+        ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and all(
+            isinstance(entry.get(f), (int, float)) and not isinstance(entry.get(f), bool)
+            and math.isfinite(entry[f]) for f in ("bandwidth", "latency"))
+        if not ok or not (0 < entry["bandwidth"] <= _MAX_BANDWIDTH and 0 <= entry["latency"] <= _MAX_LATENCY):
+            raise ValueError(f"DISTATTN_LINK={path!r}: {key!r} must hold a name, a bandwidth in (0, "
+                             f"{_MAX_BANDWIDTH:.0e}] B/s and a latency in [0, {_MAX_LATENCY}] s, got {entry!r}; {fix}")
+        return Link(name=entry["name"], bandwidth=float(entry["bandwidth"]), latency=float(entry["latency"]))
+
+    intra, inter = link("intra"), link("inter")
+    if inter is None:
+        inter = LINKS["ib"]
+        inter = Link(name=f"{inter.name} (assumed: {path} measured one node)", bandwidth=inter.bandwidth,
+                     latency=inter.latency)
+    g = data.get("gpus_per_node") if gpus_per_node is None else gpus_per_node
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"DISTATTN_LINK={path!r}: gpus_per_node={g!r} must be a positive int; {fix}")
+    return Cluster(gpus_per_node=g, intra=intra, inter=inter)
