@@ -12,14 +12,16 @@ worst packed batches at P = 64 miss the 1.10x goal by the latency alone on that 
 (``bench/results/placement-sim/LATENCY.md``), and no machine here has two GPUs to measure it. This measures it where
 there are: every rank posts rounds as the executor does (``distattn.comm.PeerExchange``: one batch of ``isend`` /
 ``irecv``, on the fetch side stream on CUDA) to ``m`` peers at once, each message ``s`` bytes, sending to the next
-``m`` ranks and receiving from the ``m`` before; ``--rounds`` rounds back to back per sample (the steady state the
+``m`` ranks and receiving from the ``m`` before; a message is what the timeline counts as one, one task's transfer,
+sent as the executor sends a k/v fetch: ``--tensors`` (2: k and v) tensors of ``s / 2`` bytes, each its own ``isend``;
+``--rounds`` rounds back to back per sample (the steady state the
 executor runs in), the slowest rank's time per round, the median of ``--reps`` samples. Inside a node the peers are
 the node's own (the ``intra`` link), across nodes the ranks ``G, 2G, ..`` away (``inter``, with two nodes or more;
 ``G``: ``--gpus-per-node``, default torchrun's ``LOCAL_WORLD_SIZE``). Each link is fitted
 (``distattn.schedule.cluster.fit_link``: least squares of that formula over every ``m`` and ``s``) and written with
 its samples and each sample's fitted time to ``--out`` (format ``distattn-links/1``), which ``DISTATTN_LINK=<file>``
-hands to the library (``distattn.schedule.cluster.cluster_from_file``; every rank must read the same file: the
-agreement compares the links' figures on every placed call).
+hands to the library (``distattn.schedule.cluster.cluster_from_file``: the placement solver, ``schedule="auto"``;
+the CLI's ``--link <file>``). Every rank must read the same figures: a placed call's agreement compares them.
 
 What it measures is the executor's round on the backend the run uses: NCCL on CUDA (torchrun), gloo on CPU tensors
 (``--spawn`` or ``--device cpu``, loopback TCP here: a dry run that proves the path and the fit, not a GPU's link).
@@ -81,15 +83,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(device: torch.device, g: int, peer_counts, sizes, rounds: int, reps: int) -> dict:
-    """Every rank runs the same samples; returns (on every rank) the file's dict: each link's samples and fit."""
+def measure(device: torch.device, g: int, peer_counts, sizes, rounds: int, reps: int, tensors: int = 2) -> dict:
+    """Every rank runs the same samples; returns (on every rank) the file's dict: each link's samples and fit.
+    ``tensors``: the tensors of one message (the executor's k/v fetch: 2), each ``size / tensors`` bytes."""
     rank, world = dist.get_rank(), dist.get_world_size()
     exchange = PeerExchange(None, device)
     samples = []
     for link, m, size in plan_of(world, g, peer_counts, sizes):
         to, frm = peers_of(rank, world, g, link, m)
-        send = [torch.ones(size, dtype=torch.uint8, device=device) for _ in to]
-        recv = [torch.empty(size, dtype=torch.uint8, device=device) for _ in frm]
+        part = max(1, size // tensors)
+        send = [[torch.ones(part, dtype=torch.uint8, device=device) for _ in range(tensors)] for _ in to]
+        recv = [[torch.empty(part, dtype=torch.uint8, device=device) for _ in range(tensors)] for _ in frm]
         times = []
         for rep in range(reps + 1):  # the first is a warm-up (connections, buffers)
             dist.barrier()
@@ -97,15 +101,16 @@ def measure(device: torch.device, g: int, peer_counts, sizes, rounds: int, reps:
             start = time.perf_counter()
             for r in range(rounds):
                 slot = ("fetch", "measure", r % 2)
-                exchange.post(slot, [(p, [t]) for p, t in zip(to, send)], [(p, [t]) for p, t in zip(frm, recv)])
+                exchange.post(slot, list(zip(to, send)), list(zip(frm, recv)))
                 exchange.wait(slot)
             _sync(device)
-            took = torch.tensor([(time.perf_counter() - start) / rounds], dtype=torch.float64)
+            took = torch.tensor([(time.perf_counter() - start) / rounds], dtype=torch.float64, device=device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's time per round
             if rep:
                 times.append(float(took))
-        samples.append({"link": link, "peers": m, "bytes": size, "messages": 2 * m, "max_bytes": m * size,
-                        "seconds": statistics.median(times), "reps": reps, "rounds": rounds})
+        samples.append({"link": link, "peers": m, "bytes": part * tensors, "tensors": tensors, "messages": 2 * m,
+                        "max_bytes": m * part * tensors, "seconds": statistics.median(times), "reps": reps,
+                        "rounds": rounds})
     backend = str(dist.get_backend())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU tensors"
     out = {"format": LINKS_FORMAT, "measured": True, "backend": backend, "device": name, "world_size": world,
@@ -138,7 +143,7 @@ def _spawned(rank: int, world: int, init: str, args: argparse.Namespace, queue) 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
         out = measure(torch.device(args.device), args.gpus_per_node or world, args.peers,
-                      args.sizes or CPU_SIZES, args.rounds, args.reps)
+                      args.sizes or CPU_SIZES, args.rounds, args.reps, args.tensors)
         queue.put((rank, out, None))
     except Exception as exc:  # noqa: BLE001 - handed to the parent, which raises it
         queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
@@ -157,8 +162,16 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=None, help="bytes per message")
     ap.add_argument("--rounds", type=int, default=20, help="rounds back to back per sample")
     ap.add_argument("--reps", type=int, default=5, help="samples per size (the median is kept)")
+    ap.add_argument("--tensors", type=int, default=2, help="tensors per message (the executor's k/v fetch: 2)")
     ap.add_argument("--timeout", type=float, default=600.0, help="--spawn: seconds before the run is given up")
     args = ap.parse_args(argv)
+    for name in ("peers", "sizes"):
+        if any(v < 1 for v in getattr(args, name) or ()):
+            ap.error(f"--{name} must be positive")
+    if min(args.rounds, args.reps, args.tensors) < 1:
+        ap.error("--rounds, --reps and --tensors must be positive")
+    if args.sizes and len(set(args.sizes)) < 2:
+        ap.error("--sizes: give at least two sizes (the fit tells latency from bandwidth by them)")
     if args.spawn:
         args.device = args.device or "cpu"
         ctx, init = mp.get_context("spawn"), tempfile.mktemp(prefix="distattn-links-")
@@ -192,7 +205,7 @@ def main(argv=None) -> None:
     try:
         g = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         out = measure(device, g, args.peers, args.sizes or (SIZES if device.type == "cuda" else CPU_SIZES),
-                      args.rounds, args.reps)
+                      args.rounds, args.reps, args.tensors)
         if dist.get_rank() == 0:
             _write(out, args.out)
     finally:

@@ -52,6 +52,9 @@ def test_the_fit_refuses_what_does_not_resolve_a_link():
         fit_link("x", [2, 2], [4096, 8192], [1e-5, float("nan")])
     with pytest.raises(ValueError, match="do not resolve a bandwidth"):  # time falls as the bytes grow
         fit_link("x", [2, 2], [4096, 1 << 20], [1e-3, 1e-5])
+    for messages, nbytes in (([2, 2], [4096, 4096]), ([2, 4, 8], [4096, 8192, 16384])):  # bytes ~ messages
+        with pytest.raises(ValueError, match="cannot be told apart"):
+            fit_link("x", messages, nbytes, [1e-5, 2e-5, 4e-5][:len(messages)])
     with pytest.raises(ValueError, match="not a plausible link"):  # 1 PB/s
         fit_link("x", [2, 2], [1 << 20, 1 << 30], [1e-9, 1e-6])
     # a latency the noise makes negative: refitted through the origin, bytes alone
@@ -73,6 +76,25 @@ def test_a_links_file_is_the_cluster(tmp_path, monkeypatch):
     assert cluster_from_env(link="nvlink").intra == LINKS["nvlink"]  # the presets as before
     one = cluster_from_file(str(_write(tmp_path / "one.json", (250e9, 8e-6))))  # one node measured
     assert one.inter.bandwidth == LINKS["ib"].bandwidth and "assumed" in one.inter.name
+    copy = tmp_path / "elsewhere" / "one.json"  # the same figures at another path: the same cluster (ranks agree)
+    copy.parent.mkdir()
+    copy.write_text((tmp_path / "one.json").read_text())
+    assert cluster_from_file(str(copy)) == one
+    data = json.loads((tmp_path / "one.json").read_text())  # one GPU per node: the link across only
+    data["intra"], data["inter"] = None, data["intra"]
+    (tmp_path / "across.json").write_text(json.dumps(data))
+    across = cluster_from_file(str(tmp_path / "across.json"))
+    assert across.intra.bandwidth == LINKS["nvlink"].bandwidth and "assumed" in across.intra.name
+    assert across.inter.bandwidth == 250e9
+
+
+def test_a_rewritten_links_file_is_read_again(tmp_path, monkeypatch):
+    path = _write(tmp_path / "links.json", (250e9, 8e-6))
+    monkeypatch.setenv("DISTATTN_LINK", str(path))
+    assert cluster_from_env().intra.latency == 8e-6
+    assert cluster_from_env() is cluster_from_env()  # read once per version of the file
+    _write(path, (250e9, 9.5e-6))
+    assert cluster_from_env().intra.latency == 9.5e-6
 
 
 @pytest.mark.parametrize("content,match", [
@@ -85,6 +107,7 @@ def test_a_links_file_is_the_cluster(tmp_path, monkeypatch):
      "'intra' must hold"),
     ({"format": LINKS_FORMAT, "gpus_per_node": 0, "intra": {"name": "x", "bandwidth": 1e9, "latency": 0.0}},
      "gpus_per_node=0"),
+    ({"format": LINKS_FORMAT, "gpus_per_node": 8, "intra": None, "inter": None}, "measures no link"),
 ])
 def test_a_bad_links_file_names_itself_and_the_fix(tmp_path, monkeypatch, content, match):
     path = tmp_path / "links.json"
@@ -117,14 +140,14 @@ def test_the_placement_and_the_agreement_read_the_links_file(tmp_path, monkeypat
 def test_link_measure_runs_the_executors_rounds_on_gloo_and_writes_a_file_the_library_reads(tmp_path):
     out = tmp_path / "links.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "link_measure.py"), "--spawn", "3", "--out", str(out),
-                          "--peers", "1", "2", "--sizes", "4096", "4194304", "--reps", "2", "--rounds", "3",
+                          "--peers", "1", "2", "--sizes", "4096", str(1 << 24), "--reps", "3", "--rounds", "2",
                           "--timeout", "150"],
                          capture_output=True, text=True, timeout=170, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(out.read_text())
     assert data["backend"] == "gloo" and data["world_size"] == 3 and data["inter"] is None
-    assert {(s["peers"], s["bytes"]) for s in data["samples"]} == {(1, 4096), (1, 1 << 22), (2, 4096), (2, 1 << 22)}
-    assert all(s["seconds"] > 0 and s["messages"] == 2 * s["peers"] for s in data["samples"])
+    assert {(s["peers"], s["bytes"]) for s in data["samples"]} == {(1, 4096), (1, 1 << 24), (2, 4096), (2, 1 << 24)}
+    assert all(s["seconds"] > 0 and s["tensors"] == 2 and s["fitted_seconds"] > 0 for s in data["samples"])
     cluster = cluster_from_file(str(out))
     assert cluster.gpus_per_node == 3 and cluster.intra.bandwidth > 0 and "gloo" in cluster.intra.name
     assert "intra: measured, gloo" in run.stdout

@@ -15,6 +15,7 @@ Imports nothing of distattn. Pure Python.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -99,7 +100,12 @@ def cluster_from_env(link: str | None = None, gpus_per_node: int | None = None) 
         gpus_per_node = int(gpus)
     link = link or os.environ.get("DISTATTN_LINK", "ib")
     if link not in LINKS and (link.endswith(".json") or os.path.isfile(link)):
-        return cluster_from_file(link, gpus_per_node)
+        try:  # read once per version of the file (every placed call asks twice: the agreement and the solve)
+            stat = os.stat(link)
+            version = (os.path.realpath(link), stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            version = (link, None, None)  # cluster_from_file says what is wrong
+        return _cluster_of_file(version, gpus_per_node)
     return Cluster.preset(link, gpus_per_node=8 if gpus_per_node is None else gpus_per_node)
 
 
@@ -113,8 +119,9 @@ def fit_link(name: str, messages, nbytes, seconds) -> Link:
     """The link that charges rounds as the per-pair timeline does, fitted to measured rounds: least squares of
     ``seconds[i] = latency * messages[i] + nbytes[i] / bandwidth`` (``messages``: sends plus receives of the rank in
     the round, ``nbytes``: the larger of its bytes sent and received), with ``latency >= 0`` (a negative fit is
-    refitted through the origin). ``ValueError`` when the rounds do not resolve a positive bandwidth (every round the
-    same size, or times that fall with the bytes: measure sizes further apart) or the figures are not plausible."""
+    refitted through the origin). ``ValueError`` when the rounds do not separate the two (bytes in proportion to the
+    messages: one message size, or one size per peer count), do not resolve a positive bandwidth (times that fall with
+    the bytes: measure sizes further apart) or give figures that are not plausible."""
     rows = [(float(m), float(b), float(t)) for m, b, t in zip(messages, nbytes, seconds, strict=True)]
     if len(rows) < 2 or any(not all(map(math.isfinite, r)) or min(r) < 0 for r in rows):
         raise ValueError(f"fit_link({name!r}): need at least 2 rounds of finite, non-negative figures, got {rows}")
@@ -124,7 +131,10 @@ def fit_link(name: str, messages, nbytes, seconds) -> Link:
     smt = sum(m * t for m, _, t in rows)
     sbt = sum(b * t for _, b, t in rows)
     det = smm * sbb - smb * smb
-    latency, inverse = ((sbb * smt - smb * sbt) / det, (smm * sbt - smb * smt) / det) if det > 0 else (-1.0, 0.0)
+    if not det > 1e-9 * smm * sbb:
+        raise ValueError(f"fit_link({name!r}): the rounds' bytes are in proportion to their messages ({rows}): "
+                         f"latency and bandwidth cannot be told apart; measure several message sizes")
+    latency, inverse = (sbb * smt - smb * sbt) / det, (smm * sbt - smb * smt) / det
     if latency < 0:  # the bytes alone explain the times better: no latency
         latency, inverse = 0.0, (sbt / sbb if sbb else 0.0)
     if not inverse > 0:
@@ -138,10 +148,17 @@ def fit_link(name: str, messages, nbytes, seconds) -> Link:
                 latency=latency)
 
 
+@functools.lru_cache(maxsize=8)
+def _cluster_of_file(version: tuple, gpus_per_node: int | None) -> Cluster:
+    """:func:`cluster_from_file` of ``version = (path, mtime, size)``: a file rewritten is read again."""
+    return cluster_from_file(version[0], gpus_per_node)
+
+
 def cluster_from_file(path: str, gpus_per_node: int | None = None) -> Cluster:
     """The cluster of a links file (``bench/link_measure.py``): its measured ``intra`` link inside a node and
-    ``inter`` across (the ``ib`` preset where the file measured one node only, said in the link's name), its node
-    size unless ``gpus_per_node`` names another. ``ValueError`` naming the file and what is wrong with it."""
+    ``inter`` across (a preset where the file measured none, said in the link's name: ``ib`` across when it measured
+    one node, ``nvlink`` inside when one GPU per node), its node size unless ``gpus_per_node`` names another.
+    ``ValueError`` naming the file and what is wrong with it."""
     fix = f"measure again with `torchrun --nproc-per-node G bench/link_measure.py --out {path}`"
     try:
         data = json.loads(open(path).read())
@@ -152,7 +169,7 @@ def cluster_from_file(path: str, gpus_per_node: int | None = None) -> Cluster:
 
     def link(key: str) -> Link | None:
         entry = data.get(key)
-        if entry is None and key == "inter":
+        if entry is None:  # not measured: one node (inter), or one GPU per node (intra)
             return None
         ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and all(
             isinstance(entry.get(f), (int, float)) and not isinstance(entry.get(f), bool)
@@ -163,10 +180,13 @@ def cluster_from_file(path: str, gpus_per_node: int | None = None) -> Cluster:
         return Link(name=entry["name"], bandwidth=float(entry["bandwidth"]), latency=float(entry["latency"]))
 
     intra, inter = link("intra"), link("inter")
-    if inter is None:
-        inter = LINKS["ib"]
-        inter = Link(name=f"{inter.name} (assumed: {path} measured one node)", bandwidth=inter.bandwidth,
-                     latency=inter.latency)
+    if intra is None and inter is None:
+        raise ValueError(f"DISTATTN_LINK={path!r}: measures no link; {fix}")
+    assumed = {"intra": (intra, "nvlink", "one GPU per node"), "inter": (inter, "ib", "one node")}
+    intra, inter = (measured if measured is not None else  # the path stays out of the name: ranks compare names
+                    Link(name=f"{LINKS[preset].name} (assumed: the links file measured {what})",
+                         bandwidth=LINKS[preset].bandwidth, latency=LINKS[preset].latency)
+                    for measured, preset, what in assumed.values())
     g = data.get("gpus_per_node") if gpus_per_node is None else gpus_per_node
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
         raise ValueError(f"DISTATTN_LINK={path!r}: gpus_per_node={g!r} must be a positive int; {fix}")
