@@ -1,6 +1,7 @@
 """InfiniBand under a window: ``auto``'s pick with the placement the library solves for the window (issue 39).
 
     python bench/placement_ib_window.py --docs longtail:2048 --world 64 --seeds 60 --out <file>
+    python bench/placement_ib_window.py --docs longtail:2048 --world 64 --seeds 60 --window -1   # causal masks
 
 ``bench/placement_sweep.py``'s IB table runs, for a windowed mask, the placement solved for *causal* work on the IB
 cluster (its "placed" column; the window weighed only in the NVLink column). A windowed call of the library solves
@@ -8,7 +9,9 @@ its placement for the window (``distattn.sharding.placement(cu, n, window=)``, o
 here, per seed: ring, balanced and zigzag on the windowed mask, and the placement solved for that mask on IB (nodes
 of 8 GPUs, NVLink inside, 100 Gb/s InfiniBand across), each a training step (forward + backward) on the per-pair
 timeline; ``auto`` = the least of the four. Reports auto's median step, its picks, and the best of the other three over
-auto (worst / median / best seed). Modelled, not measured; no GPU.
+auto (worst / median / best seed). ``--window -1``: causal masks, the placement the library solves for them on IB
+(the same table for today's solver; ``bench/placement_sweep.py``'s causal IB rows are the solver of its run). Modelled,
+not measured; no GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ OTHERS = ("ring", "balanced", "zigzag")
 def one(job) -> dict:
     """One seed: every schedule's modelled step (s) on IB, and the placement's note."""
     docs, p, seed, n, window = job
-    mask = MaskSpec(causal=True, window=(window, 0), cu_seqlens=document_lengths(docs, p * n, seed=seed))
+    mask = MaskSpec(causal=True, window=(window, 0) if window >= 0 else (-1, -1),
+                    cu_seqlens=document_lengths(docs, p * n, seed=seed))
     ib, shapes = Cluster.preset("ib"), Shapes(seq_per_rank=n, **SHAPES)
     steps = {s: step_timeline(make_plan(p, True, s, mask=mask, chunk=n), shapes, ib)["makespan"] for s in OTHERS}
     lay = _place_cached.__wrapped__(mask, p, n, None, ib)
@@ -57,10 +61,12 @@ def main(argv=None) -> None:
     jobs = [(d, p, s, args.seq_per_rank, args.window) for d in args.docs for p in args.world for s in range(args.seeds)]
     with ProcessPoolExecutor(args.jobs) as pool:
         found = list(pool.map(one, jobs))
+    what = (f"window ({args.window}, 0)" if args.window >= 0 else "causal")
     lines = [f"`python bench/placement_ib_window.py --docs {' '.join(args.docs)} --world "
-             f"{' '.join(map(str, args.world))} --seeds {args.seeds}`: window ({args.window}, 0), {args.seq_per_rank} "
+             f"{' '.join(map(str, args.world))} --seeds {args.seeds}"
+             f"{' --window -1' if args.window < 0 else ''}`: {what}, {args.seq_per_rank} "
              f"tokens per rank, LLaMA-3-8B attention shapes, IB (nodes of 8, 100 Gb/s across); the placement solved "
-             f"for the window on IB, as the library's windowed call. Modelled, not measured.", "",
+             f"for that mask on IB, as the library's call. Modelled, not measured.", "",
              "| docs | P | seeds | auto ms (median) | auto's picks | the stream deal kept | best other / auto: worst / "
              "median / best |", "|---|---|---|---|---|---|---|"]
     for docs in args.docs:

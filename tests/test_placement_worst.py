@@ -112,6 +112,11 @@ def test_the_ib_window_bench_picks_the_least_step_per_seed(tmp_path, capsys):
     assert 1.0 <= worst <= median <= best
     found = ib.one(("longtail:2048", 8, 0, 512, 256))
     assert set(found["steps"]) == {"ring", "balanced", "zigzag", "placed"}
+    causal = ib.one(("longtail:2048", 8, 0, 512, -1))  # --window -1: the causal mask, its own placement
+    assert causal["steps"]["placed"] != found["steps"]["placed"]
+    ib.main(["--docs", "longtail:2048", "--world", "8", "--seeds", "1", "--seq-per-rank", "512", "--window", "-1",
+             "--jobs", "1", "--out", str(out)])
+    assert "--window -1`: causal," in out.read_text()
 
 
 def test_the_latency_what_if_solves_for_its_link_and_never_stops_early(tmp_path, monkeypatch):
