@@ -35,7 +35,8 @@ def test_seeds_of_an_earlier_solver_fill_in_and_are_said(tmp_path):
     assert row["how"].startswith("1 worst re-solved today, 3 at an earlier solver: worst exact")
     _log(tmp_path / pg.TODAY[-1], {0: 1.10})  # now an earlier figure (1.15) is above it: a lower bound
     (row,) = pg.rows(tmp_path, tmp_path / "s.csv")
-    assert row["worst seed"] == 1 and "worst a lower bound" in row["how"] and "| not met |" in pg.table([row])[2]
+    assert row["worst seed"] == 1 and "worst a lower bound" in row["how"] and "seeds over upper bounds" in row["how"]
+    assert "| not met |" in pg.table([row])[2]
 
 
 def test_the_committed_logs_cover_every_setting_of_the_sweep():
@@ -43,3 +44,12 @@ def test_the_committed_logs_cover_every_setting_of_the_sweep():
     rows = pg.rows()
     assert len(rows) == 24 and all(r["seeds"] == 200 for r in rows)
     assert all(r["how"] == "every seed, today's solver" or "re-solved today" in r["how"] for r in rows)
+
+
+def test_the_reading_below_the_table_is_kept(tmp_path, monkeypatch):
+    out = tmp_path / "GOAL.md"
+    out.write_text(f"old table\n\n{pg.MARK}\n\n**Reading it.** by hand\n")
+    monkeypatch.setattr(pg, "rows", lambda: [])
+    pg.main(["--out", str(out)])
+    text = out.read_text()
+    assert "old table" not in text and text.endswith(f"{pg.MARK}\n\n**Reading it.** by hand\n")

@@ -161,7 +161,8 @@ def cluster_from_file(path: str, gpus_per_node: int | None = None) -> Cluster:
     ``ValueError`` naming the file and what is wrong with it."""
     fix = f"measure again with `torchrun --nproc-per-node G bench/link_measure.py --out {path}`"
     try:
-        data = json.loads(open(path).read())
+        with open(path) as f:
+            data = json.load(f)
     except (OSError, ValueError) as exc:
         raise ValueError(f"DISTATTN_LINK={path!r}: not a readable links file ({exc}); {fix}") from None
     if not isinstance(data, dict) or data.get("format") != LINKS_FORMAT:
