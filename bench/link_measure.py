@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 8 bench/link_measure.py --out links.json           # one node: NVLink
     torchrun --nnodes 2 --nproc-per-node 8 ... bench/link_measure.py --out links.json   # and the link across
     python bench/link_measure.py --spawn 3 --device cpu --out links.json          # gloo on this machine (a dry run)
-    DISTATTN_LINK=links.json python -m distattn.schedule --world 64 ...            # every plan timed on them
+    DISTATTN_LINK=links.json python train.py ...     # the placement solver and schedule="auto" time on them
+    python -m distattn.schedule explain --world 64 --link links.json             # the cost model on them
 
 The timeline (``distattn.schedule.timeline``), the placement solver and ``schedule="auto"`` charge a round of the
 executor ``max(bytes sent, bytes received) / bandwidth + latency * messages`` per link, with the bandwidth and the
@@ -14,14 +15,14 @@ there are: every rank posts rounds as the executor does (``distattn.comm.PeerExc
 ``irecv``, on the fetch side stream on CUDA) to ``m`` peers at once, each message ``s`` bytes, sending to the next
 ``m`` ranks and receiving from the ``m`` before; a message is what the timeline counts as one, one task's transfer,
 sent as the executor sends a k/v fetch: ``--tensors`` (2: k and v) tensors of ``s / 2`` bytes, each its own ``isend``;
-``--rounds`` rounds back to back per sample (the steady state the
-executor runs in), the slowest rank's time per round, the median of ``--reps`` samples. Inside a node the peers are
-the node's own (the ``intra`` link), across nodes the ranks ``G, 2G, ..`` away (``inter``, with two nodes or more;
-``G``: ``--gpus-per-node``, default torchrun's ``LOCAL_WORLD_SIZE``). Each link is fitted
-(``distattn.schedule.cluster.fit_link``: least squares of that formula over every ``m`` and ``s``) and written with
-its samples and each sample's fitted time to ``--out`` (format ``distattn-links/1``), which ``DISTATTN_LINK=<file>``
-hands to the library (``distattn.schedule.cluster.cluster_from_file``: the placement solver, ``schedule="auto"``;
-the CLI's ``--link <file>``). Every rank must read the same figures: a placed call's agreement compares them.
+``--rounds`` rounds back to back per sample (the steady state the executor runs in), the slowest rank's time per round,
+the median of ``--reps`` samples. Inside a node the peers are the node's own (the ``intra`` link), across nodes the
+ranks ``G, 2G, ..`` away (``inter``, with two nodes or more; ``G``: ``--gpus-per-node``, default torchrun's
+``LOCAL_WORLD_SIZE``). Each link is fitted (``distattn.schedule.cluster.fit_link``: least squares of that formula over
+every ``m`` and ``s``) and written with its samples and each sample's fitted time to ``--out`` (format
+``distattn-links/1``), which ``DISTATTN_LINK=<file>`` hands to the library
+(``distattn.schedule.cluster.cluster_from_file``: the placement solver, ``schedule="auto"``; the CLI's ``--link
+<file>``). Every rank must read the same figures: a placed call's agreement compares them.
 
 What it measures is the executor's round on the backend the run uses: NCCL on CUDA (torchrun), gloo on CPU tensors
 (``--spawn`` or ``--device cpu``, loopback TCP here: a dry run that proves the path and the fit, not a GPU's link).
@@ -195,6 +196,8 @@ def main(argv=None) -> None:
                 proc.join(timeout=10)
                 if proc.is_alive():
                     proc.kill()
+        if os.path.exists(init):
+            os.remove(init)
         _write(results[0], args.out)
         return
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
