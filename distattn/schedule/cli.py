@@ -132,8 +132,8 @@ def explain_main(argv=None) -> None:
 
     args = build_explain_parser().parse_args(argv)
     extra = {} if args.flops is None else {"flops": args.flops}
-    gpus = args.gpus_per_node if args.gpus_per_node is not None else (8 if args.link in LINKS else None)  # a file:
-    # its own node size
+    # a preset's nodes hold 8 GPUs unless --gpus-per-node says otherwise; a links file's hold what it measured
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else (8 if args.link in LINKS else None)
     cluster = dataclasses.replace(cluster_from_env(args.link, gpus), **extra)
     shapes = _shapes(args)
     for i, p in enumerate(args.world):
