@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: bench.placement_worst
 
-from bench.placement_compare import load  # noqa: E402
+from bench.placement_compare import WEIGHED, load  # noqa: E402
 from bench.placement_worst import log_rows  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "placement-sim"
@@ -69,7 +69,7 @@ def rows(results: Path = RESULTS, sweep: Path = SWEEP) -> list[dict]:
     before = load(sweep)
     lock: dict = {}
     for r in csv.DictReader(sweep.open()):
-        want = "placed" if r["mask"] == "causal" else "placed, window weighed"
+        want = "placed" if r["mask"] == "causal" else WEIGHED  # the rows load() reads
         if r["link"] == "nvlink" and r["schedule"] == want:
             lock[(r["docs"], int(r["P"]), r["mask"], int(r["seed"]))] = float(r["lockstep / perfect"])
     today, earlier = figures(TODAY, results), figures(EARLIER, results)
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
 
         keys = [(r["docs"], r["P"], r["mask"], r["worst seed"]) for r in found]
         with ProcessPoolExecutor(args.jobs) as ex:
-            lockstep = {k[:3]: v for k, v in zip(keys, ex.map(_lockstep_job, keys))}
+            lockstep = {k[:3]: v for k, v in zip(keys, ex.map(lockstep_of, *zip(*keys)))}
     cmd = "python bench/placement_goal.py" + (" --lockstep" if args.lockstep else "")
     about = __doc__.split("\n\n")[2].replace("\n", " ").replace("``", "`").replace(":data:", "")  # markdown
     text = "\n".join(["# Where issue 39's goal stands: every setting, every seed (modelled)", "",
@@ -152,10 +152,6 @@ def main(argv=None) -> None:
     if args.out:  # what is written below the table by hand (after MARK) is kept
         kept = args.out.read_text().partition(MARK)[2] if args.out.exists() else ""
         args.out.write_text(text + (f"\n{MARK}{kept}" if kept else ""))
-
-
-def _lockstep_job(key):
-    return lockstep_of(*key)
 
 
 if __name__ == "__main__":
