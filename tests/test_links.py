@@ -165,3 +165,20 @@ def test_the_cli_times_plans_on_a_links_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--link", str(tmp_path / "absent.json")])
     assert "neither one of" in capsys.readouterr().err
+
+
+def test_the_memory_cli_takes_its_node_size_from_the_links_file(tmp_path, monkeypatch, capsys):
+    """``python -m distattn.memory plan`` with ``DISTATTN_LINK=<file>``: the file's node size shares the host memory
+    and times the attention, unless ``--gpus-per-node`` names another."""
+    from distattn.memory.cli import main
+
+    monkeypatch.delenv("DISTATTN_GPUS_PER_NODE", raising=False)
+    monkeypatch.setenv("DISTATTN_LINK", str(_write(tmp_path / "links.json", (250e9, 8e-6), (40e9, 9e-6), g=4)))
+    base = ["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-mem", "80"]
+    assert main(base) == 0
+    assert "per node of 4 GPUs" in capsys.readouterr().out
+    assert main(base + ["--gpus-per-node", "2"]) == 0
+    assert "per node of 2 GPUs" in capsys.readouterr().out
+    monkeypatch.delenv("DISTATTN_LINK")
+    assert main(base) == 0
+    assert "per node of 8 GPUs" in capsys.readouterr().out  # the presets' node, as before

@@ -70,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                    "fits --seq-len (or the longest sequence when --seq-len is not given)")
     q.add_argument("--seq-len", type=int, help="with --strategy auto: the sequence length to fit")
     q.add_argument("--host-mem", type=float, default=2048.0, help="GiB of host memory per node (default 2048)")
-    q.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node sharing its host memory (default 8)")
+    q.add_argument("--gpus-per-node", type=int,
+                   help="GPUs per node sharing its host memory (default: DISTATTN_LINK's links file's node size, "
+                   "else DISTATTN_GPUS_PER_NODE, else 8)")
     q.add_argument("--loss-tile", type=int, default=4096, help="tokens per tile of the tiled loss (default 4096)")
     q.add_argument("--mlp-tile", type=int, default=4096, help="tokens per tile of the tiled MLP (default 4096)")
     q.add_argument("--link-gbps", type=float, default=50.0,
@@ -196,7 +198,17 @@ def _plan(args) -> str:
     return "\n".join(lines)
 
 
+def _node_size(args) -> int:
+    """``--gpus-per-node``, else the node size the links assume (a links file's, ``DISTATTN_GPUS_PER_NODE``, 8)."""
+    if args.gpus_per_node is None:
+        from distattn.schedule.cluster import cluster_from_env
+
+        args.gpus_per_node = cluster_from_env().gpus_per_node
+    return args.gpus_per_node
+
+
 def _cluster_from_args(args, limit: float) -> Cluster:
+    _node_size(args)
     for name in ("loss_tile", "mlp_tile", "gpus_per_node"):
         if getattr(args, name) < 1:
             raise _Usage(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
@@ -316,7 +328,7 @@ def _attention_times(args, model: ModelSpec, seq: int):
     lay = model.layer
     shapes = Shapes(batch=args.batch, seq_per_rank=seq // args.gpus, heads_q=lay.heads, heads_kv=lay.kv_heads,
                     head_dim=lay.head_dim, dtype_bytes=2)
-    links = cluster_from_env(gpus_per_node=args.gpus_per_node)
+    links = cluster_from_env(gpus_per_node=_node_size(args))
     choice = choose(args.gpus, shapes, causal=True, cluster=links, allow=set(ATTENTION_SCHEDULES), ulysses=1)
     return {c.schedule: c for c in choice.candidates if c.runnable}
 
