@@ -50,6 +50,9 @@ class DistAttnConfig:
     placement_window: tuple[int, int] | None = None
     """``"placed"``: the window the shards' placement was solved for (``distattn.sharding.placed_window``), which the
     plan's placement follows; ``None``: the call's ``window``."""
+    ring_stride: int = 1
+    """Global ranks between neighbouring ranks of ``group`` (a 2-D group's ring: the Ulysses degree ``U``): the links
+    ``"placed"``'s placement is timed on, as ``distattn.sharding.placement`` solved the shards'."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -80,7 +83,7 @@ class DistAttnConfig:
     def plan(self, n: int) -> Plan:
         """The plan for ``n`` tokens per rank (masked plans drop pairs that share no visible key)."""
         return make_plan(dist.get_world_size(self.group), self.causal, self.schedule, mask=self.mask_spec(), chunk=n,
-                         placement_window=self.placement_window)
+                         placement_window=self.placement_window, stride=self.ring_stride)
 
 
 def _documents_fingerprint(cu_seqlens) -> str | None:

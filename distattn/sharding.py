@@ -95,7 +95,7 @@ def solve_ahead(cu_seqlens, n: int, group=None, *, window=(-1, -1), workers: int
     if _world(group)[1] == 1:
         return
     ring, ulysses = _grid(group)
-    _solve_ahead(spec, ring, ulysses * n, workers=workers)
+    _solve_ahead(spec, ring, ulysses * n, stride=ulysses, workers=workers)
 
 
 @contextlib.contextmanager

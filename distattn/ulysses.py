@@ -133,7 +133,7 @@ class _Row:
 
 
 def _ring_config(cfg: DistAttnConfig, topo: Topology) -> DistAttnConfig:
-    return dataclasses.replace(cfg, group=topo.ring_group)
+    return dataclasses.replace(cfg, group=topo.ring_group, ring_stride=topo.U)
 
 
 def ulysses_forward(q, k, v, cfg: DistAttnConfig):

@@ -80,6 +80,101 @@ def test_block_size_and_fallbacks():
     assert tiny.kind == "placed" and "blocks of 2 tokens" in tiny.note
 
 
+def test_a_long_shard_is_placed_on_larger_blocks():
+    """Past 256 blocks of 64 tokens per rank (n > 16384) the blocks grow to the least power of two dividing ``n`` that
+    leaves at most 256: a long shard is placed (before, every n over 16384 fell back to contiguous shards)."""
+    from distattn.schedule.masked import make_masked_plan
+    from distattn.schedule.settings import pad_block
+    from distattn.schedule.timeline import step_timeline
+    from distattn.schedule.wire import Shapes
+    from distattn.schedule.cluster import Cluster
+
+    assert block_size(16384) == 64 and block_size(32768) == 128 and block_size(49152) == 256
+    assert block_size(1 << 20) == 4096 and block_size(100000) is None  # 2^5 x 3125: no power of two will do
+    assert pad_block(4099) == 64 and pad_block(100000) == 512 and block_size(100352) == 512
+    lay = place(MaskSpec(causal=True, cu_seqlens=(0, 150000, 200000)), 2, 100000)
+    assert lay.kind == "contiguous" and "pad to a multiple of 512" in lay.note
+    p, n = 4, 32768
+    spec = MaskSpec(causal=True, cu_seqlens=document_lengths("longtail:2048", p * n, seed=1))
+    nvlink = Cluster.preset("nvlink")
+    lay = place(spec, p, n, cluster=nvlink)
+    assert lay.kind == "placed" and "blocks of 128 tokens" in lay.note, lay.note
+    assert all(a % 128 == 0 and b % 128 == 0 for r in range(p) for a, b in lay.segments(r, n))
+    shapes = Shapes(seq_per_rank=n, heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
+    placed = step_timeline(make_masked_plan(p, "placed", spec, n, lay), shapes, nvlink)["ratio"]
+    balanced = step_timeline(make_plan(p, True, "balanced", mask=spec, chunk=n), shapes, nvlink)["ratio"]
+    assert placed < 1.05 < 2.0 < balanced, (placed, balanced)  # 1.000x against 2.756x of perfect balance
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grown_blocks_partition_the_stream_and_count_the_work_row_by_row(seed, monkeypatch):
+    """The grown blocks (fewer allowed per rank, so small streams grow them too) still give a partition whose work
+    and per-row key bounds match the row-by-row count."""
+    from distattn.schedule import settings, solver
+    from distattn.schedule.placement import _place_cached
+
+    monkeypatch.setattr(settings, "MAX_BLOCKS_PER_RANK", 4)
+    monkeypatch.setattr(solver, "MAX_BLOCKS_PER_RANK", 4)
+    rng = random.Random(50 + seed)
+    p, n = rng.randint(2, 5), rng.choice([512, 768, 1024])
+    spec = _random_spec(rng, p * n, window=seed % 2 == 1)
+    lay = _place_cached.__wrapped__(placement_mask(spec.cu_seqlens, spec.window), p, n)
+    b = block_size(n)
+    assert b > BLOCK and n // b <= 4 and lay.kind == "placed" and f"blocks of {b} tokens" in lay.note, lay.note
+    held = np.concatenate([lay.positions(r, n) for r in range(p)])
+    assert sorted(held.tolist()) == list(range(p * n))
+    assert pair_work(spec, p, n, lay) == _brute_work(spec, p, n, lay)
+    for q in range(p):
+        lo, hi = local_bounds(spec, lay, n, q, (q + 1) % p)
+        glo, ghi = spec.bounds_at(p * n, lay.positions(q, n))
+        keys = lay.positions((q + 1) % p, n)
+        want = [int(((keys >= a) & (keys <= c)).sum()) for a, c in zip(glo, ghi)]
+        assert (np.maximum(hi - lo + 1, 0)).tolist() == want
+
+
+def test_a_grids_placement_is_solved_for_the_links_its_ring_takes(monkeypatch):
+    """On a 2-D group (U x R) neighbouring ring ranks are U global ranks apart (a Ulysses row fills a node): the
+    shards' placement (``layout_of``, ``distattn.sharding.placement``), the plan the executor runs
+    (``DistAttnConfig.plan`` with the ring's stride) and the cost model's (``predict``) are one placement, solved on
+    those links. Solved as if the R ring ranks shared a node, it is 4.8x slower on IB (P = 32, U = 8, longtail)."""
+    import dataclasses
+
+    from distattn.config import DistAttnConfig
+    from distattn.schedule.cluster import Cluster
+    from distattn.schedule.cost import predict
+    from distattn.schedule.masked import make_masked_plan
+    from distattn.schedule.placement import _place_cached
+    from distattn.schedule.timeline import step_timeline
+    from distattn.schedule.wire import Shapes, ulysses_heads
+    from distattn.topology import Topology
+    from distattn.ulysses import _ring_config
+
+    ib = Cluster.preset("ib")
+    monkeypatch.setenv("DISTATTN_LINK", "ib")
+    monkeypatch.delenv("DISTATTN_GPUS_PER_NODE", raising=False)
+    P, U, n = 32, 8, 4096
+    R = P // U
+    spec = MaskSpec(causal=True, cu_seqlens=document_lengths("longtail:2048", P * n, seed=0))
+    grid = layout_of("placed", R, U, mask=spec, n=n)
+    plan = make_plan(R, True, "placed", mask=spec, chunk=U * n, stride=U)
+    assert plan.layout == grid.ring() and grid.kind == "placed"
+    cfg = _ring_config(DistAttnConfig(causal=True, scale=1.0, schedule="placed", cu_seqlens=spec.cu_seqlens),
+                       Topology(ulysses_group=None, ring_group=None, U=U, R=R, u=0, r=0))
+    assert cfg.ring_stride == U
+    monkeypatch.setattr("torch.distributed.get_world_size", lambda group=None: R)
+    assert cfg.plan(U * n).layout == grid.ring()  # the executor's plan: the shards' placement
+    shapes = Shapes(seq_per_rank=n, heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
+    hq, hkv, _ = ulysses_heads(32, 8, U)
+    ring_shapes = dataclasses.replace(shapes, seq_per_rank=U * n, heads_q=hq, heads_kv=hkv)
+    step = {stride: step_timeline(make_masked_plan(R, "placed", spec, U * n, _place_cached.__wrapped__(
+        placement_mask(spec.cu_seqlens), R, U * n, None, ib, stride)), ring_shapes, ib, stride=U)["makespan"]
+            for stride in (1, U)}
+    cand = predict(P, shapes, "placed", U, mask=spec, cluster=ib)
+    ring_part = cand.compute_fwd + cand.exposed_fwd + cand.compute_bwd + cand.exposed_bwd
+    assert ring_part == pytest.approx(step[U], rel=1e-9)  # the cost model times the executor's placement
+    assert step[U] < 0.5 * step[1], step  # 2.53 ms against 12.08 ms
+
+
 def test_placed_layout_errors():
     with pytest.raises(ValueError, match="needs its placement"):
         Layout("placed", 2)
@@ -108,7 +203,7 @@ def test_placed_on_a_grid_every_rank_holds_n_tokens_of_its_ring_shard_in_order(s
     lay = layout_of("placed", ring, ulysses, mask=spec, n=n)
     assert lay.kind == "placed" and (lay.world_size, lay.ulysses, lay.ranks) == (ring, ulysses, ring * ulysses)
     solved = MaskSpec(causal=True) if spec.cu_seqlens is None else placement_mask(spec.cu_seqlens, spec.window)
-    assert lay.ring().placement == lay.placement == place(solved, ring, ulysses * n).placement  # the documents, causal
+    assert lay.ring().placement == lay.placement == place(solved, ring, ulysses * n, stride=ulysses).placement  # causal
     assert lay.pieces == 1
     held = []
     for r in range(ring):

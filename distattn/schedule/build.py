@@ -41,7 +41,7 @@ def _validate(world_size, causal, schedule) -> None:
 
 
 def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", *, mask: MaskSpec | None = None,
-              chunk: int | None = None, placement_window: tuple[int, int] | None = None) -> Plan:
+              chunk: int | None = None, placement_window: tuple[int, int] | None = None, stride: int = 1) -> Plan:
     """Build (and cache) the plan for ``world_size`` ranks.
 
     Args:
@@ -55,6 +55,8 @@ def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", 
         chunk: tokens per rank; needed with a non-dense ``mask`` (zigzag: default 2, even).
         placement_window: ``"placed"`` only: the window the placement (the shards) was solved for, when it is not
             the mask's own (a model whose layers differ in window shares one sharding; :func:`make_placed_plan`).
+        stride: ``"placed"`` only: global ranks between neighbouring ranks of this plan (the Ulysses degree ``U`` of
+            a 2-D group, whose ring ranks are ``U`` apart): which links the placement is timed on.
 
     ``"placed"`` runs on the work-balanced placement of the mask's documents (``distattn.schedule.placement``;
     the plan's ``layout``; shard with ``shard_sequence(x, layout=plan.layout)``) with the balanced assignment of
@@ -72,7 +74,7 @@ def make_plan(world_size: int, causal: bool = True, schedule: str = "balanced", 
     _validate(world_size, causal, schedule)
     try:
         if schedule == "placed":
-            return make_placed_plan(world_size, causal, mask, chunk, placement_window)
+            return make_placed_plan(world_size, causal, mask, chunk, placement_window, stride)
         return _make_plan(world_size, causal, schedule, mask, chunk)
     except MemoryError as exc:
         if isinstance(exc, PlanTooLarge):
@@ -97,12 +99,13 @@ def _make_plan(world_size: int, causal: bool, schedule: str, mask: MaskSpec | No
 
 
 def make_placed_plan(p: int, causal: bool, mask: MaskSpec | None, chunk: int | None,
-                     placement_window: tuple[int, int] | None = None) -> Plan:
+                     placement_window: tuple[int, int] | None = None, stride: int = 1) -> Plan:
     """The plan of ``mask`` on the placement of its documents solved for ``placement_window`` (``None``: the mask's
     own window), weighed by :func:`placement_mask`: the documents, causal, and the window's left side. The shards must
     follow the same placement: ``distattn.sharding.placement(cu_seqlens, n, group, window=...)`` with the window given
     here (the attention call finds it there: ``distattn.sharding.placed_window``). The plan is exact for any window
-    on any placement; the window the placement was solved for only moves which rank holds which blocks."""
+    on any placement; the window the placement was solved for only moves which rank holds which blocks. ``stride``:
+    global ranks between neighbouring ranks (a 2-D group's ring: ``U``), as :func:`layout_of` solves the shards'."""
     mask = mask if mask is not None else MaskSpec(causal=causal)
     if mask.cu_seqlens is None:  # no documents: contiguous shards and the balanced plan (dense: the optimum)
         plan = make_plan(p, mask.causal, "balanced", mask=mask, chunk=chunk)
@@ -110,7 +113,7 @@ def make_placed_plan(p: int, causal: bool, mask: MaskSpec | None, chunk: int | N
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} must be the positive number of tokens per rank for a masked plan")
     window = mask.window if placement_window is None else placement_window
-    layout = place(placement_mask(mask.cu_seqlens, window), p, chunk)
+    layout = place(placement_mask(mask.cu_seqlens, window), p, chunk, stride=stride)
     return make_masked_plan(p, "placed", mask, chunk, layout)
 
 
@@ -125,8 +128,8 @@ def placement_mask(cu_seqlens, window: tuple[int, int] = (-1, -1)) -> MaskSpec:
 def layout_of(schedule: str, world_size: int, ulysses: int = 1, *, mask=None, n: int | None = None) -> Layout:
     """The layout a schedule's plan runs on (``zigzag``: zigzag; ``placed``: the placement of ``mask``'s documents
     and window (:func:`placement_mask`) for ``n`` tokens per rank, solved by ``distattn.schedule.placement.place``
-    over the ``world_size`` ring ranks of ``ulysses * n`` tokens each; every other schedule: contiguous).
-    ``world_size``: ring ranks, ``ulysses``: ranks per ring rank."""
+    over the ``world_size`` ring ranks of ``ulysses * n`` tokens each, timed on links ``ulysses`` global ranks apart;
+    every other schedule: contiguous). ``world_size``: ring ranks, ``ulysses``: ranks per ring rank."""
     if schedule == "placed":
         if n is None:
             raise ValueError("the placed layout depends on the documents and the tokens per rank: pass mask= "
@@ -135,7 +138,7 @@ def layout_of(schedule: str, world_size: int, ulysses: int = 1, *, mask=None, n:
         # this layout match make_placed_plan's for the same window
         spec = MaskSpec(causal=True) if mask is None or mask.cu_seqlens is None else placement_mask(mask.cu_seqlens,
                                                                                                     mask.window)
-        ring = place(spec, world_size, ulysses * n)
+        ring = place(spec, world_size, ulysses * n, stride=ulysses)
         return dataclasses.replace(ring, ulysses=ulysses) if ulysses > 1 else ring
     return Layout("zigzag" if schedule == "zigzag" else "contiguous", world_size, ulysses)
 

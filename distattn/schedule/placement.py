@@ -32,10 +32,10 @@ from distattn.schedule.ahead import submit as _submit_ahead, take as _take_ahead
 from distattn.schedule.cluster import Cluster, cluster_from_env
 from distattn.schedule.layouts import Layout
 from distattn.schedule.masks import MaskSpec
-from distattn.schedule.solver import (ASSUMED_SHAPES, BALANCED, BLOCK, CUTS, DEEPER, EVEN, EVEN_LOOSE,
-                                      EVEN_LOOSE_MAX_GROUP, EVEN_LOOSE_MAX_RANKS, EVEN_MAX_RANKS, EVEN_WIDE_MAX_RANKS,
-                                      EVENED, FALLBACK_MAX_RANKS, MAX_BLOCKS_PER_RANK, NEAR, PIECES, WIDER_MAX_RANKS,
-                                      WINDOW_CHUNKS, block_size)
+from distattn.schedule.settings import (ASSUMED_SHAPES, BALANCED, BLOCK, CUTS, DEEPER, EVEN, EVEN_LOOSE,
+                                        EVEN_LOOSE_MAX_GROUP, EVEN_LOOSE_MAX_RANKS, EVEN_MAX_RANKS, EVEN_WIDE_MAX_RANKS,
+                                        EVENED, FALLBACK_MAX_RANKS, MAX_BLOCKS_PER_RANK, NEAR, PIECES, WIDER_MAX_RANKS,
+                                        WINDOW_CHUNKS, block_size)
 from distattn.schedule.solver import _divisors, _place_cached  # noqa: F401  (tests, benches, the ahead worker)
 
 __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED",

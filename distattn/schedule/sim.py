@@ -109,7 +109,7 @@ def ring_plan(world_size: int, causal: bool, schedule: str, shapes: Shapes, *, m
         hq, hkv, _ = ulysses_heads(shapes.heads_q, shapes.heads_kv, ulysses)
         ring_shapes = dataclasses.replace(shapes, seq_per_rank=shapes.seq_per_rank * ulysses, heads_q=hq,
                                           heads_kv=hkv)
-    plan = make_plan(world_size // ulysses, causal, schedule, mask=mask, chunk=ring_shapes.seq_per_rank)
+    plan = make_plan(world_size // ulysses, causal, schedule, mask=mask, chunk=ring_shapes.seq_per_rank, stride=ulysses)
     return plan, ring_shapes
 
 

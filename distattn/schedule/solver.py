@@ -119,9 +119,12 @@ a block fills whole 64-key tiles and a shard's segments add few partly masked ti
 the snake's symmetry holds per cycle of ``2k`` whole blocks, and twice the blocks leave half the remainder (at 64
 ranks x 4096 tokens the simulator's makespan is 1.05-1.07x of perfect with 64-token blocks, 1.12-1.13x with 128;
 ``bench/results/placement-sim``). When ``n`` is not a multiple of 64 the largest power of two dividing ``n`` is used
-(a stream of fewer than ``P * 64`` tokens gets smaller blocks); when that leaves more than
-:data:`MAX_BLOCKS_PER_RANK` blocks per rank (e.g. an odd ``n`` in the thousands) the solver falls back to the
-contiguous layout and says why in the layout's ``note``. A dense mask (one causal document) also falls back: the
+(a stream of fewer than ``P * 64`` tokens gets smaller blocks); a long shard (more than
+:data:`MAX_BLOCKS_PER_RANK` blocks of 64) gets the least larger power of two dividing ``n`` that leaves at most that
+many (32768 tokens per rank: 128; a 2-D ring's ``U * n``-token shards alike; before, every ``n`` over 16384 fell back
+to contiguous shards: longtail at P = 4 x 32768 tokens, 2.76x -> 1.00x of perfect balance on NVLink). When no power
+of two will do (e.g. an odd ``n`` in the thousands) the solver falls back to the contiguous layout and says why, and
+to what multiple to pad, in the layout's ``note``. A dense mask (one causal document) also falls back: the
 balanced schedule is already optimal.
 
 Cost: a deal, its pair table and one plan and timeline per order (:data:`~distattn.schedule.layouts.ORDERS`; the
@@ -176,82 +179,11 @@ from distattn.schedule.pairs import pair_table
 from distattn.schedule.streams import STREAM_CLASSES
 from distattn.schedule.masks import MaskSpec
 from distattn.schedule.timeline import owner_bounds, phase_timeline
+from distattn.schedule.settings import (BALANCED, CUTS, DEEPER, EVEN, EVEN_LOOSE, EVEN_LOOSE_MAX_GROUP,
+                                       EVEN_LOOSE_MAX_RANKS, EVEN_MAX_RANKS, EVEN_WIDE_MAX_RANKS, EVENED,
+                                       FALLBACK_MAX_RANKS, MAX_BLOCKS_PER_RANK, NEAR, PIECES, WIDER_MAX_RANKS,
+                                       WINDOW_CHUNKS, block_size, pad_block, solve_shapes)
 from distattn.schedule.windows import SHARES
-from distattn.schedule.wire import Shapes
-
-__all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS", "PIECES", "EVEN", "EVENED",
-           "EVEN_MAX_RANKS", "EVEN_LOOSE", "EVEN_LOOSE_MAX_RANKS", "EVEN_WIDE_MAX_RANKS", "EVEN_LOOSE_MAX_GROUP",
-           "NEAR", "WIDER_MAX_RANKS", "WINDOW_CHUNKS", "DEEPER", "FALLBACK_MAX_RANKS", "block_size"]
-
-BLOCK = 64
-"""Target block size in tokens: a key tile of the kernels (see the module docstring)."""
-MAX_BLOCKS_PER_RANK = 256
-"""More blocks per rank than this (tiny blocks of a large odd ``n``): fall back to contiguous shards."""
-ASSUMED_SHAPES = Shapes(heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
-"""The attention shapes a candidate's plan is timed with (LLaMA-3-8B's: 32 query / 8 kv heads, d = 128, bf16): the
-layout must follow from ``cu_seqlens`` and ``n`` alone, before the model is known. Only the ratio of a pair's FLOPs to
-its bytes matters, ``(h_q / h_kv) * n``: grouped-query attention of ratio 4."""
-BALANCED = 1.04
-"""Where the search starts: the smallest group size whose dealt blocks leave every rank's work within this factor of the
-mean (the former rule, which the timeline then improves on)."""
-CUTS = (0.5, 0.75, 1.0)
-"""Under a left window, documents whose work passes this share of a rank's mean work are also cut by work into
-pieces (``distattn.schedule.groups``) in candidates of groups of 1, 2, the chosen size and half of it, each timed."""
-NEAR = 0.02
-"""The windowed deal's third rule (``by="near"``): a short document goes to the rank of the block next to it when that
-rank is within this share of a rank's mean work of the window the deal picks (``distattn.schedule.windows``)."""
-PIECES = 0.5
-"""Cut documents are also timed with every piece holding at most this share of its group's tokens (a long piece is
-cut again every that many rows, ``distattn.schedule.groups.cut_by_work``): under a window a document's
-first piece of equal work is long and light, and a group it fills is left short of work."""
-DEEPER = 0.002
-"""The chosen layout, timed with the executor fetching 1 to 12 steps ahead (``Layout.prefetch``,
-:data:`~distattn.schedule.layouts.PREFETCHES`: one more set of receive buffers each, and a fetch posted that much
-earlier), takes the shallowest depth that no deeper one makes shorter on the per-pair timeline by at least this share
-per extra set of buffers (a gain, not a rounding difference, pays for the memory)."""
-EVEN = 0.005
-"""Cut documents are also timed with the groups' work evened to within this share of their mean
-(``distattn.schedule.groups.even_groups``)."""
-EVENED = ((True, "dense"), (True, "short"))
-"""The evened cuts timed: capped pieces, each exchange order of ``distattn.schedule.groups.even_groups`` (beyond
-:data:`EVEN_LOOSE_MAX_RANKS` the first only)."""
-EVEN_MAX_RANKS = 32
-"""The cuts evened to :data:`EVEN` are timed up to this many ranks: at P = 8 and 16 the solver kept them on 608 of the
-1200 windowed solves of ``bench/results/placement-sim/EVEN-8-64.md``, at P = 64 on 1 of 216 (for 1.7x the solve time:
-uniform, at most 6.1 s against 3.6 s) and at P = 256 on 1 of 13 (up to 72 s against 38 s), none of them a worst seed."""
-EVEN_LOOSE = (0.02, 0.04)
-"""The evened cuts are also timed evened only to within these shares of the mean, up to :data:`EVEN_LOOSE_MAX_RANKS`:
-evening to :data:`EVEN` scatters pieces over many ranks, and at P = 64 the pairs it adds cost more than the balance
-gains; a looser evening keeps most of the balance for fewer pairs (the Pile windowed at P = 64, seed 19: 1.134x ->
-1.073x of perfect balance, ``bench/results/placement-sim/EVEN-LOOSE.md``)."""
-EVEN_LOOSE_MAX_RANKS, EVEN_WIDE_MAX_RANKS, EVEN_LOOSE_MAX_GROUP = 64, 256, 2
-"""The loosely evened cuts are timed up to ``EVEN_LOOSE_MAX_RANKS`` ranks, beyond that up to ``EVEN_WIDE_MAX_RANKS``
-to the first tolerance in the first exchange order only (longtail windowed at P = 256, seed 65: 1.107x -> 1.066x), and
-on groups of at most ``EVEN_LOOSE_MAX_GROUP`` ranks only (where they win: every seed of ``EVEN-LOOSE.md``)."""
-WIDER_MAX_RANKS = 1024
-"""Up to this many ranks the windowed deal is also timed on groups twice the chosen size (module docstring); beyond it
-only on the chosen groups: at 4096 ranks those plans pass the memory the CLI's plans are held to
-(``tests/test_masked_scale.py``, 768 MiB)."""
-WINDOW_CHUNKS = (False, True)
-"""The windowed deal is timed with a long piece over its window in the snake and in mirrored chunks
-(``distattn.schedule.windows``: a chunk's queries see of an earlier rank only its first chunk, so a window's pairs
-borrow about a quarter fewer keys; the Pile at P = 64, seed 118: 1.231x -> 1.161x of perfect balance on NVLink)."""
-FALLBACK_MAX_RANKS = 32
-"""A windowed solve also times the documents-only placement (the causal solve of the same documents, a whole second
-solve) on its windowed plan up to this many ranks, and not beyond. It was kept on 9 of the 1200 windowed seeds at P = 8
-and 16 (``bench/results/placement-sim/streams-8-16.log``), on 1 of 600 at P = 64 (uniform:8192, seed 43, 1.0405x of
-perfect balance; solved without it 1.0400x, ``streams-uniform-64.log``, ``streams-64.log``) and on none of 400 at
-P = 256 (``worst-256-window-all.log``), where it took half the solve's CPU or more (longtail seed 32: 21.3 s -> 11.1 s
-without it; the Pile seed 197: 14.1 s -> 3.4 s; the same layouts)."""
-
-
-def block_size(n: int) -> int | None:
-    """Tokens per block for ``n`` tokens per rank: 64, or the largest power of two dividing ``n``; ``None`` when
-    that leaves more than :data:`MAX_BLOCKS_PER_RANK` blocks per rank."""
-    b = BLOCK
-    while n % b:
-        b //= 2
-    return b if n // b <= MAX_BLOCKS_PER_RANK else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -276,7 +208,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     if b is None:
         return Layout("contiguous", p, note=f"{n} tokens per rank split into blocks of a power of two leaves more "
                                             f"than {MAX_BLOCKS_PER_RANK} blocks per rank; pad to a multiple of "
-                                            f"{BLOCK} to place the documents")
+                                            f"{pad_block(n)} to place the documents")
     cu = np.asarray(spec.documents(p * n), dtype=np.int64)
     starts, lengths = cu[:-1], np.diff(cu)
     keep = lengths > 0  # empty documents hold no tokens
@@ -284,7 +216,7 @@ def _place_cached(spec: MaskSpec, p: int, n: int, group: int | None = None, clus
     rows = RowWork(spec, lengths)
     whole = rows.prefix(np.arange(len(lengths)), lengths)
     cluster = cluster if cluster is not None else cluster_from_env()
-    shapes = dataclasses.replace(ASSUMED_SHAPES, seq_per_rank=n)
+    shapes = solve_shapes(n, stride)
     per_key = 4 * shapes.heads_q * shapes.head_dim * (1 + BWD_FLOP_FACTOR) / cluster.flops  # s per visible key
 
     mean = whole.sum() / p
