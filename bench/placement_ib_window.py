@@ -14,8 +14,10 @@ auto (worst / median / best seed). ``--window -1``: causal masks, the placement 
 ``--ulysses 8``: every schedule also on a grid of 8 (a Ulysses row per node) x P/8 ring ranks (``distattn.choose``'s
 two-dimensional candidates, ``distattn.schedule.cost.predict``: the ring level's plan on links 8 global ranks apart and
 the all-to-alls); ``auto`` is then the least of all eight, and "best other" the least of ring, balanced and zigzag flat
-or on the grid. The last two columns hold every figure to perfect balance (the total compute over P: no schedule's
-step is shorter), the room a schedule has to gain. Modelled, not measured; no GPU.
+or on the grid ("best flat other": flat only, the comparison without the grid). The last columns hold the figures to
+perfect balance (the total compute over P: no schedule's step is shorter): the best other's step and its busiest
+rank's compute (where that is near 1, the best other is balanced already and what is left to gain is communication)
+and auto's. Modelled, not measured; no GPU.
 """
 
 from __future__ import annotations
@@ -54,16 +56,19 @@ def one(job) -> dict:
     lay = _place_cached.__wrapped__(mask, p, n, None, ib)
     timed["placed"] = step_timeline(make_masked_plan.__wrapped__(p, "placed", mask, n, lay), shapes, ib)
     steps = {s: t["makespan"] for s, t in timed.items()}
+    busiest = {s: t["busiest"] for s, t in timed.items()}
     if ulysses > 1:
         for s in OTHERS + ("placed",):  # DISTATTN_LINK unset: the grid's placement is solved on the ib preset too
-            steps[f"2d U={ulysses} x {s}"] = predict(p, shapes, s, ulysses, mask=mask, cluster=ib).total
-    return {"docs": docs, "P": p, "seed": seed, "steps": steps, "stream": "the stream deal" in lay.note,
-            "perfect": min(t["perfect"] for t in timed.values())}
+            cand = predict(p, shapes, s, ulysses, mask=mask, cluster=ib)
+            steps[f"2d U={ulysses} x {s}"] = cand.total
+            busiest[f"2d U={ulysses} x {s}"] = cand.compute_fwd + cand.compute_bwd
+    return {"docs": docs, "P": p, "seed": seed, "steps": steps, "busiest": busiest,
+            "stream": "the stream deal" in lay.note, "perfect": min(t["perfect"] for t in timed.values())}
 
 
-def others(steps: dict) -> float:
-    """The least step of ring, balanced and zigzag, flat or on the grid."""
-    return min(t for s, t in steps.items() if s.split(" x ")[-1] in OTHERS)
+def others(steps: dict, flat: bool = False) -> str:
+    """The fastest of ring, balanced and zigzag, flat or on the grid (``flat``: flat only)."""
+    return min((s for s in steps if s.split(" x ")[-1] in OTHERS and (" x " not in s or not flat)), key=steps.get)
 
 
 def main(argv=None) -> None:
@@ -92,13 +97,17 @@ def main(argv=None) -> None:
              f"tokens per rank, LLaMA-3-8B attention shapes, IB (nodes of 8, 100 Gb/s across); the placement solved "
              f"for that mask on IB, as the library's call. Modelled, not measured.", "",
              "| docs | P | seeds | auto ms (median) | auto's picks | the stream deal kept | best other / auto: worst / "
-             "median / best | best other / perfect balance (median) | auto / perfect balance (median) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "median / best | best flat other / auto (median) | best other / perfect balance (median) | its busiest "
+             "rank's compute / perfect balance (median) | auto / perfect balance (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for docs in args.docs:
         for p in args.world:
             rows = [r for r in found if r["docs"] == docs and r["P"] == p]
             auto = np.array([min(r["steps"].values()) for r in rows])
-            other = np.array([others(r["steps"]) for r in rows]) / auto
+            best = [others(r["steps"]) for r in rows]
+            other = np.array([r["steps"][b] for r, b in zip(rows, best)]) / auto
+            flat = np.array([r["steps"][others(r["steps"], flat=True)] for r in rows]) / auto
+            imbalance = np.array([r["busiest"][b] / r["perfect"] for r, b in zip(rows, best)])
             perfect = np.array([r["perfect"] for r in rows])
             picks = {}
             for r in rows:
@@ -107,8 +116,8 @@ def main(argv=None) -> None:
             lines.append(f"| {docs} | {p} | {len(rows)} | {np.median(auto) * 1e3:.2f} | "
                          f"{', '.join(f'{k} {v}' for k, v in sorted(picks.items(), key=lambda kv: -kv[1]))} | "
                          f"{sum(r['stream'] for r in rows)} | {other.min():.2f} / {np.median(other):.2f} / "
-                         f"{other.max():.2f} | {np.median(other * auto / perfect):.2f} | "
-                         f"{np.median(auto / perfect):.2f} |")
+                         f"{other.max():.2f} | {np.median(flat):.2f} | {np.median(other * auto / perfect):.2f} | "
+                         f"{np.median(imbalance):.2f} | {np.median(auto / perfect):.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -4,6 +4,8 @@ import csv
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -108,15 +110,39 @@ def test_the_ib_window_bench_picks_the_least_step_per_seed(tmp_path, capsys):
              "--jobs", "1", "--out", str(out)])
     row = [line for line in out.read_text().splitlines() if line.startswith("| longtail:2048 | 8 | 2 |")]
     assert len(row) == 1
-    worst, median, best = (float(x) for x in row[0].split("|")[-2].split("/"))
-    assert 1.0 <= worst <= median <= best
-    found = ib.one(("longtail:2048", 8, 0, 512, 256))
-    assert set(found["steps"]) == {"ring", "balanced", "zigzag", "placed"}
-    causal = ib.one(("longtail:2048", 8, 0, 512, -1))  # --window -1: the causal mask, its own placement
+    cells = row[0].split("|")
+    worst, median, best = (float(x) for x in cells[7].split("/"))
+    assert 1.0 <= worst <= median <= best and float(cells[8]) >= 1.0  # best flat other / auto
+    assert all(float(c) >= 1.0 for c in cells[9:12])  # the best other's step and busiest rank, auto's: >= perfect
+    found = ib.one(("longtail:2048", 8, 0, 512, 256, 1))
+    assert set(found["steps"]) == set(found["busiest"]) == {"ring", "balanced", "zigzag", "placed"}
+    causal = ib.one(("longtail:2048", 8, 0, 512, -1, 1))  # --window -1: the causal mask, its own placement
     assert causal["steps"]["placed"] != found["steps"]["placed"]
+    grid = ib.one(("longtail:2048", 8, 0, 512, -1, 2))  # --ulysses 2: every schedule on a 2 x 4 grid too
+    assert {k: v for k, v in grid["steps"].items() if " x " not in k} == causal["steps"]
+    assert {k for k in grid["steps"] if " x " in k} == {f"2d U=2 x {s}" for s in ("ring", "balanced", "zigzag",
+                                                                                    "placed")}
+    assert ib.others(grid["steps"], flat=True) in ib.OTHERS and ib.others(grid["steps"]) in grid["steps"]
     ib.main(["--docs", "longtail:2048", "--world", "8", "--seeds", "1", "--seq-per-rank", "512", "--window", "-1",
              "--jobs", "1", "--out", str(out)])
     assert "--window -1`: causal," in out.read_text()
+
+
+def test_the_grid_bench_takes_the_least_of_the_flat_placement_and_the_grids(capsys):
+    """``bench/placement_grid.py``: per seed the flat placement's figure (today's log where it holds the seed) and
+    each grid's; the least is what choosing the degree runs, never above the flat figure."""
+    from bench import placement_grid as grid
+    from bench.placement_goal import TODAY, figures
+
+    grid.main(["--docs", "uniform:8192", "--world", "8", "--mask", "causal", "--ulysses", "2", "--only", "3", "5",
+               "--jobs", "1"])
+    out = capsys.readouterr().out
+    logged = figures(TODAY)[("uniform:8192", 8, "causal")]
+    for seed in (3, 5):
+        line = next(x for x in out.splitlines() if x.startswith(f"uniform:8192 P=8 causal seed {seed}: "))
+        flat, u2 = (float(part.split()[-1]) for part in line.split(": ")[1].split(", "))
+        assert flat == pytest.approx(logged[seed], abs=5e-4) and u2 >= 1.0
+    assert "2 seeds, degrees [2]: flat " in out and "the least's degree: " in out
 
 
 def test_the_latency_what_if_solves_for_its_link_and_never_stops_early(tmp_path, monkeypatch):
