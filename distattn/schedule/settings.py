@@ -13,9 +13,10 @@ __all__ = ["BLOCK", "MAX_BLOCKS_PER_RANK", "ASSUMED_SHAPES", "BALANCED", "CUTS",
            "solve_shapes"]
 
 BLOCK = 64
-"""Target block size in tokens: a key tile of the kernels (see the module docstring)."""
+"""Target block size in tokens: a key tile of the kernels (``distattn.schedule.solver``'s docstring)."""
 MAX_BLOCKS_PER_RANK = 256
-"""More blocks per rank than this (tiny blocks of a large odd ``n``): fall back to contiguous shards."""
+"""More blocks of 64 per rank than this (a long shard): larger blocks (:func:`block_size`); where no power of two
+dividing ``n`` leaves at most this many (tiny blocks of a large odd ``n``), contiguous shards."""
 ASSUMED_SHAPES = Shapes(heads_q=32, heads_kv=8, head_dim=128, dtype_bytes=2)
 """The attention shapes a candidate's plan is timed with (LLaMA-3-8B's: 32 query / 8 kv heads, d = 128, bf16): the
 layout must follow from ``cu_seqlens`` and ``n`` alone, before the model is known. Only the ratio of a pair's FLOPs to
