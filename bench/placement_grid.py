@@ -56,7 +56,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-per-rank", type=int, default=4096)
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args(argv)
-    logged = figures(TODAY).get((args.docs, args.world, args.mask), {})
+    logged = {}  # today's logs are all at 4096 tokens per rank: other shards are solved
+    if args.seq_per_rank == 4096:
+        logged = figures(TODAY).get((args.docs, args.world, args.mask), {})
     seeds = args.only or list(range(args.seeds))
     jobs = [(args.docs, args.world, args.mask, s, args.seq_per_rank, tuple(args.ulysses), logged.get(s))
             for s in seeds]

@@ -16,8 +16,8 @@ two-dimensional candidates, ``distattn.schedule.cost.predict``: the ring level's
 the all-to-alls); ``auto`` is then the least of all eight, and "best other" the least of ring, balanced and zigzag flat
 or on the grid ("best flat other": flat only, the comparison without the grid). The last columns hold the figures to
 perfect balance (the total compute over P: no schedule's step is shorter): the best other's step and its busiest
-rank's compute (where that is near 1, the best other is balanced already and what is left to gain is communication)
-and auto's. Modelled, not measured; no GPU.
+rank's compute (a grid's: the forward's busiest rank plus the backward's; where that is near 1, the best other is
+balanced already and what is left to gain is communication) and auto's. Modelled, not measured; no GPU.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if os.environ.get("DISTATTN_LINK", "ib") != "ib":
-        ap.error("the grid's placement is solved on DISTATTN_LINK's cluster: unset it (the ib preset)")
+    if os.environ.get("DISTATTN_LINK", "ib") != "ib" or "DISTATTN_GPUS_PER_NODE" in os.environ:
+        ap.error("the grid's placement is solved on DISTATTN_LINK's cluster: unset DISTATTN_LINK and "
+                 "DISTATTN_GPUS_PER_NODE (the ib preset, nodes of 8)")
     jobs = [(d, p, s, args.seq_per_rank, args.window, args.ulysses) for d in args.docs for p in args.world
             for s in range(args.seeds)]
     with ProcessPoolExecutor(args.jobs) as pool:

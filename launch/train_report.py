@@ -53,12 +53,12 @@ def packing_stats(positions: torch.Tensor, sp: int, schedule: str = "balanced", 
     spec = MaskSpec(causal=True, cu_seqlens=tuple(starts) + (total,))
     visible = sum(map(sum, pair_work(spec, sp, total // sp)))
     ring = sp // ulysses
-    plan = make_plan(ring, True, schedule, mask=spec, chunk=total // ring)
+    plan = make_plan(ring, True, schedule, mask=spec, chunk=total // ring, stride=ulysses)  # a grid's ring: U apart
     # pairs the layout could need without documents: causal contiguous P(P+1)/2; zigzag and a placement, every pair
     dense = ring * ring if schedule == "placed" else len(
         make_plan(ring, True, schedule, mask=MaskSpec(causal=True), chunk=total // ring).pairs())
-    idle = simulate(ring, True, schedule, Shapes(seq_per_rank=total // ring, heads_q=1, heads_kv=1, head_dim=1),
-                    mask=spec).compute_idle_fraction  # the plan's predicted compute idle (work only, no shapes)
+    idle = simulate(sp, True, schedule, Shapes(seq_per_rank=total // sp, heads_q=ulysses, heads_kv=ulysses, head_dim=1),
+                    mask=spec, ulysses=ulysses).compute_idle_fraction  # the same plan's compute idle (work only)
     return {"documents": len(starts), "attention_work_vs_causal": visible / (total * (total + 1) / 2),
             "pairs_skipped": dense - len(plan.pairs()), "predicted_compute_idle": idle}
 

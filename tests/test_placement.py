@@ -107,12 +107,14 @@ def test_a_long_shard_is_placed_on_larger_blocks():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_grown_blocks_partition_the_stream_and_count_the_work_row_by_row(seed, monkeypatch):
+def test_grown_blocks_partition_the_stream_and_count_the_work_row_by_row(seed, monkeypatch, request):
     """The grown blocks (fewer allowed per rank, so small streams grow them too) still give a partition whose work
     and per-row key bounds match the row-by-row count."""
     from distattn.schedule import settings, solver
     from distattn.schedule.placement import _place_cached
 
+    _place_cached.cache_clear()  # a windowed solve asks the cached causal one: nothing solved under the usual limit
+    request.addfinalizer(_place_cached.cache_clear)  # is served here, and nothing solved here is served after
     monkeypatch.setattr(settings, "MAX_BLOCKS_PER_RANK", 4)
     monkeypatch.setattr(solver, "MAX_BLOCKS_PER_RANK", 4)
     rng = random.Random(50 + seed)
@@ -136,7 +138,8 @@ def test_a_grids_placement_is_solved_for_the_links_its_ring_takes(monkeypatch):
     """On a 2-D group (U x R) neighbouring ring ranks are U global ranks apart (a Ulysses row fills a node): the
     shards' placement (``layout_of``, ``distattn.sharding.placement``), the plan the executor runs
     (``DistAttnConfig.plan`` with the ring's stride) and the cost model's (``predict``) are one placement, solved on
-    those links. Solved as if the R ring ranks shared a node, it is 4.8x slower on IB (P = 32, U = 8, longtail)."""
+    those links. Solved as if the R ring ranks were neighbours in a node, it is 4.8x slower on IB (P = 32, U = 8,
+    longtail)."""
     import dataclasses
 
     from distattn.config import DistAttnConfig

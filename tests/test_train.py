@@ -236,3 +236,14 @@ def test_packing_stats_reads_the_runs_schedule():
     # zigzag: every rank holds an early and a late chunk, so every pair has work
     assert got["zigzag", 1]["pairs_skipped"] == got["zigzag", 2]["pairs_skipped"] == 0
     assert got["balanced", 1]["documents"] == 4
+    # placed on a grid: the plan the run executes, its placement solved on the ring's links (U apart)
+    from distattn.schedule import MaskSpec, Shapes, layout_of, make_plan, simulate
+
+    spec = MaskSpec(causal=True, cu_seqlens=(0, 100, 128, 129, 256))
+    run = layout_of("placed", 2, 2, mask=spec, n=64).ring()  # what distattn.sharding.placement shards by
+    assert make_plan(2, True, "placed", mask=spec, chunk=128, stride=2).layout == run
+    shapes = Shapes(seq_per_rank=64, heads_q=2, heads_kv=2, head_dim=1)
+    placed = train.packing_stats(pos, 4, "placed", 2)
+    assert placed["pairs_skipped"] >= 0
+    assert placed["predicted_compute_idle"] == simulate(4, True, "placed", shapes, mask=spec,
+                                                        ulysses=2).compute_idle_fraction

@@ -71,8 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--seq-len", type=int, help="with --strategy auto: the sequence length to fit")
     q.add_argument("--host-mem", type=float, default=2048.0, help="GiB of host memory per node (default 2048)")
     q.add_argument("--gpus-per-node", type=int,
-                   help="GPUs per node sharing its host memory (default: DISTATTN_LINK's links file's node size, "
-                   "else DISTATTN_GPUS_PER_NODE, else 8)")
+                   help="GPUs per node sharing its host memory (default: DISTATTN_GPUS_PER_NODE, else the node size "
+                   "of DISTATTN_LINK's links file, else 8)")
     q.add_argument("--loss-tile", type=int, default=4096, help="tokens per tile of the tiled loss (default 4096)")
     q.add_argument("--mlp-tile", type=int, default=4096, help="tokens per tile of the tiled MLP (default 4096)")
     q.add_argument("--link-gbps", type=float, default=50.0,
@@ -199,7 +199,7 @@ def _plan(args) -> str:
 
 
 def _node_size(args) -> int:
-    """``--gpus-per-node``, else the node size the links assume (a links file's, ``DISTATTN_GPUS_PER_NODE``, 8)."""
+    """``--gpus-per-node``, else the node size the links assume (``DISTATTN_GPUS_PER_NODE``, a links file's, 8)."""
     if args.gpus_per_node is None:
         from distattn.schedule.cluster import cluster_from_env
 

@@ -27,9 +27,10 @@ order (piece by piece, ``distattn.ulysses``)::
     placed, U = 2, n = 6:   ring shard r: [0, 4) [10, 14) [20, 24)
                             rank (r, 0):  [0, 4) [10, 12)      rank (r, 1): [12, 14) [20, 24)
 
-For a placement the ring level is solved as a flat one, over ``R`` ring ranks of ``U * n`` tokens
-(``place(mask, R, U * n)``): the ring's plan, executors, simulator and cost model read it unchanged, and every rank
-still holds exactly ``n`` tokens.
+For a placement the ring level is solved over ``R`` ring ranks of ``U * n`` tokens, timed on the links the ring takes
+(``place(mask, R, U * n, stride=U)``: its ranks are ``U`` global ranks apart), as ``layout_of("placed", R, U, mask=,
+n=)`` and ``distattn.sharding.placement`` solve it: the ring's plan, executors, simulator and cost model read it
+unchanged, and every rank still holds exactly ``n`` tokens.
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ class Layout:
                              f"True")
         if self.kind == "placed" and len(self.placement) != self.world_size:
             raise ValueError(f"a placed layout holds the segments of every ring rank ({len(self.placement)} given "
-                             f"for world_size={self.world_size}); solve it with distattn.schedule.placement.place("
-                             f"mask, world_size, ulysses * n)")
+                             f"for world_size={self.world_size}); make it with distattn.sharding.placement(cu_seqlens, "
+                             f"n, group) (or distattn.schedule.layout_of('placed', world_size, ulysses, mask=, n=))")
 
     @property
     def ranks(self) -> int:

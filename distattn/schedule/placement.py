@@ -21,9 +21,9 @@ and what a solve costs: the solver, ``distattn.schedule.solver``; :func:`place` 
 :func:`solve_ahead` runs it in a worker process for a later batch.
 
 Ulysses x ring (``U`` ranks per ring rank, ``distattn.ulysses``): the placement is solved for the ring level,
-``place(mask, R, U * n)`` over the ``R`` ring ranks, and rank ``(r, u)`` holds the ``u``-th ``n`` of ring shard
-``r``'s tokens in position order (``distattn.schedule.layouts.layout_of("placed", R, U, mask=, n=)``), so the
-all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
+``place(mask, R, U * n, stride=U)`` over the ``R`` ring ranks (``U`` global ranks apart), and rank ``(r, u)`` holds
+the ``u``-th ``n`` of ring shard ``r``'s tokens in position order (``distattn.schedule.layouts.layout_of("placed", R,
+U, mask=, n=)``), so the all-to-all gathers each ring shard whole and the ring's plan runs on the placement unchanged.
 """
 
 from __future__ import annotations
