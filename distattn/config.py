@@ -67,7 +67,8 @@ class DistAttnConfig:
         fields = {"causal": self.causal, "window": list(self.window), "softcap": self.softcap,
                   "schedule": self.schedule, "overlap": self.overlap, "scale": self.scale, "backend": self.backend,
                   "cu_seqlens": _documents_fingerprint(self.cu_seqlens), "partials": self.partials,
-                  "placement_window": None if self.placement_window is None else list(self.placement_window)}
+                  "placement_window": None if self.placement_window is None else list(self.placement_window),
+                  "ring_stride": self.ring_stride}
         if self.schedule == "placed":  # the placement is timed on the cluster DISTATTN_LINK names: all ranks alike
             from distattn.schedule.cluster import cluster_from_env
 
