@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if os.environ.get("DISTATTN_LINK", "ib") != "ib" or "DISTATTN_GPUS_PER_NODE" in os.environ:
+    if args.ulysses > 1 and (os.environ.get("DISTATTN_LINK", "ib") != "ib" or "DISTATTN_GPUS_PER_NODE" in os.environ):
         ap.error("the grid's placement is solved on DISTATTN_LINK's cluster: unset DISTATTN_LINK and "
                  "DISTATTN_GPUS_PER_NODE (the ib preset, nodes of 8)")
     jobs = [(d, p, s, args.seq_per_rank, args.window, args.ulysses) for d in args.docs for p in args.world
